@@ -1,0 +1,64 @@
+"""The CPU engine samples from exact ids and reports the sampling distribution's log-probs."""
+
+import numpy as np
+import pytest
+import torch
+
+from workbench.engines.base import SamplingParams
+from workbench.engines.torch_engine import TorchEngine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_path):
+    return TorchEngine(tiny_path)
+
+
+def plain_logprobs(model, prompt, sampled, temperature):
+    """Reference: one un-batched, un-cached forward over prompt + sampled ids."""
+    ids = torch.tensor(np.concatenate([prompt, sampled]), dtype=torch.long)[None]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float() / temperature
+    dist = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    return dist.gather(-1, torch.tensor(sampled, dtype=torch.long)[:, None]).squeeze(-1).numpy()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_a_plain_forward_of_the_same_model(engine, temperature):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(5, 400, size=n).astype(np.int32) for n in (3, 9, 5, 12)]  # ragged: left padding
+    out = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=temperature, seed=1))
+    for prompt, generation in zip(prompts, out):
+        assert generation.token_ids.dtype == np.int32 and len(generation.token_ids) == len(generation.logprobs)
+        reference = plain_logprobs(engine.model, prompt, generation.token_ids, temperature)
+        np.testing.assert_allclose(generation.logprobs, reference, atol=2e-4)
+
+
+def test_generation_stops_after_a_stop_token_and_keeps_it(engine):
+    prompt = np.arange(3, 10, dtype=np.int32)
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert greedy.finish_reason == "length" and len(greedy.token_ids) == 8
+    stop = int(greedy.token_ids[2])
+    first = int(np.flatnonzero(greedy.token_ids == stop)[0])
+    stopped = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=(stop,)))[0]
+    assert stopped.finish_reason == "stop"
+    np.testing.assert_array_equal(stopped.token_ids, greedy.token_ids[:first + 1])
+
+
+def test_same_seed_same_samples(engine):
+    prompts = [np.arange(3, 10, dtype=np.int32)] * 3
+    a = engine.generate(prompts, SamplingParams(max_tokens=6, seed=7))
+    b = engine.generate(prompts, SamplingParams(max_tokens=6, seed=7))
+    assert all(np.array_equal(x.token_ids, y.token_ids) for x, y in zip(a, b))
+
+
+def test_new_weights_carry_their_version(tiny_path):
+    engine = TorchEngine(tiny_path)
+    prompt = [np.arange(3, 10, dtype=np.int32)]
+    before = engine.generate(prompt, SamplingParams(max_tokens=4, temperature=0))[0]
+    assert before.version == 0
+    state = {k: v + 0.05 * torch.randn_like(v) for k, v in engine.model.state_dict().items()}
+    engine.load_weights(state, version=3)
+    after = engine.generate(prompt, SamplingParams(max_tokens=4, temperature=0))[0]
+    assert after.version == 3
+    assert not np.allclose(before.logprobs, after.logprobs)
+    torch.testing.assert_close(engine.model.state_dict()["lm_head.weight"], state["lm_head.weight"])

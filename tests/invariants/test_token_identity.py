@@ -1,0 +1,105 @@
+"""Token identity: the sampled ids are the trajectory; trainer input cannot come from text."""
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from workbench.config import compose_config
+from workbench.invariants.token_identity import TokenAccumulator
+from workbench.learner import collate
+from workbench.rollout import Job, RolloutWorker
+from workbench.segment import Segment
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+def test_non_canonical_sampled_ids_survive_untouched(tokenizer):
+    # " the" sampled one byte-token at a time: decoding and re-encoding would give the merged id
+    pieces = tokenizer.convert_tokens_to_ids(list("Ġthe"))
+    sampled = np.array(pieces[:2] + [tokenizer.convert_tokens_to_ids("he"), tokenizer.eos_token_id], dtype=np.int32)
+    assert tokenizer(tokenizer.decode(sampled), add_special_tokens=False)["input_ids"] != sampled.tolist()
+    episode = TokenAccumulator(tokenizer, [{"role": "user", "content": "What is 5 + 6?"}])
+    prompt = episode.token_ids.copy()
+    episode.add_sampled(sampled, np.array([-0.1, -0.2, -0.3, -0.4], np.float32), 4, " the", "stop")
+    episode.add_messages([{"role": "user", "content": "Sure?"}])
+    (segment,) = episode.finish()
+    arrays = segment.arrays()
+    n = len(prompt) + len(sampled)
+    np.testing.assert_array_equal(arrays["token_ids"][:n], np.r_[prompt, sampled])
+    assert arrays["loss_mask"].tolist() == [0] * len(prompt) + [1] * 4 + [0] * (len(arrays["token_ids"]) - n)
+    np.testing.assert_allclose(arrays["behavior_logprob"][len(prompt):n], [-0.1, -0.2, -0.3, -0.4])
+    assert arrays["behavior_version"][len(prompt):n].tolist() == [4] * 4
+    assert set(arrays["behavior_version"][arrays["loss_mask"] == 0]) == {-1}
+
+
+def test_extending_a_conversation_adds_only_the_rendered_delta(tokenizer):
+    messages = [{"role": "user", "content": "Hi"}]
+    episode = TokenAccumulator(tokenizer, messages)
+    reply = tokenizer("Hello", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    episode.add_sampled(np.array(reply, np.int32), np.zeros(len(reply), np.float32), 0, "Hello", "stop")
+    assert episode.add_messages([{"role": "user", "content": "Bye"}])
+    whole = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}],
+                                          add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert episode.token_ids.tolist() == list(whole)  # ChatML: delta tokenisation equals the whole render
+
+
+def test_a_truncated_turn_gets_its_stop_token_untrainable(tokenizer):
+    episode = TokenAccumulator(tokenizer, [{"role": "user", "content": "Hi"}])
+    cut = tokenizer("Hel", add_special_tokens=False)["input_ids"]
+    episode.add_sampled(np.array(cut, np.int32), np.zeros(len(cut), np.float32), 0, "Hel", "length")
+    episode.add_messages([{"role": "user", "content": "Go on"}])
+    (segment,) = episode.finish()
+    end = segment.turn_spans[0][1]
+    assert segment.token_ids[end] == tokenizer.eos_token_id and segment.loss_mask[end] == 0
+
+
+# Like reasoning models' templates: earlier assistant turns are rendered without their content.
+HIDING_TEMPLATE = (
+    "{%- for m in messages %}{%- if m['role'] == 'assistant' and not loop.last %}"
+    "{{- '<|im_start|>assistant\\n(hidden)<|im_end|>\\n' }}{%- else %}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_a_template_that_rewrites_history_seals_the_segment(tokenizer):
+    hiding = copy.deepcopy(tokenizer)
+    hiding.chat_template = HIDING_TEMPLATE
+    episode = TokenAccumulator(hiding, [{"role": "user", "content": "Hi"}])
+    reply = hiding("Hello", add_special_tokens=False)["input_ids"] + [hiding.eos_token_id]
+    episode.add_sampled(np.array(reply, np.int32), np.zeros(len(reply), np.float32), 0, "Hello", "stop")
+    assert not episode.add_messages([{"role": "user", "content": "next"}])
+    first, second = episode.finish()
+    assert (first.seal_reason, second.seal_reason) == ("template_rewrite", "end")
+    assert first.token_ids[-len(reply):] == reply  # the sealed segment keeps what was sampled
+    assert sum(second.loss_mask) == 0 and "(hidden)" in hiding.decode(second.token_ids)
+
+
+def test_trainer_input_cannot_be_built_from_text():
+    ones = np.ones(3, np.uint8)
+    with pytest.raises(TypeError, match="token ids"):
+        Segment("r", 0, 0, 0, "the text", ones, np.zeros(3, np.float32), np.zeros(3, np.int32))
+    with pytest.raises(TypeError, match="token ids"):
+        Segment("r", 0, 0, 0, [1, 2, 3], ones, np.zeros(3, np.float32), np.zeros(3, np.int32))
+    with pytest.raises(TypeError, match="never on text"):
+        collate(["What is 2 + 2? 4"])
+
+
+def test_multi_turn_env_episodes_are_token_exact_segments(tiny_path):
+    cfg = compose_config([f"agent.plugin={FIXTURES / 'two_turn.py'}", "agent.max_turns=3", "engine.max_tokens=5"])
+    OmegaConf.update(cfg, "run.id", "t")
+    worker = RolloutWorker(cfg, tiny_path)
+    segments = worker.rollout([Job({"problem": "Say 1."}, 0, 0), Job({"problem": "Say 2."}, 0, 1)])
+    assert [s.rollout_id for s in segments] == [0, 1]
+    for segment in segments:
+        assert segment.reward == 0.5 and len(segment.turn_spans) == 2  # terminated after two turns
+        sampled = np.zeros(len(segment.token_ids), bool)
+        for start, end in segment.turn_spans:
+            sampled[start:end] = True
+            assert (segment.behavior_version[start:end] == 0).all()
+        np.testing.assert_array_equal(segment.loss_mask.astype(bool), sampled)
+        assert "Be brief." in segment.display["prompt"] and (segment.behavior_logprob[~sampled] == 0).all()
+    batch = collate(segments)
+    np.testing.assert_array_equal(batch["token_ids"][0, :len(segments[0].token_ids)].numpy(), segments[0].token_ids)

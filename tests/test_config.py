@@ -1,0 +1,51 @@
+"""Config composition: defaults, recipes, overrides, sweeps, and refusals at start-up."""
+
+import pytest
+
+from workbench.config import ConfigError, compose_config, expand_sweep
+
+
+def test_defaults_compose_with_the_documented_keys():
+    cfg = compose_config([])
+    assert cfg.seed == 0 and cfg.trainer.steps == 20 and cfg.run.root == "runs" and cfg.run.id is None
+    assert cfg.model.name == "tiny" and cfg.engine.name == "torch" and cfg.agent.plugin == "arith"
+    assert cfg.gate.level == "off" and cfg.tracking.wandb.mode == "offline"
+
+
+def test_recipe_sets_its_values_and_the_command_line_wins_over_it():
+    cfg = compose_config(["+recipe=arith"])
+    assert cfg.recipe == "arith" and cfg.trainer.steps == 60 and cfg.model.warm_start_steps == 300
+    cfg = compose_config(["+recipe=arith", "trainer.steps=5", "seed=3", "run.id=abc", "engine.temperature=0.7"])
+    assert (cfg.trainer.steps, cfg.seed, cfg.run.id, cfg.engine.temperature) == (5, 3, "abc", 0.7)
+
+
+def test_group_options_select_presets():
+    assert compose_config(["tracking=none"]).tracking.wandb.mode == "disabled"
+    assert compose_config(["algo=rloo"]).algo.advantage == "rloo"
+    assert compose_config(["ray=cluster"]).ray.address == "auto"
+
+
+@pytest.mark.parametrize("override, words", [
+    ("trainer.stepz=3", "Bad config override"),
+    ("+recipe=nope", "Bad config override"),
+    ("trainer.steps=abc", "Bad config override"),
+    ("engine.temperature=0", "engine.temperature"),
+    ("algo.advantage=ppo", "algo.advantage"),
+    ("trainer.group_size=1", "trainer.group_size"),
+    ("algo.aggregation=constant", "constant_denominator"),
+    ("trainer.async_depth=2", "trainer.async_depth"),
+    ("engine.name=vllm", "engine=vllm"),
+])
+def test_bad_config_is_one_sentence_naming_the_key(override, words):
+    with pytest.raises(ConfigError) as error:
+        compose_config([override])
+    message = str(error.value)
+    assert words in message and "\n" not in message
+
+
+def test_multirun_line_expands_to_every_combination():
+    jobs = expand_sweep(["+recipe=arith", "trainer.lr=1e-3,2e-3", "seed=0,1,2"])
+    assert len(jobs) == 6
+    assert {tuple(sorted(j)) for j in jobs} == {tuple(sorted(["+recipe=arith", f"trainer.lr={lr}", f"seed={s}"]))
+                                                for lr in ("0.001", "0.002") for s in (0, 1, 2)}
+    assert [compose_config(j).seed for j in jobs[:3]] == [0, 1, 2]

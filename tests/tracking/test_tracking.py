@@ -1,0 +1,121 @@
+"""Every logged metric reaches each enabled backend at its step; tested against real wandb and mlflow."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from workbench.tracking import make_sinks
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = [{"reward/mean": 0.25, "loss/policy": -1.5}, {"reward/mean": 0.5, "loss/policy": -1.0}, {"reward/mean": 0.75, "loss/policy": -0.5}]
+CONFIG = {"lr": 3e-6, "model": {"name": "tiny-qwen", "layers": 2}, "notes": "x" * 10_000}
+
+
+def tracking(wandb_mode="disabled", mlflow_uri=None):
+    return OmegaConf.create({
+        "wandb": {"mode": wandb_mode, "project": "molt-wb", "entity": None},
+        "mlflow": {"enabled": mlflow_uri is not None, "tracking_uri": mlflow_uri, "experiment": "molt-wb"},
+    })
+
+
+def log_steps(sinks, status="finished"):
+    for step, metrics in enumerate(STEPS):
+        for sink in sinks:
+            sink.log(metrics, step=step)
+    for sink in sinks:
+        sink.close(status)
+
+
+def run_python(code):
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
+def test_import_pulls_in_neither_wandb_nor_mlflow():
+    result = run_python("import sys, workbench.tracking; assert not {'wandb', 'mlflow'} & set(sys.modules), sys.modules.keys()")
+    assert result.returncode == 0, result.stderr
+
+
+def test_unknown_wandb_mode_names_the_key():
+    with pytest.raises(ValueError, match=r"tracking\.wandb\.mode.*offline, online, disabled"):
+        make_sinks(tracking("offlin"), "/nonexistent/run", "r0", {})
+
+
+def test_disabled_wandb_and_mlflow_give_no_sinks(tmp_path):
+    assert make_sinks(tracking("disabled"), str(tmp_path / "run"), "r0", {}) == []
+    assert not (tmp_path / "run").exists()
+
+
+def test_wandb_offline_run_records_every_step(tmp_path):
+    run_dir = tmp_path / "runs" / "run-7"
+    [sink] = make_sinks(tracking("offline"), str(run_dir), "run-7", CONFIG, group="sweep-a")
+    log_steps([sink])
+
+    [run_file] = run_dir.glob("wandb/offline-run-*-run-7/run-run-7.wandb")
+    # `wandb leet inspect --json` is wandb's own reader of the binary transaction log.
+    env = os.environ | {"WANDB_MODE": "offline", "WANDB_ERROR_REPORTING": "false"}
+    inspect = subprocess.run(["wandb", "leet", "inspect", "--json", str(run_file)], env=env, capture_output=True, text=True, timeout=60)
+    records = [json.loads(line) for line in inspect.stdout.splitlines()]
+    history = [record["history"] for record in records if record["type"] == "history"]
+    assert [entry["step"].get("num", 0) for entry in history] == [0, 1, 2]
+    for entry, metrics in zip(history, STEPS):
+        assert {key: entry["item"][key] for key in metrics} == metrics
+    [run] = [record["run"] for record in records if record["type"] == "run"]
+    assert (run["run_id"], run["display_name"], run["run_group"]) == ("run-7", "run-7", "sweep-a")
+    assert run["config"]["update"]["model"] == CONFIG["model"]
+    assert [record["exit"].get("exit_code", 0) for record in records if record["type"] == "exit"] == [0]
+
+
+@pytest.fixture(scope="module")
+def runs_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="module")
+def mlflow_uri(runs_root):
+    return f"sqlite:///{runs_root / 'mlflow.db'}"  # one store per module: its migrations take seconds
+
+
+def test_mlflow_run_in_the_default_store_records_every_step_and_the_params(runs_root, mlflow_uri):
+    tracking_config = tracking()
+    tracking_config.mlflow.enabled = True  # tracking_uri None: the store beside the run folders
+    [sink] = make_sinks(tracking_config, str(runs_root / "run-8"), "run-8", CONFIG)
+    log_steps([sink])
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(mlflow_uri)
+    for key in STEPS[0]:
+        history = client.get_metric_history(sink.run_id, key)
+        assert [(point.step, point.value) for point in history] == [(step, metrics[key]) for step, metrics in enumerate(STEPS)]
+    run = client.get_run(sink.run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "run-8"
+    assert run.data.params["model.name"] == "tiny-qwen" and run.data.params["model.layers"] == "2"
+    assert run.data.params["lr"] == str(3e-6) and run.data.params["notes"] == "x" * 6000  # mlflow's value limit
+
+
+@pytest.mark.parametrize(("status", "mlflow_status"), [("failed", "FAILED"), ("interrupted", "KILLED")])
+def test_mlflow_run_status_follows_close(tmp_path, mlflow_uri, status, mlflow_status):
+    [sink] = make_sinks(tracking(mlflow_uri=mlflow_uri), str(tmp_path / "run-9"), "run-9", {})
+    sink.close(status)
+
+    from mlflow.tracking import MlflowClient
+
+    assert MlflowClient(mlflow_uri).get_run(sink.run_id).info.status == mlflow_status
+
+
+def test_enabled_mlflow_without_mlflow_installed_says_how_to_fix():
+    code = (
+        "import sys; sys.modules['mlflow'] = None\n"  # makes `import mlflow` fail as if uninstalled
+        "from types import SimpleNamespace as NS\n"
+        "from workbench.tracking import make_sinks\n"
+        "make_sinks(NS(wandb=NS(mode='disabled'), mlflow=NS(enabled=True)), '/tmp/run', 'r', {})"
+    )
+    result = run_python(code)
+    assert "RuntimeError" in result.stderr and "pip install 'molt-wb[mlflow]'" in result.stderr
+    assert "tracking.mlflow.enabled=false" in result.stderr

@@ -1,0 +1,1 @@
+"""RL algorithm maths: advantage estimators and policy-gradient losses, as pure tensor functions."""

@@ -1,0 +1,85 @@
+"""Advantage estimators: every rollout counts once in its group's baseline, however many rows it spans.
+
+A rollout split into several training rows (segments of one episode) shares one reward; the
+estimators below dedup rows by `rollout_ids` before taking any mean or std, then give each row
+its rollout's advantage.
+"""
+import torch
+from torch import Tensor
+
+ESTIMATORS = ("reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo")
+
+
+def compute_advantages(rewards: Tensor, group_ids: Tensor, estimator: str,
+                       rollout_ids: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """Per-row advantage [N] from per-row rewards [N], prompt groups [N] and rollouts [N].
+
+    reinforce: r.  reinforce_baseline: r - batch mean.  rloo: r - mean of the other rollouts
+    of the group.  grpo: (r - group mean) / (unbiased group std + eps).  dr_grpo: r - group mean.
+    A group holding a single rollout gets advantage 0 under rloo, grpo and dr_grpo.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"Unknown advantage estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}.")
+    n_rows = rewards.shape[0]
+    if rollout_ids is None:
+        rollout_ids = torch.arange(n_rows, device=rewards.device)
+    _, row_rollout = torch.unique(rollout_ids, return_inverse=True)  # [N] -> rollout index
+    n_rollouts = int(row_rollout.max()) + 1 if n_rows else 0
+    rows = torch.arange(n_rows, device=rewards.device)
+    first_row = torch.full((n_rollouts,), n_rows, device=rewards.device).scatter_reduce(
+        0, row_rollout, rows, reduce="amin")  # [R] one representative row per rollout
+    reward = rewards[first_row]  # [R]
+    group = group_ids[first_row]  # [R]
+    if (rewards != reward[row_rollout]).any() or (group_ids != group[row_rollout]).any():
+        raise ValueError("Rows sharing a rollout_id must share the same reward and group_id.")
+
+    if estimator == "reinforce":
+        return reward[row_rollout]
+    if estimator == "reinforce_baseline":
+        return (reward - reward.mean())[row_rollout]
+
+    _, rollout_group = torch.unique(group, return_inverse=True)  # [R] -> group index
+    n_groups = int(rollout_group.max()) + 1 if n_rollouts else 0
+    zeros = torch.zeros(n_groups, dtype=reward.dtype, device=reward.device)
+    count = zeros.index_add(0, rollout_group, torch.ones_like(reward))[rollout_group]  # [R]
+    total = zeros.index_add(0, rollout_group, reward)[rollout_group]  # [R]
+    centered = reward - total / count  # [R]
+    others = (count - 1).clamp(min=1)  # [R] n - 1, kept >= 1 so singletons don't divide by 0
+
+    if estimator == "dr_grpo":
+        advantage = centered
+    elif estimator == "rloo":
+        advantage = reward - (total - reward) / others
+    else:  # grpo
+        variance = zeros.index_add(0, rollout_group, centered**2)[rollout_group] / others
+        advantage = centered / (variance.sqrt() + eps)
+    return torch.where(count > 1, advantage, 0.0)[row_rollout]
+
+
+def _reference_advantages(rewards: Tensor, group_ids: Tensor, estimator: str,
+                          rollout_ids: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """Plain-loop `compute_advantages`, for tests only."""
+    rollouts = list(range(len(rewards))) if rollout_ids is None else rollout_ids.tolist()
+    reward_of, group_of = {}, {}
+    for row, rollout in enumerate(rollouts):
+        reward_of.setdefault(rollout, rewards[row].item())
+        group_of.setdefault(rollout, group_ids[row].item())
+    batch_mean = sum(reward_of.values()) / len(reward_of)
+    advantage_of = {}
+    for rollout, r in reward_of.items():
+        group = [reward_of[o] for o in reward_of if group_of[o] == group_of[rollout]]
+        n, mean = len(group), sum(group) / len(group)
+        if estimator == "reinforce":
+            advantage_of[rollout] = r
+        elif estimator == "reinforce_baseline":
+            advantage_of[rollout] = r - batch_mean
+        elif n == 1:
+            advantage_of[rollout] = 0.0
+        elif estimator == "rloo":
+            advantage_of[rollout] = r - (sum(group) - r) / (n - 1)
+        elif estimator == "grpo":
+            std = (sum((x - mean) ** 2 for x in group) / (n - 1)) ** 0.5
+            advantage_of[rollout] = (r - mean) / (std + eps)
+        else:
+            advantage_of[rollout] = r - mean
+    return torch.tensor([advantage_of[o] for o in rollouts], dtype=rewards.dtype)

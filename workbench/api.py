@@ -1,0 +1,67 @@
+"""The agent contract: the only module a plugin imports.
+
+A plugin (`plugins/NAME.py`, a dotted module, or a file path) exports `AgentRunner`, an `Env`:
+the framework owns the LLM loop, calling `reset(sample)` for the first observation and then
+`step(action)` with each decoded reply until the episode terminates or the turn budget runs out.
+Optionally it exports `make_dataset(size, seed) -> list[dict]` (synthetic samples, used when no
+`data.path` is given) and `warm_start(sample, rng) -> str` (a completion to fine-tune on before
+RL when a tiny random model would otherwise never earn a reward).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+PLUGIN_DIR = Path(__file__).resolve().parent.parent / "plugins"
+
+
+@dataclass
+class Result:
+    """What `Env.step` returns, aligned with Gymnasium's step tuple."""
+
+    reward: float = 0.0
+    observation: str | None = None  # the next user turn, when not terminated
+    terminated: bool = True
+    truncated: bool = False
+    info: dict = field(default_factory=dict)
+
+
+class Env:
+    """One episode of an environment the framework drives turn by turn."""
+
+    system_prompt: str | None = None
+
+    def reset(self, sample: dict) -> str:
+        """Start an episode on `sample`; return the first user message."""
+        raise NotImplementedError
+
+    def step(self, action: str) -> Result:
+        """Take the policy's reply; return its reward and, unless terminated, the next observation."""
+        raise NotImplementedError
+
+
+def load_plugin(spec: str) -> ModuleType:
+    """Import a plugin by name (plugins/NAME.py), dotted module path, or .py file path."""
+    path = Path(spec) if spec.endswith(".py") else PLUGIN_DIR / f"{spec}.py"
+    if path.exists():
+        name = f"molt_wb_plugin_{path.stem}"
+        if name not in sys.modules:
+            loader = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(loader)
+            sys.modules[name] = module
+            loader.loader.exec_module(module)
+        module = sys.modules[name]
+    else:
+        try:
+            module = importlib.import_module(spec)
+        except ModuleNotFoundError:
+            raise ValueError(f"Agent plugin {spec!r} was not found: give agent.plugin as a name in plugins/, "
+                             f"a dotted module path or a .py file.") from None
+    if not hasattr(module, "AgentRunner"):
+        raise ValueError(f"Agent plugin {spec!r} does not export AgentRunner: add `AgentRunner = YourEnv`.")
+    return module

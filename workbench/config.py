@@ -1,0 +1,235 @@
+"""Typed configuration: dataclass schemas registered in Hydra's ConfigStore, composed from conf/.
+
+`compose_config(overrides)` gives the resolved config for one run (Hydra's override grammar,
+`+recipe=NAME` included); `expand_sweep(overrides)` turns a multirun line into one override list
+per job; `validate(cfg)` refuses unsafe or unsupported combinations at start-up with a sentence
+that says what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = REPO_ROOT / "conf"
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    """Built-in tiny model built offline (workbench.models.tiny); used when `path` is unset."""
+    path: str | None = None
+    """Local Hugging Face checkpoint folder of the policy; overrides `name`."""
+    dtype: str = "float32"
+    """Torch dtype of rollout and learner weights."""
+    warm_start_steps: int = 0
+    """Supervised steps on the recipe's warm-start completions before RL (0 = none); cached on disk."""
+    warm_start_lr: float = 3e-3
+    """Learning rate of the warm start."""
+
+
+@dataclass
+class EngineConfig:
+    name: str = "torch"
+    """Rollout engine: torch (CPU, transformers)."""
+    max_tokens: int = 16
+    """Most new tokens per turn."""
+    temperature: float = 1.0
+    """Sampling temperature; learner log-probs use the same one."""
+
+
+@dataclass
+class AgentConfig:
+    plugin: str = "arith"
+    """plugins/NAME.py, a dotted module path, or a .py file path; it must export AgentRunner."""
+    max_turns: int = 1
+    """Turn budget of one episode; an episode still open after it is truncated."""
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None
+    """Local Parquet or JSONL file of samples; unset = the plugin's synthetic `make_dataset`."""
+    size: int = 256
+    """Number of synthetic samples to generate when `path` is unset."""
+
+
+@dataclass
+class AlgoConfig:
+    advantage: str = "grpo"
+    """Advantage estimator: reinforce | reinforce_baseline | rloo | grpo | dr_grpo."""
+    clip_low: float = 0.2
+    """PPO clip: ratios below 1 - clip_low stop contributing gradient for negative advantages."""
+    clip_high: float = 0.2
+    """PPO clip: ratios above 1 + clip_high stop contributing gradient for positive advantages."""
+    aggregation: str = "token_mean"
+    """How token losses become one number: token_mean | seq_mean | constant."""
+    constant_denominator: float | None = None
+    """Denominator of `constant` aggregation (e.g. batch size x max tokens)."""
+
+
+@dataclass
+class GateConfig:
+    level: str = "off"
+    """Version gate level: off (the version gate lands with its own issue)."""
+    max_staleness: int = 0
+    """Most versions a sampled token may lag the learner (0 = strictly on-policy)."""
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 20
+    """Optimizer steps to run (= rollout batches x minibatches)."""
+    prompts_per_step: int = 8
+    """Distinct prompts in a rollout batch."""
+    group_size: int = 8
+    """Samples per prompt (the group of group-relative advantages)."""
+    minibatches: int = 1
+    """Optimizer steps per rollout batch; each one bumps the weight version."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip."""
+    async_depth: int = 0
+    """Versions rollout may run ahead of the learner (0 = synchronous, on-policy)."""
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"
+    """offline (files under the run folder; `wandb sync` uploads later) | online | disabled."""
+    project: str = "molt-wb"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team or user)."""
+
+
+@dataclass
+class MlflowConfig:
+    enabled: bool = False
+    """Log to MLflow as well (pip install 'molt-wb[mlflow]')."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI; unset = sqlite:///<run.root>/mlflow.db."""
+    experiment: str = "molt-wb"
+    """MLflow experiment name."""
+
+
+@dataclass
+class TrackingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None
+    """None starts a local Ray; `auto` joins the running cluster; or an explicit address."""
+    num_cpus: int | None = None
+    """CPUs of a local Ray (None = all of this machine's)."""
+    object_store_mb: int = 256
+    """Object store of a local Ray, MiB."""
+    rollout_workers: int = 1
+    """Number of rollout worker actors."""
+    torch_threads: int = 0
+    """torch threads per actor (0 = the machine's cores split between rollout and learner)."""
+
+
+@dataclass
+class RunConfig:
+    root: str = "runs"
+    """Folder that holds one folder per run."""
+    id: str | None = None
+    """Run id; generated (date-time-random) when unset."""
+    flush_seconds: float = 5.0
+    """The run store flushes buffered rows at least this often (and at every step's end if over)."""
+    flush_rows: int = 50_000
+    """...or as soon as this many token rows are buffered."""
+    sweep_id: str | None = None
+    """Set by `molt-wb train -m`: the sweep this run belongs to."""
+    progress: bool = True
+    """Show a progress bar (off in tests and when stdout is not a terminal)."""
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    """Seed of data order, sampling and initialisation."""
+    recipe: str | None = None
+    """Name of the recipe that set this run up (set by conf/recipe/NAME.yaml)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message says what to change."""
+
+
+def _register() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="base_config", node=Config)
+
+
+def compose_config(overrides: list[str] = ()) -> Any:
+    """The resolved config (an OmegaConf DictConfig typed by `Config`) for one run."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    _register()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as error:
+        first = str(error).strip().splitlines()[0]
+        raise ConfigError(f"Bad config override ({first}); check the key names with `molt-wb train --help`.") from None
+    validate(cfg)
+    return cfg
+
+
+def expand_sweep(overrides: list[str]) -> list[list[str]]:
+    """One override list per job of a Hydra multirun line (`a=1,2 b=x,y` gives four jobs)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    batches = BasicSweeper.split_arguments(parsed, None)
+    return [list(job) for batch in batches for job in batch]
+
+
+ADVANTAGES = ("reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo")
+AGGREGATIONS = ("token_mean", "seq_mean", "constant")
+
+
+def validate(cfg) -> None:
+    """Refuse unsafe or unsupported combinations before anything starts."""
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    need(cfg.engine.name == "torch", f"engine={cfg.engine.name} is not available yet: use engine=torch.")
+    need(cfg.engine.temperature > 0, "RL needs sampling: set engine.temperature above 0.")
+    need(cfg.algo.advantage in ADVANTAGES, f"algo.advantage={cfg.algo.advantage} is unknown: use one of {', '.join(ADVANTAGES)}.")
+    need(cfg.algo.aggregation in AGGREGATIONS, f"algo.aggregation={cfg.algo.aggregation} is unknown: use one of {', '.join(AGGREGATIONS)}.")
+    need(cfg.algo.aggregation != "constant" or cfg.algo.constant_denominator,
+         "algo.aggregation=constant needs algo.constant_denominator (e.g. batch size x max tokens).")
+    need(cfg.trainer.group_size >= 2 or cfg.algo.advantage in ("reinforce", "reinforce_baseline"),
+         f"algo.advantage={cfg.algo.advantage} compares samples of one prompt: set trainer.group_size to 2 or more.")
+    need(cfg.trainer.steps >= 1 and cfg.trainer.prompts_per_step >= 1, "trainer.steps and trainer.prompts_per_step must be at least 1.")
+    need(cfg.trainer.minibatches >= 1 and cfg.trainer.steps % cfg.trainer.minibatches == 0,
+         "trainer.steps must be a multiple of trainer.minibatches (each rollout batch gives that many optimizer steps).")
+    need(cfg.trainer.async_depth == 0, "trainer.async_depth > 0 needs the version gate, which is not available yet: set trainer.async_depth=0.")
+    need(cfg.gate.level == "off", "gate.level is not available yet: set gate.level=off.")
+    need(cfg.tracking.wandb.mode in ("offline", "online", "disabled"), "tracking.wandb.mode must be offline, online or disabled.")

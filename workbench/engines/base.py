@@ -1,0 +1,45 @@
+"""The engine protocol: token ids in, sampled token ids and their log-probs out, versioned.
+
+An engine never sees text. It samples continuations of exact prompt ids and reports, per sampled
+token, the log-prob under the distribution it sampled from (temperature applied), together with
+the weight version that produced it. The torch engine implements it on CPU; a vLLM engine will
+implement the same protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    """Most new tokens per sequence."""
+    temperature: float = 1.0
+    """Softmax temperature; the reported log-probs are those of the tempered distribution."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation of a sequence ends after it samples one of these (it is kept, and trainable)."""
+    seed: int | None = None
+    """Seed of this call's sampler; None draws from the engine's own generator."""
+
+
+@dataclass
+class Generation:
+    token_ids: np.ndarray  # int32 [n] sampled ids, stop token included
+    logprobs: np.ndarray  # float32 [n] log-prob of each sampled id under the sampling distribution
+    version: int  # weight version that sampled every token of this call
+    finish_reason: str  # "stop" | "length"
+    extras: dict = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    version: int
+
+    def generate(self, prompts: list[np.ndarray], params: SamplingParams) -> list[Generation]:
+        """Sample one continuation per prompt (prompt: int32 [t])."""
+
+    def load_weights(self, state_dict: dict, version: int) -> None:
+        """Replace the weights in place and adopt `version` for every later token."""

@@ -1,0 +1,1 @@
+"""One module per correctness invariant, each stating it in its first sentence."""

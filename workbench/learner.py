@@ -1,0 +1,96 @@
+"""The learner: recompute log-probs of the exact sampled ids, compute advantages, take PPO-clip steps.
+
+Each optimizer step bumps the weight version by one; the loop pushes the new weights (with that
+version) to every rollout engine. The maths is in workbench.algo; this module only batches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from workbench.algo.advantages import compute_advantages
+from workbench.algo.losses import approx_kl, policy_gradient_loss, token_logprobs
+from workbench.segment import Segment
+
+
+def collate(segments: list[Segment]) -> dict[str, torch.Tensor]:
+    """Right-padded batch tensors built from token ids only (text cannot reach the trainer)."""
+    if not all(isinstance(s, Segment) for s in segments):
+        raise TypeError("The learner trains on Segment records only (token ids), never on text.")
+    longest = max(len(s.token_ids) for s in segments)
+    batch = {"token_ids": torch.zeros((len(segments), longest), dtype=torch.long),  # [batch, seq]
+             "attention_mask": torch.zeros((len(segments), longest), dtype=torch.long),
+             "loss_mask": torch.zeros((len(segments), longest), dtype=torch.bool),
+             "behavior_logprob": torch.zeros((len(segments), longest))}
+    for row, s in enumerate(segments):
+        n = len(s.token_ids)
+        batch["token_ids"][row, :n] = torch.from_numpy(s.token_ids.astype(np.int64))
+        batch["attention_mask"][row, :n] = 1
+        batch["loss_mask"][row, :n] = torch.from_numpy(s.loss_mask.astype(bool))
+        batch["behavior_logprob"][row, :n] = torch.from_numpy(s.behavior_logprob)
+    batch["rewards"] = torch.tensor([s.reward for s in segments], dtype=torch.float32)  # [batch]
+    batch["group_ids"] = torch.tensor([s.group_id for s in segments])
+    batch["rollout_ids"] = torch.tensor([s.rollout_id for s in segments])
+    return batch
+
+
+class Learner:
+    def __init__(self, cfg, model_path: str):
+        from workbench.engines.torch_engine import load_causal_lm, set_threads
+
+        set_threads(cfg.ray.torch_threads)
+        torch.manual_seed(cfg.seed)
+        self.algo, self.trainer, self.temperature = cfg.algo, cfg.trainer, cfg.engine.temperature
+        self.model = load_causal_lm(model_path, cfg.model.dtype).train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.trainer.lr,
+                                           weight_decay=cfg.trainer.weight_decay)
+        self.version = 0
+
+    def weights(self) -> dict:
+        """The current weights and their version, as the engines load them."""
+        return {"state_dict": {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()},
+                "version": self.version}
+
+    def logprobs(self, batch: dict) -> torch.Tensor:
+        logits = self.model(input_ids=batch["token_ids"], attention_mask=batch["attention_mask"]).logits
+        return token_logprobs(logits, batch["token_ids"], self.temperature)  # [batch, seq]
+
+    def train(self, *worker_segments: list[Segment]) -> tuple[dict, dict]:
+        """One rollout batch -> `trainer.minibatches` optimizer steps. Returns (metrics, per-token rows)."""
+        segments = [s for batch in worker_segments for s in batch]
+        consumed_at = self.version
+        batch = collate(segments)
+        advantages = compute_advantages(batch["rewards"], batch["group_ids"], self.algo.advantage,
+                                        rollout_ids=batch["rollout_ids"])  # [batch]
+        with torch.no_grad():
+            old_logprob = self.logprobs(batch)  # π_old: the learner's log-probs of the sampled ids
+        mask = batch["loss_mask"]
+        lengths = batch["attention_mask"].sum(-1)
+        sampled = mask.sum(-1).float()
+        metrics = {"reward/mean": float(batch["rewards"].mean()), "reward/std": float(batch["rewards"].std(correction=0)),
+                   "rollout/segments": float(len(segments)), "rollout/tokens": float(lengths.sum()),
+                   "rollout/sampled_tokens": float(sampled.sum()), "rollout/response_len": float(sampled.mean()),
+                   "mismatch/kl": float(approx_kl(batch["behavior_logprob"], old_logprob, mask, "k3")),
+                   "mismatch/max_abs_logprob_diff": float(((old_logprob - batch["behavior_logprob"]).abs() * mask).max())}
+        steps = []
+        for rows in torch.arange(len(segments)).chunk(self.trainer.minibatches):
+            minibatch = {key: value[rows] for key, value in batch.items()}
+            loss, step_metrics = policy_gradient_loss(
+                self.logprobs(minibatch), old_logprob[rows], advantages[rows], mask[rows],
+                clip_low=self.algo.clip_low, clip_high=self.algo.clip_high, aggregation=self.algo.aggregation,
+                constant_denominator=self.algo.constant_denominator)
+            self.optimizer.zero_grad()
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.trainer.max_grad_norm)
+            self.optimizer.step()
+            self.version += 1
+            steps.append(dict(step_metrics, policy=float(loss), grad_norm=float(grad_norm)))
+        for key in steps[0]:
+            metrics[f"loss/{key}"] = float(np.mean([s[key] for s in steps]))
+        metrics["loss/advantage_abs_mean"] = float(advantages.abs().mean())
+        metrics["train/version"] = float(self.version)
+        rows = {"train_logprob": [old_logprob[i, :n].numpy() for i, n in enumerate(lengths.tolist())],
+                "is_weight": [np.ones(n, dtype=np.float32) for n in lengths.tolist()],
+                "advantage": advantages.tolist(), "learner_version": consumed_at}
+        return metrics, rows

@@ -1,0 +1,102 @@
+"""Tiny policies built offline: a real HF tokenizer and a real transformers model, no download.
+
+A byte-level BPE is trained in a fraction of a second on a built-in corpus (so any text encodes),
+wrapped as a `PreTrainedTokenizerFast` with a ChatML template, and paired with a randomly
+initialised Qwen3 causal LM small enough that an RL step on 2 CPU cores takes seconds. Both are
+saved as an ordinary HF checkpoint folder, cached on disk by a hash of their spec, so every
+actor (and vLLM later) loads the same files by path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Shapes of the built-in tiny models. head_dim 32 is the smallest vLLM's CPU attention accepts.
+TINY_SPECS: dict[str, dict] = {
+    "tiny": dict(family="qwen3", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, intermediate_size=256, vocab_size=512),
+}
+
+_CORPUS = """\
+You are a helpful assistant. Answer the question. The answer is 42. What is 3 + 4? 7.
+Solve step by step, then give the final answer. Compute the sum, the difference and the product.
+user assistant system tool call result error true false none null def return print import for in
+if else while the of and to a is that it with as on was for be by this are or from at which an
+triangle circle angle line length area radius degrees parallel perpendicular find x y z answer
+0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 + - * / = ( ) [ ] { } < > , . : ; ? ! ' "
+\\boxed{} reverse copy string letters abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ
+"""
+
+
+def cache_root() -> Path:
+    """Where built models live: $MOLT_WB_CACHE, else ~/.cache/molt-wb."""
+    return Path(os.environ.get("MOLT_WB_CACHE", Path.home() / ".cache" / "molt-wb"))
+
+
+def spec_hash(spec: dict) -> str:
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE with ChatML special tokens and chat template (~0.1 s)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>", bos_token=None)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_model(spec: dict, tokenizer, seed: int = 0):
+    """A randomly initialised causal LM of the given spec (untied embeddings: vLLM reloads need it)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    fields = {k: v for k, v in spec.items() if k not in ("family", "vocab_size")}
+    config = Qwen3Config(**fields, vocab_size=len(tokenizer), tie_word_embeddings=False,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.pad_token_id, max_position_embeddings=2048)
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(config)
+
+
+def tiny_model_path(name: str = "tiny", seed: int = 0) -> Path:
+    """Build (once) and return the folder of the tiny model `name`; safe under concurrent callers."""
+    if name not in TINY_SPECS:
+        raise ValueError(f"Unknown tiny model {name!r}: use one of {sorted(TINY_SPECS)} or set model.path.")
+    spec = dict(TINY_SPECS[name], seed=seed)
+    target = cache_root() / "models" / f"{name}-{spec_hash(spec)}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(spec["vocab_size"])
+    model = build_model(spec, tokenizer, seed)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}-"))
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    try:
+        os.rename(staging, target)  # atomic: a half-built model is never visible
+    except OSError:  # another process won the race
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -1,0 +1,80 @@
+"""The rollout worker: drives a plugin's Env episodes on an engine and returns Segment records.
+
+Episodes of one call advance together, one batched `generate` per turn, so a worker's engine
+always sees a full batch. Rewards are summed over an episode's turns; every segment of an episode
+carries the episode's reward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workbench.api import load_plugin
+from workbench.engines.base import SamplingParams
+from workbench.invariants.token_identity import TokenAccumulator
+from workbench.segment import Segment
+
+
+@dataclass
+class Job:
+    """One episode to run: a data sample, its group (same prompt) and a run-unique rollout id."""
+
+    sample: dict
+    group_id: int
+    rollout_id: int
+
+
+class RolloutWorker:
+    def __init__(self, cfg, model_path: str, worker_index: int = 0):
+        from transformers import AutoTokenizer
+
+        from workbench.engines.torch_engine import TorchEngine, set_threads
+
+        set_threads(cfg.ray.torch_threads)
+        self.run_id, self.max_turns = cfg.run.id, cfg.agent.max_turns
+        self.engine = TorchEngine(model_path, cfg.model.dtype, seed=cfg.seed * 1000 + worker_index)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.plugin = load_plugin(cfg.agent.plugin)
+        self.params = SamplingParams(max_tokens=cfg.engine.max_tokens, temperature=cfg.engine.temperature,
+                                     stop_token_ids=(self.tokenizer.eos_token_id,))
+
+    def load_weights(self, weights: dict) -> int:
+        """Adopt the learner's weights (`state_dict`) and their `version`."""
+        self.engine.load_weights(weights["state_dict"], weights["version"])
+        return weights["version"]
+
+    def rollout(self, jobs: list[Job]) -> list[Segment]:
+        envs = [self.plugin.AgentRunner() for _ in jobs]
+        episodes, rewards, open_ = [], [0.0] * len(jobs), list(range(len(jobs)))
+        for env, job in zip(envs, jobs):
+            system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
+            episodes.append(TokenAccumulator(self.tokenizer, system + [{"role": "user", "content": env.reset(job.sample)}]))
+        for turn in range(self.max_turns):
+            generations = self.engine.generate([episodes[i].token_ids for i in open_], self.params)
+            still_open = []
+            for i, generation in zip(open_, generations):
+                text = self.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+                episodes[i].add_sampled(generation.token_ids, generation.logprobs, generation.version, text,
+                                        generation.finish_reason)
+                result = envs[i].step(text)
+                rewards[i] += result.reward
+                if not (result.terminated or result.truncated) and turn + 1 < self.max_turns:
+                    episodes[i].add_messages([{"role": "user", "content": result.observation or ""}])
+                    still_open.append(i)
+            open_ = still_open
+            if not open_:
+                break
+        return [segment for job, episode, reward in zip(jobs, episodes, rewards)
+                for segment in self._segments(job, episode, reward)]
+
+    def _segments(self, job: Job, episode: TokenAccumulator, reward: float) -> list[Segment]:
+        pieces = episode.finish()
+        segments = []
+        for index, piece in enumerate(pieces):
+            prompt_end = piece.turn_spans[0][0] if piece.turn_spans else len(piece.token_ids)
+            response = self.tokenizer.decode(piece.token_ids[prompt_end:])
+            segments.append(Segment(self.run_id, job.rollout_id, index, job.group_id, **piece.arrays(), reward=reward,
+                                    turn_spans=piece.turn_spans, finish_reason=episode.last_finish,
+                                    seal_reason=piece.seal_reason,
+                                    display={"prompt": piece.prompt_text, "response": response}))
+        return segments

@@ -1,0 +1,218 @@
+"""What the loop stands on: the run folder, the policy checkpoint, Ray, the actors and the data.
+
+Everything with a side effect that `loop.py` calls lives here, so the loop itself reads as the
+list of calls it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import secrets
+import subprocess
+import time
+from pathlib import Path
+
+from workbench.config import REPO_ROOT, ConfigError
+from workbench.rollout import Job
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def code_version() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return (sha + ("-dirty" if dirty else "")) or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def start_run(cfg) -> tuple[Path, dict]:
+    """Give the run an id, create its folder, save the resolved config; return (folder, runs row)."""
+    from omegaconf import OmegaConf, open_dict
+
+    with open_dict(cfg):
+        cfg.run.id = cfg.run.id or new_run_id()
+    run_dir = Path(cfg.run.root) / cfg.run.id
+    if (run_dir / "run.json").exists():
+        raise ConfigError(f"Run {cfg.run.id} already exists under {cfg.run.root}/: pick another run.id or leave it unset.")
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    row = {"run_id": cfg.run.id, "recipe": cfg.recipe, "status": "running", "created": time.time(),
+           "code_version": code_version(), "sweep_id": cfg.run.sweep_id, "steps_done": 0, "steps": cfg.trainer.steps,
+           "reward_mean": None, "config": OmegaConf.to_container(cfg, resolve=True)}
+    return run_dir, row
+
+
+def policy_path(cfg) -> str:
+    """The checkpoint every actor loads: model.path, or the tiny model (warm-started if the recipe says so)."""
+    from workbench.api import load_plugin
+    from workbench.models.tiny import tiny_model_path
+    from workbench.models.warm_start import warm_started_path
+
+    if cfg.model.path:
+        if not Path(cfg.model.path, "config.json").exists():
+            raise ConfigError(f"model.path={cfg.model.path} is not a Hugging Face checkpoint folder (no config.json): fix the path.")
+        return str(cfg.model.path)
+    path = tiny_model_path(cfg.model.name)
+    if cfg.model.warm_start_steps:
+        plugin = load_plugin(cfg.agent.plugin)
+        if not hasattr(plugin, "warm_start"):
+            raise ConfigError(f"model.warm_start_steps is set but plugin {cfg.agent.plugin} has no warm_start(sample): set it to 0.")
+        path = warm_started_path(path, plugin, Path(plugin.__file__).read_text(), cfg.model.warm_start_steps,
+                                 cfg.model.warm_start_lr, cfg.seed)
+    return str(path)
+
+
+def init_ray(cfg) -> None:
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if ray.is_initialized():
+        return
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address, log_to_driver=False)
+        return
+    cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, cfg.ray.rollout_workers + 1)
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+             object_store_memory=cfg.ray.object_store_mb * 2**20,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "MOLT_WB_CACHE": os.environ.get("MOLT_WB_CACHE", "")}})
+
+
+class StoreActor:
+    """The single writer of runs/<id>/ and the fan-out to W&B / MLflow."""
+
+    def __init__(self, cfg, run_dir: str, run_row: dict):
+        from workbench.store.writer import RunWriter
+        from workbench.tracking import make_sinks
+
+        self.run_id = cfg.run.id
+        self.writer = RunWriter(run_dir, run_row, cfg.run.flush_rows, cfg.run.flush_seconds)
+        self.sinks = make_sinks(cfg.tracking, run_dir, cfg.run.id, run_row["config"], group=cfg.run.sweep_id)
+
+    def write_step(self, step: int, metrics: dict, rows: dict, *worker_segments) -> None:
+        from workbench.store.schema import step_tables
+
+        segments = [s for batch in worker_segments for s in batch]
+        for name, table in step_tables(self.run_id, step, rows["learner_version"], segments, rows).items():
+            self.writer.append(name, table)
+        self.log(step, metrics)
+        self.writer.update_run(steps_done=int(metrics["train/version"]), reward_mean=metrics.get("reward/mean"))
+        self.writer.maybe_flush()
+
+    def log(self, step: int, metrics: dict) -> None:
+        import pyarrow as pa
+
+        now = time.time()
+        self.writer.append("metrics", pa.table({"run_id": [self.run_id] * len(metrics), "step": [step] * len(metrics),
+                                                "key": list(metrics), "value": [float(v) for v in metrics.values()],
+                                                "time": [now] * len(metrics)}))
+        for sink in self.sinks:
+            sink.log(metrics, step)
+
+    def close(self, status: str) -> None:
+        self.writer.close(status)
+        for sink in self.sinks:
+            sink.close(status)
+
+
+def start_actors(cfg, model_path: str, run_dir: Path, run_row: dict):
+    """(store, learner, rollout workers) as Ray actors; the store takes no CPU slot."""
+    import ray
+
+    from workbench.learner import Learner
+    from workbench.rollout import RolloutWorker
+
+    store = ray.remote(num_cpus=0)(StoreActor).remote(cfg, str(run_dir), run_row)
+    learner = ray.remote(num_cpus=1)(Learner).remote(cfg, model_path)
+    workers = [ray.remote(num_cpus=1)(RolloutWorker).remote(cfg, model_path, i) for i in range(cfg.ray.rollout_workers)]
+    return store, learner, workers
+
+
+class Prompts:
+    """Epochs over the data in a seeded order; each step gets `prompts_per_step` groups of jobs."""
+
+    def __init__(self, cfg):
+        from workbench.api import load_plugin
+
+        self.samples = load_samples(cfg.data.path) if cfg.data.path else load_plugin(cfg.agent.plugin).make_dataset(cfg.data.size, cfg.seed)
+        self.rng, self.order, self.cursor = random.Random(cfg.seed), [], 0
+        self.per_step, self.group_size = cfg.trainer.prompts_per_step, cfg.trainer.group_size
+        self.next_group = self.next_rollout = 0
+
+    def next_jobs(self, workers: int) -> list[list[Job]]:
+        """This step's jobs, split into one list per worker (a group never straddles two workers)."""
+        groups = []
+        for _ in range(self.per_step):
+            if self.cursor == len(self.order):
+                self.order, self.cursor = self.rng.sample(self.samples, len(self.samples)), 0
+            sample, self.cursor = self.order[self.cursor], self.cursor + 1
+            groups.append([Job(sample, self.next_group, self.next_rollout + k) for k in range(self.group_size)])
+            self.next_group, self.next_rollout = self.next_group + 1, self.next_rollout + self.group_size
+        return [[job for group in groups[w::workers] for job in group] for w in range(workers)]
+
+
+def load_samples(path: str) -> list[dict]:
+    if not Path(path).exists():
+        raise ConfigError(f"data.path={path} does not exist: give a local .parquet or .jsonl file.")
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.endswith(".jsonl"):
+        return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    raise ConfigError(f"data.path={path} is neither .parquet nor .jsonl: convert it to one of those.")
+
+
+class StepClock:
+    """Wall time of the phases of a step, as `perf/` metrics."""
+
+    def __init__(self):
+        self.start = self.mark = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase], self.mark = now - self.mark, now
+
+    def metrics(self, metrics: dict) -> dict:
+        total = time.perf_counter() - self.start
+        perf = {f"perf/{phase}_s": seconds for phase, seconds in self.phases.items()}
+        perf.update({"perf/step_s": total, "perf/tokens_per_s": metrics.get("rollout/sampled_tokens", 0) / max(total, 1e-9)})
+        return dict(metrics, **perf)
+
+
+class Progress:
+    """A rich progress bar with step, reward and tokens/s (silent when off or not a terminal)."""
+
+    def __init__(self, cfg):
+        import sys
+
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+
+        self.bar = None
+        if cfg.run.progress and sys.stdout.isatty():
+            self.bar = Bar(TextColumn(f"[bold]{cfg.run.id}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                           TextColumn("{task.fields[info]}"))
+            self.task = self.bar.add_task("train", total=cfg.trainer.steps, info="")
+            self.bar.start()
+        self.done = 0
+
+    def update(self, metrics: dict) -> None:
+        self.done = int(metrics["train/version"])
+        info = f"reward {metrics['reward/mean']:.3f}  {metrics['perf/tokens_per_s']:.0f} tok/s"
+        if self.bar:
+            self.bar.update(self.task, completed=self.done, info=info)
+        else:
+            print(f"step {self.done}: {info}", flush=True)
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.stop()

@@ -1,0 +1,49 @@
+"""The Segment record: one token-exact piece of an episode, from rollout to learner to store.
+
+`token_ids` *is* the trajectory: the learner builds its input from these ids and nothing else.
+A segment holds no text the trainer could read; `display` is for people (the TUI, logs) only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Segment:
+    run_id: str
+    rollout_id: int
+    segment_idx: int
+    group_id: int
+    token_ids: np.ndarray  # int32 [T] the exact sequence the trainer sees
+    loss_mask: np.ndarray  # uint8 [T] 1 where the policy sampled the token
+    behavior_logprob: np.ndarray  # float32 [T] log-prob under the sampling policy, 0 where mask is 0
+    behavior_version: np.ndarray  # int32 [T] weight version that sampled the token, -1 where mask is 0
+    reward: float = 0.0
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each sampled turn
+    finish_reason: str = ""  # the last turn's: stop | length
+    seal_reason: str = "end"  # why the segment closed: end (episode over) | compaction | ...
+    routed_experts: np.ndarray | None = None  # int16 [T, layers, top_k], -1 where unknown
+    display: dict = field(default_factory=dict)  # for people only: prompt text, env info
+
+    def __post_init__(self):
+        expected = {"token_ids": np.int32, "loss_mask": np.uint8, "behavior_logprob": np.float32,
+                    "behavior_version": np.int32}
+        for name, dtype in expected.items():
+            value = getattr(self, name)
+            if not isinstance(value, np.ndarray) or value.dtype != dtype or value.ndim != 1:
+                raise TypeError(f"Segment.{name} must be a 1-d numpy {np.dtype(dtype).name} array, "
+                                f"got {type(value).__name__}: trainer input is built from token ids only.")
+            if len(value) != len(self.token_ids):
+                raise ValueError(f"Segment.{name} has {len(value)} entries for {len(self.token_ids)} tokens.")
+
+    @property
+    def num_sampled(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def version_range(self) -> tuple[int, int]:
+        """(oldest, newest) weight version among sampled tokens; (-1, -1) when none was sampled."""
+        sampled = self.behavior_version[self.loss_mask.astype(bool)]
+        return (int(sampled.min()), int(sampled.max())) if len(sampled) else (-1, -1)

@@ -1,0 +1,5 @@
+"""The run store: one writer per run folder, DuckDB views for every reader."""
+
+from workbench.store.query import list_runs, open_run, resolve_run
+
+__all__ = ["open_run", "list_runs", "resolve_run"]

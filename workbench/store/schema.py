@@ -1,0 +1,70 @@
+"""The run store's tables: one Arrow schema each, and the columns a training step produces.
+
+A run folder holds `run.json` (the `runs` row: id, recipe, status, config, code version, sweep)
+and one folder of Parquet shards per table. Shards are written whole and renamed into place, so a
+reader (DuckDB in another process, the TUI) never sees half a file.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+SEGMENTS = pa.schema([
+    ("run_id", pa.string()), ("step", pa.int32()), ("rollout_id", pa.int64()), ("segment_idx", pa.int32()),
+    ("group_id", pa.int64()), ("reward", pa.float64()), ("advantage", pa.float32()),
+    ("num_tokens", pa.int32()), ("num_sampled", pa.int32()), ("min_version", pa.int32()),
+    ("max_version", pa.int32()), ("learner_version", pa.int32()), ("finish_reason", pa.string()),
+    ("seal_reason", pa.string()), ("turn_spans", pa.list_(pa.list_(pa.int32()))),
+    ("prompt_text", pa.string()), ("response_text", pa.string()),
+])
+
+TOKENS = pa.schema([
+    ("run_id", pa.string()), ("step", pa.int32()), ("rollout_id", pa.int64()), ("segment_idx", pa.int32()),
+    ("position", pa.int32()), ("token_id", pa.int32()), ("loss_mask", pa.uint8()),
+    ("behavior_logprob", pa.float32()), ("train_logprob", pa.float32()), ("behavior_version", pa.int32()),
+    ("is_weight", pa.float32()), ("advantage", pa.float32()),
+])
+
+METRICS = pa.schema([("run_id", pa.string()), ("step", pa.int32()), ("key", pa.string()),
+                     ("value", pa.float64()), ("time", pa.float64())])
+
+TABLES: dict[str, pa.Schema] = {"segments": SEGMENTS, "tokens": TOKENS, "metrics": METRICS}
+
+
+def step_tables(run_id: str, step: int, learner_version: int, segments: list, train: dict) -> dict[str, pa.Table]:
+    """Segment and token rows of one consumed batch.
+
+    `train` holds per-segment lists from the learner: `train_logprob` and `is_weight` (float32 [T]
+    each) and `advantage` (one float per segment).
+    """
+    lengths = np.array([len(s.token_ids) for s in segments], dtype=np.int64)
+    versions = [s.version_range() for s in segments]
+    segment_rows = {
+        "run_id": [run_id] * len(segments), "step": [step] * len(segments),
+        "rollout_id": [s.rollout_id for s in segments], "segment_idx": [s.segment_idx for s in segments],
+        "group_id": [s.group_id for s in segments], "reward": [s.reward for s in segments],
+        "advantage": train["advantage"], "num_tokens": lengths.tolist(),
+        "num_sampled": [s.num_sampled for s in segments], "min_version": [v[0] for v in versions],
+        "max_version": [v[1] for v in versions], "learner_version": [learner_version] * len(segments),
+        "finish_reason": [s.finish_reason for s in segments], "seal_reason": [s.seal_reason for s in segments],
+        "turn_spans": [[list(span) for span in s.turn_spans] for s in segments],
+        "prompt_text": [s.display.get("prompt", "") for s in segments],
+        "response_text": [s.display.get("response", "") for s in segments],
+    }
+    total = int(lengths.sum())
+    token_rows = {
+        "run_id": pa.repeat(pa.scalar(run_id), total) if total else pa.array([], pa.string()),
+        "step": np.full(total, step, dtype=np.int32),
+        "rollout_id": np.repeat([s.rollout_id for s in segments], lengths).astype(np.int64),
+        "segment_idx": np.repeat([s.segment_idx for s in segments], lengths).astype(np.int32),
+        "position": np.concatenate([np.arange(n, dtype=np.int32) for n in lengths]),
+        "token_id": np.concatenate([s.token_ids for s in segments]),
+        "loss_mask": np.concatenate([s.loss_mask for s in segments]),
+        "behavior_logprob": np.concatenate([s.behavior_logprob for s in segments]),
+        "train_logprob": np.concatenate(train["train_logprob"]).astype(np.float32),
+        "behavior_version": np.concatenate([s.behavior_version for s in segments]),
+        "is_weight": np.concatenate(train["is_weight"]).astype(np.float32),
+        "advantage": np.repeat(np.asarray(train["advantage"], dtype=np.float32), lengths),
+    }
+    return {"segments": pa.table(segment_rows, schema=SEGMENTS), "tokens": pa.table(token_rows, schema=TOKENS)}

@@ -1,0 +1,65 @@
+"""An mlflow run named after the workbench run id, in a sqlite store beside the run folders by default."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+
+from workbench.tracking import check_status
+
+# mlflow >= 3 fetches a telemetry config over HTTP when imported; only this variable stops it.
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+try:
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+    from mlflow.utils import validation as limits
+except ImportError as error:
+    raise RuntimeError(
+        "tracking.mlflow.enabled is true but mlflow is not installed; "
+        "run pip install 'molt-wb[mlflow]' or set tracking.mlflow.enabled=false."
+    ) from error
+
+RUN_STATUSES = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
+
+
+def flatten(config: Mapping, prefix: str = "") -> dict[str, object]:
+    """{"a": {"b": 1}} -> {"a.b": 1}"""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def chunks(items: list, size: int):
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+class MlflowSink:
+    def __init__(self, mlflow_config, run_dir: str, run_id: str, config: dict, group: str | None):
+        runs_root = os.path.dirname(os.path.abspath(run_dir))
+        uri = mlflow_config.tracking_uri or f"sqlite:///{os.path.join(runs_root, 'mlflow.db')}"
+        self.client = MlflowClient(tracking_uri=uri)
+        experiment = self.client.get_experiment_by_name(mlflow_config.experiment)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(mlflow_config.experiment)
+        tags = {"workbench.run_id": run_id} | ({"workbench.group": group} if group else {})
+        self.run_id = self.client.create_run(experiment_id, run_name=run_id, tags=tags).info.run_id
+        params = [
+            Param(key[: limits.MAX_ENTITY_KEY_LENGTH], str(value)[: limits.MAX_PARAM_VAL_LENGTH])
+            for key, value in flatten(config).items()
+        ]
+        for batch in chunks(params, limits.MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=batch)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        timestamp_ms = int(time.time() * 1000)
+        entries = [Metric(key, float(value), timestamp_ms, step) for key, value in metrics.items()]
+        for batch in chunks(entries, limits.MAX_METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=batch)
+
+    def close(self, status: str = "finished") -> None:
+        self.client.set_terminated(self.run_id, status=RUN_STATUSES[check_status(status)])

@@ -1,0 +1,45 @@
+"""A wandb run whose id and name are the workbench run id; offline by default, files under the run folder."""
+
+from __future__ import annotations
+
+import os
+
+import wandb
+
+from workbench.tracking import check_status
+
+# wandb has no "interrupted" state: any non-zero exit code shows as failed; 130 is SIGINT's.
+EXIT_CODES = {"finished": 0, "failed": 1, "interrupted": 130}
+
+
+class WandbSink:
+    def __init__(self, wandb_config, run_dir: str, run_id: str, config: dict, group: str | None):
+        offline = wandb_config.mode == "offline"
+        os.makedirs(run_dir, exist_ok=True)  # else wandb warns "git root ... does not exist"
+        if offline:
+            # wandb-core's error reporting is switched off only by this variable, not by Settings.
+            os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
+        settings = wandb.Settings(
+            silent=True,
+            console="off",
+            x_disable_stats=offline,  # the system monitor may query a cloud metadata server
+            x_disable_machine_info=offline,
+        )
+        self.run = wandb.init(
+            project=wandb_config.project,
+            entity=wandb_config.entity,
+            id=run_id,
+            name=run_id,
+            group=group,
+            config=config,
+            dir=run_dir,
+            mode=wandb_config.mode,
+            reinit="create_new",  # never finish a run someone else in this process started
+            settings=settings,
+        )
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self, status: str = "finished") -> None:
+        self.run.finish(exit_code=EXIT_CODES[check_status(status)])
