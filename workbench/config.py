@@ -233,3 +233,19 @@ def validate(cfg) -> None:
     need(cfg.trainer.async_depth == 0, "trainer.async_depth > 0 needs the version gate, which is not available yet: set trainer.async_depth=0.")
     need(cfg.gate.level == "off", "gate.level is not available yet: set gate.level=off.")
     need(cfg.tracking.wandb.mode in ("offline", "online", "disabled"), "tracking.wandb.mode must be offline, online or disabled.")
+    need(not cfg.model.path or Path(cfg.model.path, "config.json").exists(),
+         f"model.path={cfg.model.path} is not a Hugging Face checkpoint folder (no config.json): fix the path.")
+    need(not cfg.data.path or Path(cfg.data.path).exists(),
+         f"data.path={cfg.data.path} does not exist: give a local .parquet or .jsonl file.")
+    need(not cfg.data.path or cfg.data.path.endswith((".parquet", ".jsonl")),
+         f"data.path={cfg.data.path} is neither .parquet nor .jsonl: convert it to one of those.")
+    from workbench.api import load_plugin
+
+    try:
+        plugin = load_plugin(cfg.agent.plugin)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    need(cfg.data.path or hasattr(plugin, "make_dataset"),
+         f"Plugin {cfg.agent.plugin} has no make_dataset(size, seed): set data.path to a local data file.")
+    need(not cfg.model.warm_start_steps or hasattr(plugin, "warm_start"),
+         f"model.warm_start_steps is set but plugin {cfg.agent.plugin} has no warm_start(sample, rng): set it to 0.")

@@ -43,5 +43,5 @@ def train(cfg) -> str:
         raise
     finally:
         progress.close()
-        ray.get(store.close.remote(status))
+        runtime.stop_actors(status, store, learner, workers)
     return cfg.run.id

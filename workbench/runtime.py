@@ -7,6 +7,7 @@ list of calls it is.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import secrets
@@ -57,14 +58,10 @@ def policy_path(cfg) -> str:
     from workbench.models.warm_start import warm_started_path
 
     if cfg.model.path:
-        if not Path(cfg.model.path, "config.json").exists():
-            raise ConfigError(f"model.path={cfg.model.path} is not a Hugging Face checkpoint folder (no config.json): fix the path.")
         return str(cfg.model.path)
     path = tiny_model_path(cfg.model.name)
     if cfg.model.warm_start_steps:
         plugin = load_plugin(cfg.agent.plugin)
-        if not hasattr(plugin, "warm_start"):
-            raise ConfigError(f"model.warm_start_steps is set but plugin {cfg.agent.plugin} has no warm_start(sample): set it to 0.")
         path = warm_started_path(path, plugin, Path(plugin.__file__).read_text(), cfg.model.warm_start_steps,
                                  cfg.model.warm_start_lr, cfg.seed)
     return str(path)
@@ -78,10 +75,10 @@ def init_ray(cfg) -> None:
     if ray.is_initialized():
         return
     if cfg.ray.address:
-        ray.init(address=cfg.ray.address, log_to_driver=False)
+        ray.init(address=cfg.ray.address, log_to_driver=False, logging_level=logging.WARNING)
         return
     cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, cfg.ray.rollout_workers + 1)
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
              object_store_memory=cfg.ray.object_store_mb * 2**20,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "MOLT_WB_CACHE": os.environ.get("MOLT_WB_CACHE", "")}})
 
@@ -133,7 +130,19 @@ def start_actors(cfg, model_path: str, run_dir: Path, run_row: dict):
     store = ray.remote(num_cpus=0)(StoreActor).remote(cfg, str(run_dir), run_row)
     learner = ray.remote(num_cpus=1)(Learner).remote(cfg, model_path)
     workers = [ray.remote(num_cpus=1)(RolloutWorker).remote(cfg, model_path, i) for i in range(cfg.ray.rollout_workers)]
+    ray.get([actor.__ray_ready__.remote() for actor in (store, learner, *workers)])  # start-up is not step time
     return store, learner, workers
+
+
+def stop_actors(status: str, store, learner, workers) -> None:
+    """Close the store (flush, final status), then free every actor's slot for the next run."""
+    import ray
+
+    try:
+        ray.get(store.close.remote(status), timeout=120)
+    finally:
+        for actor in (store, learner, *workers):
+            ray.kill(actor)
 
 
 class Prompts:
@@ -160,15 +169,12 @@ class Prompts:
 
 
 def load_samples(path: str) -> list[dict]:
-    if not Path(path).exists():
-        raise ConfigError(f"data.path={path} does not exist: give a local .parquet or .jsonl file.")
+    """Rows of a local .parquet or .jsonl file (validate() has checked it exists)."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
-    if path.endswith(".jsonl"):
-        return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    raise ConfigError(f"data.path={path} is neither .parquet nor .jsonl: convert it to one of those.")
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 class StepClock:

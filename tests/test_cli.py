@@ -1,0 +1,95 @@
+"""The CLI end to end, in subprocesses: train, read the store live and after, runs, doctor, bad input."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from workbench.store import list_runs, open_run
+
+FAST = ["+recipe=arith", "trainer.steps=4", "model.warm_start_steps=0", "tracking=none", "run.progress=false",
+        "trainer.prompts_per_step=4", "trainer.group_size=4"]
+
+
+def molt_wb(*args, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "workbench.cli", *args], capture_output=True, text=True,
+                          timeout=600, **kwargs)
+
+
+def test_train_writes_a_run_that_duckdb_reads_live_and_after(tmp_path):
+    root = tmp_path / "runs"
+    command = [sys.executable, "-m", "workbench.cli", "train", *FAST, "trainer.steps=12", f"run.root={root}",
+               "run.id=live", "run.flush_seconds=0", "tracking.wandb.mode=offline"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    live_counts = []
+    try:
+        deadline = time.time() + 300
+        while process.poll() is None and time.time() < deadline:
+            if (root / "live" / "run.json").exists():
+                row = json.loads((root / "live" / "run.json").read_text())
+                count = open_run("live", str(root)).execute("select count(*) from tokens").fetchone()[0]
+                if row["status"] == "running" and count:
+                    live_counts.append(count)
+            time.sleep(0.2)
+        out, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 0, err[-2000:]
+    assert live_counts, "no token rows were readable while the run was going"
+    db = open_run("live", str(root))
+    total = db.execute("select count(*) from tokens").fetchone()[0]
+    assert live_counts[0] < total
+    # the real token count: every segment's length, and every step's rollout batch
+    assert total == db.execute("select sum(num_tokens) from segments").fetchone()[0]
+    assert db.execute("select count(*), count(distinct step) from segments").fetchone() == (12 * 16, 12)
+    assert db.execute("select count(*) from tokens where loss_mask = 1 and behavior_version <> step").fetchone()[0] == 0
+    assert db.execute("select max(abs(train_logprob - behavior_logprob)) from tokens where loss_mask = 1").fetchone()[0] < 1e-3
+    keys = {k for (k,) in db.execute("select distinct key from metrics").fetchall()}
+    assert {"reward/mean", "loss/policy", "rollout/tokens", "perf/tokens_per_s", "mismatch/kl"} <= keys
+    row = db.execute("select status, steps_done, recipe from runs").fetchone()
+    assert row == ("finished", 12, "arith")
+    config = (root / "live" / "config.yaml").read_text()
+    assert "steps: 12" in config and "plugin: arith" in config
+    assert list((root / "live" / "wandb").glob("offline-run-*live"))
+    listing = molt_wb("runs", "--root", str(root))
+    assert "live" in listing.stdout and "finished" in listing.stdout and "12/12" in listing.stdout
+
+
+def test_multirun_runs_every_job_under_one_sweep_id(tmp_path):
+    result = molt_wb("train", *FAST, "trainer.steps=2", f"run.root={tmp_path}", "-m", "seed=0,1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs = list_runs(str(tmp_path))
+    assert len(runs) == 2 and len({r["sweep_id"] for r in runs}) == 1 and runs[0]["sweep_id"]
+    assert sorted(r["config"]["seed"] for r in runs) == [0, 1] and {r["status"] for r in runs} == {"finished"}
+
+
+@pytest.mark.parametrize("args, words", [
+    (["trainer.stepz=3"], "Bad config override"),
+    (["agent.plugin=nowhere"], "agent.plugin"),
+    (["data.path=/no/such.parquet"], "data.path=/no/such.parquet does not exist"),
+    (["model=hf", "model.path=/no/ckpt"], "model.path=/no/ckpt"),
+])
+def test_bad_input_is_one_clear_sentence_not_a_traceback(tmp_path, args, words):
+    result = molt_wb("train", *FAST, f"run.root={tmp_path}", *args)
+    assert result.returncode == 2
+    assert words in result.stderr and "Traceback" not in result.stderr
+
+
+def test_doctor_reports_versions_gpu_and_run_folder():
+    result = molt_wb("doctor")
+    assert result.returncode == 0
+    for word in ("torch", "ray", "vllm", "gpu", "runs"):
+        assert word in result.stdout
+
+
+def test_importing_the_core_loads_no_heavy_framework():
+    code = ("import sys, workbench, workbench.config, workbench.api, workbench.loop, workbench.learner, "
+            "workbench.store, workbench.invariants.token_identity, workbench.tracking;"
+            "heavy = [m for m in ('ray', 'vllm', 'textual', 'wandb', 'mlflow') if m in sys.modules];"
+            "assert not heavy, heavy")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
