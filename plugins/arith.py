@@ -1,7 +1,7 @@
 """Single-digit addition: "What is 3 + 5?" -> "8". Reward 1 when the first number replied is right.
 
 The warm start fine-tunes the tiny random model on a noisy teacher, right 40% of the time and
-otherwise off by one or two, so the policy starts near 30% (sampled) and RL has to find which of
+otherwise off by one or two, so the policy starts near 40% (sampled) and RL has to find which of
 its answers earn the reward.
 """
 

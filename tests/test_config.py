@@ -14,7 +14,7 @@ def test_defaults_compose_with_the_documented_keys():
 
 def test_recipe_sets_its_values_and_the_command_line_wins_over_it():
     cfg = compose_config(["+recipe=arith"])
-    assert cfg.recipe == "arith" and cfg.trainer.steps == 60 and cfg.model.warm_start_steps == 300
+    assert cfg.recipe == "arith" and cfg.trainer.steps == 80 and cfg.model.warm_start_steps == 600
     cfg = compose_config(["+recipe=arith", "trainer.steps=5", "seed=3", "run.id=abc", "engine.temperature=0.7"])
     assert (cfg.trainer.steps, cfg.seed, cfg.run.id, cfg.engine.temperature) == (5, 3, "abc", 0.7)
 
