@@ -25,7 +25,9 @@ def batch(segments: int, length: int, step: int):
                     rng.normal(-1, 0.5, length).astype(np.float32) * mask, (mask.astype(np.int32) * (step + 1)) - 1,
                     reward=float(i % 2)) for i in range(segments)]
     learner = {"train_logprob": [s.behavior_logprob for s in rows], "advantage": [0.5] * segments,
-               "is_weight": [np.ones(length, np.float32)] * segments}
+               "is_weight": [np.ones(length, np.float32)] * segments,
+               "gate": {"staleness": [0] * segments, "seq_log_ratio": [0.0] * segments, "geo_ratio": [1.0] * segments,
+                        "kept": [True] * segments, "reason": ["ok"] * segments, "tokens_masked": [0] * segments}}
     return rows, learner
 
 
@@ -44,6 +46,7 @@ def main() -> None:
         for table in tables:
             writer.append("segments", table["segments"])
             writer.append("tokens", table["tokens"])
+            writer.append("gate_decisions", table["gate_decisions"])
             writer.flush()
         total = time.perf_counter() - start
         start = time.perf_counter()

@@ -22,6 +22,8 @@ def test_recipe_sets_its_values_and_the_command_line_wins_over_it():
 def test_group_options_select_presets():
     assert compose_config(["tracking=none"]).tracking.wandb.mode == "disabled"
     assert compose_config(["algo=rloo"]).algo.advantage == "rloo"
+    assert compose_config(["algo=gspo"]).algo.policy_loss == "gspo"
+    assert compose_config(["gate=geo", "trainer.async_depth=1"]).gate.level == "geo"
     assert compose_config(["ray=cluster"]).ray.address == "auto"
 
 
@@ -33,12 +35,17 @@ def test_group_options_select_presets():
     ("algo.advantage=ppo", "algo.advantage"),
     ("trainer.group_size=1", "trainer.group_size"),
     ("algo.aggregation=constant", "constant_denominator"),
-    ("trainer.async_depth=2", "trainer.async_depth"),
+    ("trainer.async_depth=2", "gate.level=token, seq or geo"),
+    ("rollout.partial=true", "gate.level=token, seq or geo"),
+    ("gate.level=token", "engine.top_p=1"),
+    ("gate.level=geo gate.mode=clip", "gate.mode=mask"),
+    ("gate.band=[2.0,0.5]", "gate.band"),
+    ("gate.level=tokens", "gate.level=tokens is unknown"),
     ("engine.name=vllm", "engine=vllm"),
 ])
 def test_bad_config_is_one_sentence_naming_the_key(override, words):
     with pytest.raises(ConfigError) as error:
-        compose_config([override])
+        compose_config({"gate.level=token": [override, "engine.top_p=0.9"]}.get(override, override.split()))
     message = str(error.value)
     assert words in message and "\n" not in message
 

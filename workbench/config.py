@@ -38,6 +38,14 @@ class EngineConfig:
     """Most new tokens per turn."""
     temperature: float = 1.0
     """Sampling temperature; learner log-probs use the same one."""
+    top_p: float = 1.0
+    """Nucleus sampling; below 1 the learner cannot reproduce behavior log-probs (refused with a gate)."""
+
+
+@dataclass
+class RolloutConfig:
+    partial: bool = False
+    """Swap pushed weights into a running generation between token steps (one sequence, several versions)."""
 
 
 @dataclass
@@ -68,14 +76,24 @@ class AlgoConfig:
     """How token losses become one number: token_mean | seq_mean | constant."""
     constant_denominator: float | None = None
     """Denominator of `constant` aggregation (e.g. batch size x max tokens)."""
+    policy_loss: str = "ppo"
+    """ppo (token ratio, PPO-clip) | gspo (sequence ratio: geometric mean of token ratios, clipped per sequence)."""
 
 
 @dataclass
 class GateConfig:
     level: str = "off"
-    """Version gate level: off (the version gate lands with its own issue)."""
-    max_staleness: int = 0
-    """Most versions a sampled token may lag the learner (0 = strictly on-policy)."""
+    """off | token (each token's e^δ, δ = log π_old − log π_behavior) | seq (e^Σδ) | geo (e^mean δ)."""
+    mode: str = "mask"
+    """token level: mask (zero outside the band) | clip (clamp into it) | trunc (clamp the top); seq/geo: mask."""
+    band: list[float] = field(default_factory=lambda: [0.5, 2.0])
+    """[low, high] of the accepted importance ratio."""
+    max_staleness: int | None = None
+    """Drop sequences whose oldest sampled token is more than this many versions behind (null = no limit)."""
+    token_cap: float | None = None
+    """seq/geo: cap on the per-token weights e^δ of kept sequences (null = uncapped)."""
+    denominator: str = "all"
+    """Token-mean denominator: all (rejected tokens stay: a mostly-rejected batch moves the policy less) | kept."""
 
 
 @dataclass
@@ -162,6 +180,7 @@ class Config:
     """Name of the recipe that set this run up (set by conf/recipe/NAME.yaml)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     data: DataConfig = field(default_factory=DataConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -230,8 +249,23 @@ def validate(cfg) -> None:
     need(cfg.trainer.steps >= 1 and cfg.trainer.prompts_per_step >= 1, "trainer.steps and trainer.prompts_per_step must be at least 1.")
     need(cfg.trainer.minibatches >= 1 and cfg.trainer.steps % cfg.trainer.minibatches == 0,
          "trainer.steps must be a multiple of trainer.minibatches (each rollout batch gives that many optimizer steps).")
-    need(cfg.trainer.async_depth == 0, "trainer.async_depth > 0 needs the version gate, which is not available yet: set trainer.async_depth=0.")
-    need(cfg.gate.level == "off", "gate.level is not available yet: set gate.level=off.")
+    from workbench.invariants.version_gate import DENOMINATORS, LEVELS, MODES
+
+    gate = cfg.gate
+    need(gate.level in LEVELS, f"gate.level={gate.level} is unknown: use one of {', '.join(LEVELS)}.")
+    need(gate.mode in MODES, f"gate.mode={gate.mode} is unknown: use one of {', '.join(MODES)}.")
+    need(gate.denominator in DENOMINATORS, f"gate.denominator={gate.denominator} is unknown: use all or kept.")
+    need(gate.mode == "mask" or gate.level in ("off", "token"),
+         f"gate.level={gate.level} is a rejection filter: set gate.mode=mask (clip and trunc are for gate.level=token).")
+    need(len(gate.band) == 2 and 0 <= gate.band[0] <= gate.band[1],
+         f"gate.band={list(gate.band)} must be [low, high] with 0 <= low <= high.")
+    need(cfg.trainer.async_depth >= 0, "trainer.async_depth must be 0 (synchronous) or more.")
+    need(gate.level != "off" or (cfg.trainer.async_depth == 0 and not cfg.rollout.partial),
+         "Asynchronous or partial rollout trains on tokens of older policies: set gate.level=token, seq or geo.")
+    need(gate.level == "off" or cfg.engine.top_p >= 1,
+         "engine.top_p < 1 gives behavior log-probs the learner cannot recompute, so the gate would misjudge "
+         "every token: set engine.top_p=1.")
+    need(cfg.algo.policy_loss in ("ppo", "gspo"), f"algo.policy_loss={cfg.algo.policy_loss} is unknown: use ppo or gspo.")
     need(cfg.tracking.wandb.mode in ("offline", "online", "disabled"), "tracking.wandb.mode must be offline, online or disabled.")
     need(not cfg.model.path or Path(cfg.model.path, "config.json").exists(),
          f"model.path={cfg.model.path} is not a Hugging Face checkpoint folder (no config.json): fix the path.")

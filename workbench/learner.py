@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from workbench.algo.advantages import compute_advantages
-from workbench.algo.losses import approx_kl, policy_gradient_loss, token_logprobs
+from workbench.algo.losses import approx_kl, policy_gradient_loss, sequence_ratio_logprob, token_logprobs
+from workbench.invariants.version_gate import gate_metrics, version_gate
 from workbench.segment import Segment
 
 
@@ -22,13 +23,15 @@ def collate(segments: list[Segment]) -> dict[str, torch.Tensor]:
     batch = {"token_ids": torch.zeros((len(segments), longest), dtype=torch.long),  # [batch, seq]
              "attention_mask": torch.zeros((len(segments), longest), dtype=torch.long),
              "loss_mask": torch.zeros((len(segments), longest), dtype=torch.bool),
-             "behavior_logprob": torch.zeros((len(segments), longest))}
+             "behavior_logprob": torch.zeros((len(segments), longest)),
+             "behavior_version": torch.full((len(segments), longest), -1, dtype=torch.int32)}
     for row, s in enumerate(segments):
         n = len(s.token_ids)
         batch["token_ids"][row, :n] = torch.from_numpy(s.token_ids.astype(np.int64))
         batch["attention_mask"][row, :n] = 1
         batch["loss_mask"][row, :n] = torch.from_numpy(s.loss_mask.astype(bool))
         batch["behavior_logprob"][row, :n] = torch.from_numpy(s.behavior_logprob)
+        batch["behavior_version"][row, :n] = torch.from_numpy(s.behavior_version)
     batch["rewards"] = torch.tensor([s.reward for s in segments], dtype=torch.float32)  # [batch]
     batch["group_ids"] = torch.tensor([s.group_id for s in segments])
     batch["rollout_ids"] = torch.tensor([s.rollout_id for s in segments])
@@ -39,9 +42,9 @@ class Learner:
     def __init__(self, cfg, model_path: str):
         from workbench.engines.torch_engine import load_causal_lm, set_threads
 
-        set_threads(cfg.ray.torch_threads)
+        set_threads(cfg)
         torch.manual_seed(cfg.seed)
-        self.algo, self.trainer, self.temperature = cfg.algo, cfg.trainer, cfg.engine.temperature
+        self.algo, self.trainer, self.gate, self.temperature = cfg.algo, cfg.trainer, cfg.gate, cfg.engine.temperature
         self.model = load_causal_lm(model_path, cfg.model.dtype).train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.trainer.lr,
                                            weight_decay=cfg.trainer.weight_decay)
@@ -66,31 +69,42 @@ class Learner:
         with torch.no_grad():
             old_logprob = self.logprobs(batch)  # π_old: the learner's log-probs of the sampled ids
         mask = batch["loss_mask"]
+        gate = version_gate(batch["behavior_logprob"], old_logprob, mask, batch["behavior_version"], consumed_at,
+                            level=self.gate.level, mode=self.gate.mode, band=tuple(self.gate.band),
+                            max_staleness=self.gate.max_staleness, token_cap=self.gate.token_cap,
+                            denominator=self.gate.denominator)
         lengths = batch["attention_mask"].sum(-1)
         sampled = mask.sum(-1).float()
         metrics = {"reward/mean": float(batch["rewards"].mean()), "reward/std": float(batch["rewards"].std(correction=0)),
                    "rollout/segments": float(len(segments)), "rollout/tokens": float(lengths.sum()),
                    "rollout/sampled_tokens": float(sampled.sum()), "rollout/response_len": float(sampled.mean()),
                    "mismatch/kl": float(approx_kl(batch["behavior_logprob"], old_logprob, mask, "k3")),
-                   "mismatch/max_abs_logprob_diff": float(((old_logprob - batch["behavior_logprob"]).abs() * mask).max())}
+                   "mismatch/max_abs_logprob_diff": float(((old_logprob - batch["behavior_logprob"]).abs() * mask).max()),
+                   **gate_metrics(gate, mask)}
         steps = []
         for rows in torch.arange(len(segments)).chunk(self.trainer.minibatches):
             minibatch = {key: value[rows] for key, value in batch.items()}
+            logprob = self.logprobs(minibatch)
+            if self.algo.policy_loss == "gspo":
+                logprob = sequence_ratio_logprob(logprob, old_logprob[rows], mask[rows])
             loss, step_metrics = policy_gradient_loss(
-                self.logprobs(minibatch), old_logprob[rows], advantages[rows], mask[rows],
+                logprob, old_logprob[rows], advantages[rows], gate.loss_mask[rows],
                 clip_low=self.algo.clip_low, clip_high=self.algo.clip_high, aggregation=self.algo.aggregation,
-                constant_denominator=self.algo.constant_denominator)
+                constant_denominator=self.algo.constant_denominator, is_weight=gate.token_weight[rows])
             self.optimizer.zero_grad()
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.trainer.max_grad_norm)
             self.optimizer.step()
             self.version += 1
-            steps.append(dict(step_metrics, policy=float(loss), grad_norm=float(grad_norm)))
+            steps.append(dict(step_metrics, policy=float(loss.detach()), grad_norm=float(grad_norm)))
         for key in steps[0]:
             metrics[f"loss/{key}"] = float(np.mean([s[key] for s in steps]))
         metrics["loss/advantage_abs_mean"] = float(advantages.abs().mean())
         metrics["train/version"] = float(self.version)
         rows = {"train_logprob": [old_logprob[i, :n].numpy() for i, n in enumerate(lengths.tolist())],
-                "is_weight": [np.ones(n, dtype=np.float32) for n in lengths.tolist()],
-                "advantage": advantages.tolist(), "learner_version": consumed_at}
+                "is_weight": [gate.token_weight[i, :n].numpy() for i, n in enumerate(lengths.tolist())],
+                "advantage": advantages.tolist(), "learner_version": consumed_at,
+                "gate": {"staleness": gate.staleness.tolist(), "seq_log_ratio": gate.seq_log_ratio.tolist(),
+                         "geo_ratio": gate.geo_ratio.tolist(), "kept": gate.kept.tolist(), "reason": gate.reason,
+                         "tokens_masked": gate.tokens_masked.tolist()}}
         return metrics, rows

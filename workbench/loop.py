@@ -1,10 +1,15 @@
-"""The RL loop: generate, score, train, sync, log — one rollout batch per iteration.
+"""The RL loop: generate, score, gate, train, sync, log — one rollout batch per iteration.
 
 Data flows one way (rollout -> learner -> store); only weights and their version flow back.
-All mechanics live in runtime.py, rollout.py, learner.py and store/; this file is the list of calls.
+With `trainer.async_depth=d`, up to d+1 rollout batches are in flight (a bounded window of Ray
+futures), so rollout runs up to d versions ahead of the learner and the version gate corrects
+for it; d=0 is strictly on-policy. All mechanics live in runtime.py, rollout.py, learner.py and
+store/; this file is the list of calls.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from workbench import runtime
 
@@ -18,22 +23,28 @@ def train(cfg) -> str:
     runtime.init_ray(cfg)
     store, learner, workers = runtime.start_actors(cfg, model_path, run_dir, run_row)
     prompts, progress, status = runtime.Prompts(cfg), runtime.Progress(cfg), "failed"
+    batches = cfg.trainer.steps // cfg.trainer.minibatches
+    in_flight = deque(runtime.submit_rollout(workers, prompts) for _ in range(min(cfg.trainer.async_depth + 1, batches)))
     try:
-        for step in range(cfg.trainer.steps // cfg.trainer.minibatches):
+        for step in range(batches):
             clock = runtime.StepClock()
-            # ---- generate and score: every worker runs its share of this step's episodes
-            segments = [w.rollout.remote(jobs) for w, jobs in zip(workers, prompts.next_jobs(len(workers)))]
+            # ---- generate and score: the oldest batch in flight, sampled by up to async_depth older versions
+            segments = in_flight.popleft()
             ray.wait(segments, num_returns=len(segments))
             clock.lap("rollout")
-            # ---- train: recompute log-probs, advantages, PPO-clip steps (version += minibatches)
+            # ---- gate and train: recompute log-probs, version gate, advantages, PPO steps (version += minibatches)
             metrics, rows = learner.train.options(num_returns=2).remote(*segments)
             metrics = ray.get(metrics)
             clock.lap("train")
-            # ---- sync: push the new weights and their version to every engine
+            # ---- sync: push the new weights and version; rollouts in flight adopt them as they can
             weights = learner.weights.remote()
-            ray.get([w.load_weights.remote(weights) for w in workers])
+            pushes = [w.load_weights.remote(weights) for w in workers]
+            if cfg.trainer.async_depth == 0:
+                ray.get(pushes)  # on-policy: the next batch starts from the new weights
+            if step + len(in_flight) + 1 < batches:
+                in_flight.append(runtime.submit_rollout(workers, prompts))
             clock.lap("sync")
-            # ---- log: the single writer stores segments, tokens and metrics
+            # ---- log: the single writer stores segments, tokens, gate decisions and metrics
             metrics = clock.metrics(metrics)
             store.write_step.remote(step, metrics, rows, *segments)
             progress.update(metrics)

@@ -1,12 +1,15 @@
 """The rollout worker: drives a plugin's Env episodes on an engine and returns Segment records.
 
 Episodes of one call advance together, one batched `generate` per turn, so a worker's engine
-always sees a full batch. Rewards are summed over an episode's turns; every segment of an episode
+always sees a full batch. Weight pushes may arrive (on another thread) while a call runs: with
+`rollout.partial` they take effect between token steps, otherwise after the call. Rewards are summed over an episode's turns; every segment of an episode
 carries the episode's reward.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 
 from workbench.api import load_plugin
@@ -30,13 +33,15 @@ class RolloutWorker:
 
         from workbench.engines.torch_engine import TorchEngine, set_threads
 
-        set_threads(cfg.ray.torch_threads)
+        set_threads(cfg)
         self.run_id, self.max_turns = cfg.run.id, cfg.agent.max_turns
-        self.engine = TorchEngine(model_path, cfg.model.dtype, seed=cfg.seed * 1000 + worker_index)
+        self.engine = TorchEngine(model_path, cfg.model.dtype, seed=cfg.seed * 1000 + worker_index,
+                                  partial=cfg.rollout.partial)
+        self.lock = threading.Lock()  # one rollout at a time; weight pushes arrive on another thread
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.plugin = load_plugin(cfg.agent.plugin)
         self.params = SamplingParams(max_tokens=cfg.engine.max_tokens, temperature=cfg.engine.temperature,
-                                     stop_token_ids=(self.tokenizer.eos_token_id,))
+                                     top_p=cfg.engine.top_p, stop_token_ids=(self.tokenizer.eos_token_id,))
 
     def load_weights(self, weights: dict) -> int:
         """Adopt the learner's weights (`state_dict`) and their `version`."""
@@ -44,6 +49,11 @@ class RolloutWorker:
         return weights["version"]
 
     def rollout(self, jobs: list[Job]) -> list[Segment]:
+        """Run the episodes of `jobs` to the end. Without partial rollout, one weight version serves them all."""
+        with self.lock, (contextlib.nullcontext() if self.engine.partial else self.engine.hold()):
+            return self._rollout(jobs)
+
+    def _rollout(self, jobs: list[Job]) -> list[Segment]:
         envs = [self.plugin.AgentRunner() for _ in jobs]
         episodes, rewards, open_ = [], [0.0] * len(jobs), list(range(len(jobs)))
         for env, job in zip(envs, jobs):
@@ -54,7 +64,7 @@ class RolloutWorker:
             still_open = []
             for i, generation in zip(open_, generations):
                 text = self.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
-                episodes[i].add_sampled(generation.token_ids, generation.logprobs, generation.version, text,
+                episodes[i].add_sampled(generation.token_ids, generation.logprobs, generation.versions, text,
                                         generation.finish_reason)
                 result = envs[i].step(text)
                 rewards[i] += result.reward

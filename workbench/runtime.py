@@ -79,6 +79,7 @@ def init_ray(cfg) -> None:
         return
     cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, cfg.ray.rollout_workers + 1)
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
+             _node_ip_address="127.0.0.1",
              object_store_memory=cfg.ray.object_store_mb * 2**20,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "MOLT_WB_CACHE": os.environ.get("MOLT_WB_CACHE", "")}})
 
@@ -129,7 +130,8 @@ def start_actors(cfg, model_path: str, run_dir: Path, run_row: dict):
 
     store = ray.remote(num_cpus=0)(StoreActor).remote(cfg, str(run_dir), run_row)
     learner = ray.remote(num_cpus=1)(Learner).remote(cfg, model_path)
-    workers = [ray.remote(num_cpus=1)(RolloutWorker).remote(cfg, model_path, i) for i in range(cfg.ray.rollout_workers)]
+    worker_cls = ray.remote(num_cpus=1, max_concurrency=cfg.trainer.async_depth + 2)(RolloutWorker)  # + weight pushes
+    workers = [worker_cls.remote(cfg, model_path, i) for i in range(cfg.ray.rollout_workers)]
     ray.get([actor.__ray_ready__.remote() for actor in (store, learner, *workers)])  # start-up is not step time
     return store, learner, workers
 
@@ -175,6 +177,11 @@ def load_samples(path: str) -> list[dict]:
 
         return pq.read_table(path).to_pylist()
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def submit_rollout(workers, prompts: Prompts) -> list:
+    """Start the next step's episodes, shared among the workers; returns one future per worker."""
+    return [w.rollout.remote(jobs) for w, jobs in zip(workers, prompts.next_jobs(len(workers)))]
 
 
 class StepClock:

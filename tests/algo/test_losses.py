@@ -157,3 +157,27 @@ def test_kl_estimators_match_hand_values(estimator, expected):
 def test_unknown_kl_estimator_names_the_valid_ones():
     with pytest.raises(ValueError, match="k1, k2, k3"):
         approx_kl(KL_LOGP, KL_LOGQ, KL_MASK, "k4")
+
+
+def test_gspo_ratio_is_the_geometric_mean_and_its_gradient_is_shared_evenly():
+    from workbench.algo.losses import sequence_ratio_logprob
+
+    old = torch.tensor([[0.0, -1.0, -1.0]])
+    logprob = torch.tensor([[0.0, -1.0 + math.log(2.0), -1.0]], requires_grad=True)
+    mask = torch.tensor([[False, True, True]])
+    # sequence ratio s = exp((ln 2 + 0) / 2) = sqrt(2) ≈ 1.4142 for every sampled token
+    stand_in = sequence_ratio_logprob(logprob, old, mask)
+    torch.testing.assert_close((stand_in - old)[mask].exp(), torch.full((2,), math.sqrt(2.0)))
+    # wide band: loss = -s * A = -sqrt(2) (seq_mean); d loss / d logprob_t = -s * A / 2 per sampled token
+    loss, _ = policy_gradient_loss(stand_in, old, torch.tensor([1.0]), mask, clip_low=10, clip_high=10,
+                                   aggregation="seq_mean")
+    loss.backward()
+    assert abs(loss.item() + math.sqrt(2.0)) < 1e-6
+    torch.testing.assert_close(logprob.grad, torch.tensor([[0.0, -math.sqrt(2.0) / 2, -math.sqrt(2.0) / 2]]))
+    # narrow band: s is clipped at 1 + 4e-4 for the whole sequence, and no gradient flows
+    logprob.grad = None
+    loss, metrics = policy_gradient_loss(sequence_ratio_logprob(logprob, old, mask), old, torch.tensor([1.0]), mask,
+                                         clip_low=3e-4, clip_high=4e-4, aggregation="seq_mean")
+    loss.backward()
+    assert abs(loss.item() + 1.0004) < 1e-6 and metrics["clip_frac"] == 1.0
+    assert torch.count_nonzero(logprob.grad) == 0

@@ -28,7 +28,10 @@ def make_segments(count: int, length: int = 10, step: int = 0) -> list[Segment]:
 def learner_rows(segments):
     return {"train_logprob": [s.behavior_logprob - 0.1 for s in segments],
             "is_weight": [np.ones(len(s.token_ids), np.float32) for s in segments],
-            "advantage": [float(i) for i in range(len(segments))]}
+            "advantage": [float(i) for i in range(len(segments))],
+            "gate": {"staleness": [0] * len(segments), "seq_log_ratio": [-0.4] * len(segments),
+                     "geo_ratio": [0.9] * len(segments), "kept": [True] * len(segments), "reason": ["ok"] * len(segments),
+                     "tokens_masked": [0] * len(segments)}}
 
 
 def write_step(writer, step, count=4, length=10):

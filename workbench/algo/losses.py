@@ -102,3 +102,15 @@ def policy_gradient_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tenso
             "approx_kl": approx_kl(old_logprob, logprob, mask, "k3").item(),
         }
     return loss, metrics
+
+
+def sequence_ratio_logprob(logprob: Tensor, old_logprob: Tensor, loss_mask: Tensor) -> Tensor:
+    """GSPO as a stand-in for `logprob`: feeding the result to `policy_gradient_loss` (seq_mean) is GSPO.
+
+    Every token's ratio becomes the sequence ratio s = exp(mean over sampled tokens of
+    logprob − old_logprob), while its gradient stays that of the token: s·∇log π. Clipping then
+    acts on s, per sequence (GSPO uses a narrow band, e.g. clip_low 3e-4, clip_high 4e-4).
+    """
+    mask = loss_mask.bool()  # [B, T]
+    log_seq_ratio = torch.where(mask, logprob - old_logprob, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
+    return old_logprob + log_seq_ratio.detach()[:, None] + (logprob - logprob.detach())  # [B, T]

@@ -22,6 +22,8 @@ class SamplingParams:
     """Softmax temperature; the reported log-probs are those of the tempered distribution."""
     stop_token_ids: tuple[int, ...] = ()
     """Generation of a sequence ends after it samples one of these (it is kept, and trainable)."""
+    top_p: float = 1.0
+    """Nucleus sampling; below 1 the log-probs are those of the truncated, renormalised distribution."""
     seed: int | None = None
     """Seed of this call's sampler; None draws from the engine's own generator."""
 
@@ -30,7 +32,7 @@ class SamplingParams:
 class Generation:
     token_ids: np.ndarray  # int32 [n] sampled ids, stop token included
     logprobs: np.ndarray  # float32 [n] log-prob of each sampled id under the sampling distribution
-    version: int  # weight version that sampled every token of this call
+    versions: np.ndarray  # int32 [n] weight version that sampled each token (partial rollouts span several)
     finish_reason: str  # "stop" | "length"
     extras: dict = field(default_factory=dict)
 
@@ -42,4 +44,6 @@ class Engine(Protocol):
         """Sample one continuation per prompt (prompt: int32 [t])."""
 
     def load_weights(self, state_dict: dict, version: int) -> None:
-        """Replace the weights in place and adopt `version` for every later token."""
+        """Replace the weights and adopt `version` for every later token: at once when idle; while a
+        `generate` is running, at its next token step if the engine swaps mid-generation (partial
+        rollout), else before the next call."""

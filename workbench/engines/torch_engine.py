@@ -2,13 +2,19 @@
 
 Prompts are left-padded into one batch (position ids follow the attention mask, so padding changes
 nothing a sequence sees); each step samples from softmax(logits / temperature) and records the
-sampled id's log-prob under exactly that distribution. Temperature 0 is greedy decoding, with
-log-probs of the untempered distribution.
+sampled id's log-prob under exactly that distribution (top-p truncated and renormalised when
+top_p < 1). Temperature 0 is greedy decoding, with log-probs of the untempered distribution.
+
+Weights pushed while a batch is generating wait in a slot; with `partial=True` they are swapped
+in between two token steps (pause, swap, resume: the KV cache of earlier tokens is kept), so one
+sequence can hold tokens of several versions, each recorded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 import numpy as np
 import torch
@@ -16,9 +22,12 @@ import torch
 from workbench.engines.base import Generation, SamplingParams
 
 
-def set_threads(count: int) -> None:
-    """torch threads of this process (0 = one per core); Ray actors otherwise get one."""
-    torch.set_num_threads(count or os.cpu_count() or 1)
+def set_threads(cfg) -> None:
+    """torch threads of this actor (Ray would give it one): `ray.torch_threads`, else every core when
+    rollout and learner take turns (synchronous), else the cores split between them."""
+    cores = os.cpu_count() or 1
+    share = cores if cfg.trainer.async_depth == 0 else max(1, cores // (cfg.ray.rollout_workers + 1))
+    torch.set_num_threads(cfg.ray.torch_threads or share)
 
 
 def load_causal_lm(path: str, dtype: str = "float32"):
@@ -30,19 +39,68 @@ def load_causal_lm(path: str, dtype: str = "float32"):
     return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
 
 
+def nucleus(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Log-probs renormalised over the smallest set of tokens whose mass reaches top_p."""
+    if top_p >= 1:
+        return logprobs
+    sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)
+    outside = sorted_logprobs.exp().cumsum(-1) - sorted_logprobs.exp() >= top_p  # mass before this token
+    sorted_logprobs = sorted_logprobs.masked_fill(outside, float("-inf"))
+    truncated = torch.full_like(logprobs, float("-inf")).scatter(-1, order, sorted_logprobs)
+    return torch.log_softmax(truncated, dim=-1)
+
+
 class TorchEngine:
-    def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0):
+    def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, partial: bool = False):
         self.model = load_causal_lm(model_path, dtype).eval()
         self.pad_token_id = self.model.config.pad_token_id or 0
         self.generator = torch.Generator().manual_seed(seed)
-        self.version = 0
+        self.version, self.partial = 0, partial
+        self._lock, self._pending, self._busy = threading.Lock(), None, 0  # busy: generations and holds
 
     def load_weights(self, state_dict: dict, version: int) -> None:
-        self.model.load_state_dict(state_dict)
-        self.version = version
+        with self._lock:
+            self._pending = (state_dict, version)
+            if not self._busy:
+                self._swap()
+
+    @contextlib.contextmanager
+    def hold(self):
+        """Keep one set of weights for a whole episode: pushes wait until the block ends."""
+        self._enter()
+        try:
+            yield
+        finally:
+            self._leave()
+
+    def _enter(self) -> None:
+        with self._lock:
+            if not self._busy:
+                self._swap()
+            self._busy += 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._busy -= 1
+            if not self._busy:
+                self._swap()
+
+    def _swap(self) -> None:
+        """Adopt pending weights, if any (the caller holds the lock)."""
+        if self._pending is not None:
+            state_dict, self.version = self._pending
+            self.model.load_state_dict(state_dict)
+            self._pending = None
+
+    def generate(self, prompts: list[np.ndarray], params: SamplingParams) -> list[Generation]:
+        self._enter()
+        try:
+            return self._generate(prompts, params)
+        finally:
+            self._leave()
 
     @torch.no_grad()
-    def generate(self, prompts: list[np.ndarray], params: SamplingParams) -> list[Generation]:
+    def _generate(self, prompts: list[np.ndarray], params: SamplingParams) -> list[Generation]:
         batch, longest = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((batch, longest), self.pad_token_id, dtype=torch.long)  # [batch, seq]
         attention = torch.zeros((batch, longest), dtype=torch.long)
@@ -55,12 +113,14 @@ class TorchEngine:
 
         out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
                          logits_to_keep=1)
-        sampled, logprobs = [], []
+        forward_version = self.version
+        sampled, logprobs, versions = [], [], []
         done = torch.zeros(batch, dtype=torch.bool)
         for _ in range(params.max_tokens):
+            versions.append(forward_version)  # the weights whose forward produced these logits
             logits = out.logits[:, -1].float()  # [batch, vocab]
             if params.temperature > 0:
-                dist = torch.log_softmax(logits / params.temperature, dim=-1)
+                dist = nucleus(torch.log_softmax(logits / params.temperature, dim=-1), params.top_p)
                 token = torch.multinomial(dist.exp(), 1, generator=generator).squeeze(-1)
             else:
                 dist = torch.log_softmax(logits, dim=-1)
@@ -71,6 +131,10 @@ class TorchEngine:
             done |= torch.isin(token, stop)
             if bool(done.all()):
                 break
+            if self.partial and self._pending is not None:
+                with self._lock:  # pause, swap, resume: the next token samples from the new weights
+                    self._swap()
+            forward_version = self.version
             attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long)], dim=-1)
             positions = positions[:, -1:] + 1
             out = self.model(input_ids=token[:, None], attention_mask=attention, position_ids=positions,
@@ -83,5 +147,5 @@ class TorchEngine:
             hits = np.flatnonzero(np.isin(tokens[row], stop.numpy()))
             end = int(hits[0]) + 1 if len(hits) else tokens.shape[1]
             results.append(Generation(tokens[row, :end].astype(np.int32), token_logprobs[row, :end].astype(np.float32),
-                                      self.version, "stop" if len(hits) else "length"))
+                                      np.asarray(versions[:end], dtype=np.int32), "stop" if len(hits) else "length"))
         return results

@@ -27,11 +27,11 @@ class SegmentTokens:
     seal_reason: str = ""
     prompt_text: str = ""
 
-    def extend(self, ids, sampled: bool, logprobs=None, version: int = -1) -> None:
+    def extend(self, ids, sampled: bool, logprobs=None, versions=None) -> None:
         self.token_ids.extend(int(i) for i in ids)
         self.loss_mask.extend([int(sampled)] * len(ids))
         self.behavior_logprob.extend([float(x) for x in logprobs] if sampled else [0.0] * len(ids))
-        self.behavior_version.extend([version if sampled else -1] * len(ids))
+        self.behavior_version.extend([int(v) for v in versions] if sampled else [-1] * len(ids))
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {"token_ids": np.asarray(self.token_ids, dtype=np.int32),
@@ -58,10 +58,12 @@ class TokenAccumulator:
         """The exact ids generation continues from (int32 [t])."""
         return np.asarray(self.open.token_ids, dtype=np.int32)
 
-    def add_sampled(self, token_ids: np.ndarray, logprobs: np.ndarray, version: int, text: str, finish_reason: str) -> None:
-        """Append what the engine sampled, untouched; `text` is its decoding, for the conversation only."""
+    def add_sampled(self, token_ids: np.ndarray, logprobs: np.ndarray, versions, text: str, finish_reason: str) -> None:
+        """Append what the engine sampled, untouched, with each token's log-prob and weight version
+        (`versions`: one int for the whole turn or int [n]); `text` is its decoding, for the conversation only."""
         start = len(self.open.token_ids)
-        self.open.extend(token_ids, sampled=True, logprobs=logprobs, version=version)
+        versions = np.broadcast_to(np.asarray(versions, dtype=np.int32), (len(token_ids),))
+        self.open.extend(token_ids, sampled=True, logprobs=logprobs, versions=versions)
         self.open.turn_spans.append((start, len(self.open.token_ids)))
         self.messages.append({"role": "assistant", "content": text})
         self.last_finish = finish_reason

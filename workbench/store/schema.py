@@ -29,14 +29,22 @@ TOKENS = pa.schema([
 METRICS = pa.schema([("run_id", pa.string()), ("step", pa.int32()), ("key", pa.string()),
                      ("value", pa.float64()), ("time", pa.float64())])
 
-TABLES: dict[str, pa.Schema] = {"segments": SEGMENTS, "tokens": TOKENS, "metrics": METRICS}
+GATE_DECISIONS = pa.schema([
+    ("run_id", pa.string()), ("step", pa.int32()), ("rollout_id", pa.int64()), ("segment_idx", pa.int32()),
+    ("learner_version", pa.int32()), ("min_version", pa.int32()), ("max_version", pa.int32()),
+    ("staleness", pa.int32()), ("seq_log_ratio", pa.float64()), ("geo_ratio", pa.float64()),
+    ("decision", pa.string()), ("reason", pa.string()), ("tokens_masked", pa.int32()),
+])
+
+TABLES: dict[str, pa.Schema] = {"segments": SEGMENTS, "tokens": TOKENS, "metrics": METRICS,
+                                "gate_decisions": GATE_DECISIONS}
 
 
 def step_tables(run_id: str, step: int, learner_version: int, segments: list, train: dict) -> dict[str, pa.Table]:
     """Segment and token rows of one consumed batch.
 
     `train` holds per-segment lists from the learner: `train_logprob` and `is_weight` (float32 [T]
-    each) and `advantage` (one float per segment).
+    each), `advantage` (one float per segment) and `gate` (the version gate's per-sequence columns).
     """
     lengths = np.array([len(s.token_ids) for s in segments], dtype=np.int64)
     versions = [s.version_range() for s in segments]
@@ -67,4 +75,11 @@ def step_tables(run_id: str, step: int, learner_version: int, segments: list, tr
         "is_weight": np.concatenate(train["is_weight"]).astype(np.float32),
         "advantage": np.repeat(np.asarray(train["advantage"], dtype=np.float32), lengths),
     }
-    return {"segments": pa.table(segment_rows, schema=SEGMENTS), "tokens": pa.table(token_rows, schema=TOKENS)}
+    gate = train["gate"]
+    gate_rows = {key: segment_rows[key] for key in ("run_id", "step", "rollout_id", "segment_idx", "learner_version",
+                                                   "min_version", "max_version")}
+    gate_rows.update(staleness=gate["staleness"], seq_log_ratio=gate["seq_log_ratio"], geo_ratio=gate["geo_ratio"],
+                     decision=["kept" if kept else "dropped" for kept in gate["kept"]], reason=gate["reason"],
+                     tokens_masked=gate["tokens_masked"])
+    return {"segments": pa.table(segment_rows, schema=SEGMENTS), "tokens": pa.table(token_rows, schema=TOKENS),
+            "gate_decisions": pa.table(gate_rows, schema=GATE_DECISIONS)}

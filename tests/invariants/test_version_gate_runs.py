@@ -1,0 +1,111 @@
+"""Policy-version semantics in real runs: δ ≈ 0 on-policy, mixed versions and stale drops when
+asynchronous, and a deliberate corruption of behavior log-probs caught and recorded by the gate."""
+
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from workbench.config import compose_config
+from workbench.engines.base import SamplingParams
+from workbench.engines.torch_engine import TorchEngine
+from workbench.learner import Learner
+from workbench.rollout import RolloutWorker
+from workbench.store import open_run
+from workbench.store.schema import step_tables
+from workbench.store.writer import RunWriter
+
+FAST = ["+recipe=arith", "model.warm_start_steps=0", "tracking=none", "run.progress=false",
+        "trainer.prompts_per_step=4", "trainer.group_size=4", "run.id=gate"]
+
+
+def train(tmp_path, *overrides):
+    result = subprocess.run([sys.executable, "-m", "workbench.cli", "train", *FAST, f"run.root={tmp_path}", *overrides],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return open_run("gate", str(tmp_path))
+
+
+def test_on_policy_every_sequence_is_kept_with_unit_weights(tmp_path):
+    db = train(tmp_path, "trainer.steps=4", "gate.level=geo", "gate.band=[0.999,1.001]")
+    assert db.execute("select count(*), count(*) filter (where decision = 'kept' and reason = 'ok') "
+                      "from gate_decisions").fetchone() == (4 * 16, 4 * 16)
+    # measured: |δ| ≤ 2e-6 in float32 between the cached engine and the learner's full forward
+    worst = db.execute("select max(abs(train_logprob - behavior_logprob)), max(abs(is_weight - 1)) "
+                       "from tokens where loss_mask = 1").fetchone()
+    assert worst[0] < 1e-4 and worst[1] < 1e-4
+    assert db.execute("select max(staleness) from gate_decisions").fetchone()[0] == 0
+
+
+def test_async_partial_rollout_spans_versions_and_stale_sequences_are_dropped(tmp_path):
+    db = train(tmp_path, "trainer.steps=8", "trainer.async_depth=2", "rollout.partial=true", "engine.max_tokens=24",
+               "gate.level=token", "gate.max_staleness=1")
+    mixed = db.execute("select count(*) from segments where min_version < max_version").fetchone()[0]
+    assert mixed > 0, "no sequence held tokens of two weight versions"
+    stale = db.execute("select count(*), min(staleness) from gate_decisions where reason = 'stale'").fetchone()
+    assert stale[0] > 0 and stale[1] > 1
+    assert db.execute("select count(*) from gate_decisions where reason <> 'stale' and staleness > 1").fetchone()[0] == 0
+    # a dropped sequence contributes nothing: every one of its tokens has weight 0
+    assert db.execute("select max(t.is_weight) from tokens t join gate_decisions g using (step, rollout_id, segment_idx) "
+                      "where g.reason = 'stale'").fetchone()[0] == 0
+    # each token's version is the one that sampled it: never newer than the learner that consumed it
+    assert db.execute("select count(*) from tokens t join segments s using (step, rollout_id, segment_idx) "
+                      "where t.loss_mask = 1 and t.behavior_version > s.learner_version").fetchone()[0] == 0
+    stale_frac = db.execute("select max(value) from metrics where key = 'gate/stale_frac'").fetchone()[0]
+    assert stale_frac > 0
+
+
+def test_corrupted_behavior_logprobs_are_caught_and_recorded(tmp_path, tiny_path):
+    cfg = compose_config(["tracking=none", "gate.level=geo", "engine.max_tokens=6", "trainer.prompts_per_step=2",
+                          "trainer.group_size=4"])
+    OmegaConf.update(cfg, "run.id", "corrupt")
+    worker, learner = RolloutWorker(cfg, tiny_path), Learner(cfg, tiny_path)
+    from workbench.runtime import Prompts
+
+    segments = worker.rollout(Prompts(cfg).next_jobs(1)[0])
+    for index, segment in enumerate(segments[:4]):  # shift sampled log-probs by ±1 nat per token
+        shift = 1.0 if index % 2 == 0 else -1.0
+        segment.behavior_logprob[segment.loss_mask == 1] += shift
+    metrics, rows = learner.train(segments)
+    writer = RunWriter(tmp_path / "corrupt", {"run_id": "corrupt", "created": 0.0, "status": "running"})
+    for name, table in step_tables("corrupt", 0, rows["learner_version"], segments, rows).items():
+        writer.append(name, table)
+    writer.close()
+    decisions = open_run("corrupt", str(tmp_path)).execute(
+        "select rollout_id, decision, reason, geo_ratio from gate_decisions order by rollout_id").fetchall()
+    # behavior +1 nat -> δ = -1 per token -> geo ratio e^-1 = 0.37 < 0.5; behavior -1 -> e^1 = 2.72 > 2
+    for rollout_id, decision, reason, geo_ratio in decisions[:4]:
+        expected = "ratio_low" if rollout_id % 2 == 0 else "ratio_high"
+        assert (decision, reason) == ("dropped", expected)
+        assert abs(geo_ratio - (np.exp(-1) if expected == "ratio_low" else np.exp(1))) < 1e-3
+    assert all(d[1:3] == ("kept", "ok") for d in decisions[4:])
+    assert metrics["gate/kept_frac"] == 0.5 and metrics["mismatch/max_abs_logprob_diff"] > 0.99
+
+
+def test_weights_pushed_mid_generation_are_adopted_between_token_steps(tiny_path):
+    engine = TorchEngine(tiny_path, partial=True)
+    new_weights = {k: v + 0.01 for k, v in engine.model.state_dict().items()}
+    pusher = threading.Thread(target=lambda: (time.sleep(0.15), engine.load_weights(new_weights, 1)))
+    pusher.start()
+    (generation,) = engine.generate([np.arange(3, 9, dtype=np.int32)], SamplingParams(max_tokens=400, temperature=1.0))
+    pusher.join()
+    versions = generation.versions.tolist()
+    assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)  # one switch, in order
+    torch.testing.assert_close(engine.model.state_dict()["lm_head.weight"], new_weights["lm_head.weight"])
+
+
+def test_without_partial_rollout_an_episode_keeps_one_version(tiny_path):
+    engine = TorchEngine(tiny_path, partial=False)
+    new_weights = {k: v + 0.01 for k, v in engine.model.state_dict().items()}
+    pusher = threading.Thread(target=lambda: (time.sleep(0.15), engine.load_weights(new_weights, 1)))
+    pusher.start()
+    with engine.hold():
+        first = engine.generate([np.arange(3, 9, dtype=np.int32)], SamplingParams(max_tokens=400))[0]
+        time.sleep(0.2)
+        second = engine.generate([np.arange(3, 9, dtype=np.int32)], SamplingParams(max_tokens=4))[0]
+    pusher.join()
+    assert set(first.versions) == set(second.versions) == {0} and engine.version == 1

@@ -1,0 +1,94 @@
+"""Invariant: every trainable token keeps the log-prob and version that sampled it; asynchronous use is gated per sequence, then corrected per token.
+
+`version_gate` is a pure function of the batch's behavior log-probs and versions, the learner's
+recomputed log-probs of the same ids (π_old) and the learner version. Per sampled token
+δ = log π_old − log π_behavior. A sequence whose oldest sampled token is more than
+`max_staleness` versions behind the learner is dropped (`stale`). Then, by `level`:
+
+- `off`: every token weight 1;
+- `token`: weight e^δ per token; `mask` zeroes tokens outside the band, `clip` clamps into it,
+  `trunc` clamps the upper side only;
+- `seq` (e^Σδ) or `geo` (e^mean δ): a rejection filter — outside the band the sequence is dropped
+  (`ratio_low` / `ratio_high`); kept sequences carry per-token weights e^δ, capped at `token_cap`.
+
+`denominator` says whether rejected tokens stay in the token-mean denominator: `all` (default)
+keeps the loss scale of a batch independent of how much the gate rejected, so a batch that is
+mostly rejected moves the policy less instead of amplifying its few survivors; `kept` averages
+over the surviving tokens only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+LEVELS = ("off", "token", "seq", "geo")
+MODES = ("mask", "clip", "trunc")
+DENOMINATORS = ("all", "kept")
+MAX_LOG_RATIO = 20.0  # log-ratios are clamped here before exponentiation: e^20 is finite in float32
+
+
+@dataclass
+class GateResult:
+    token_weight: Tensor  # [B, T] weight of each token in the loss (0 outside the mask or where rejected)
+    loss_mask: Tensor  # [B, T] bool: tokens counted in the loss denominator
+    kept: Tensor  # [B] bool: sequence kept
+    reason: list[str]  # [B] ok | stale | ratio_low | ratio_high
+    staleness: Tensor  # [B] learner version − oldest sampled token's version (0 when none sampled)
+    seq_log_ratio: Tensor  # [B] Σδ over sampled tokens
+    geo_ratio: Tensor  # [B] e^(mean δ)
+    tokens_masked: Tensor  # [B] sampled tokens given weight 0 by the gate
+
+
+def version_gate(behavior_logprob: Tensor, train_logprob: Tensor, loss_mask: Tensor, behavior_version: Tensor,
+                 learner_version: int, level: str = "off", mode: str = "mask", band: tuple[float, float] = (0.5, 2.0),
+                 max_staleness: int | None = None, token_cap: float | None = None,
+                 denominator: str = "all") -> GateResult:
+    """Per-sequence decisions and per-token weights for one batch (all inputs [B, T])."""
+    if level not in LEVELS or mode not in MODES or denominator not in DENOMINATORS:
+        raise ValueError(f"gate level/mode/denominator must be in {LEVELS}/{MODES}/{DENOMINATORS}.")
+    low, high = band
+    mask = loss_mask.bool()
+    sampled = mask.sum(-1)  # [B]
+    delta = torch.where(mask, train_logprob - behavior_logprob, 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # [B, T]
+    seq_log_ratio = delta.sum(-1)  # [B]
+    geo_log_ratio = seq_log_ratio / sampled.clamp(min=1)
+    oldest = torch.where(mask, behavior_version, torch.iinfo(behavior_version.dtype).max).amin(-1)
+    staleness = torch.where(sampled > 0, learner_version - oldest, 0)  # [B]
+
+    ratio = delta.exp()  # [B, T]
+    keep_token = mask.clone()
+    reason = torch.zeros_like(sampled)  # 0 ok, 1 stale, 2 ratio_low, 3 ratio_high
+    if level == "off":
+        weight = mask.float()
+    elif level == "token":
+        if mode == "mask":
+            keep_token &= (ratio >= low) & (ratio <= high)
+            weight = ratio * keep_token
+        else:
+            weight = ratio.clamp(min=low if mode == "clip" else None, max=high) * mask
+    else:
+        sequence_ratio = (seq_log_ratio if level == "seq" else geo_log_ratio).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+        reason = torch.where(sequence_ratio < low, 2, torch.where(sequence_ratio > high, 3, 0))
+        weight = (ratio.clamp(max=token_cap) if token_cap is not None else ratio) * mask
+    if max_staleness is not None:
+        reason = torch.where(staleness > max_staleness, 1, reason)
+    kept = reason == 0
+    keep_token &= kept[:, None]
+    weight = weight * keep_token
+    names = ("ok", "stale", "ratio_low", "ratio_high")
+    return GateResult(token_weight=weight, loss_mask=mask if denominator == "all" else keep_token, kept=kept,
+                      reason=[names[r] for r in reason.tolist()], staleness=staleness, seq_log_ratio=seq_log_ratio,
+                      geo_ratio=geo_log_ratio.exp(), tokens_masked=(mask & ~keep_token).sum(-1))
+
+
+def gate_metrics(gate: GateResult, loss_mask: Tensor) -> dict[str, float]:
+    """Per-step aggregates: kept and stale fractions, the fraction of sampled tokens filtered, staleness."""
+    sampled = loss_mask.bool().sum().clamp(min=1)
+    return {"gate/kept_frac": float(gate.kept.float().mean()),
+            "gate/stale_frac": sum(r == "stale" for r in gate.reason) / max(len(gate.reason), 1),
+            "gate/is_filter_ratio": float(gate.tokens_masked.sum() / sampled),
+            "gate/weight_mean": float(gate.token_weight.sum() / sampled),
+            "async/mean_staleness": float(gate.staleness.float().mean())}
