@@ -169,7 +169,7 @@ class RunConfig:
     sweep_id: str | None = None
     """Set by `molt-wb train -m`: the sweep this run belongs to."""
     progress: bool = True
-    """Show a progress bar (off in tests and when stdout is not a terminal)."""
+    """Show progress: a rich bar on a terminal, one line per step otherwise; false = silent."""
 
 
 @dataclass

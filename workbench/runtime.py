@@ -203,15 +203,15 @@ class StepClock:
 
 
 class Progress:
-    """A rich progress bar with step, reward and tokens/s (silent when off or not a terminal)."""
+    """A rich progress bar with step, reward and tokens/s; one line per step when not a terminal; nothing when off."""
 
     def __init__(self, cfg):
         import sys
 
         from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
 
-        self.bar = None
-        if cfg.run.progress and sys.stdout.isatty():
+        self.bar, self.enabled = None, cfg.run.progress
+        if self.enabled and sys.stdout.isatty():
             self.bar = Bar(TextColumn(f"[bold]{cfg.run.id}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                            TextColumn("{task.fields[info]}"))
             self.task = self.bar.add_task("train", total=cfg.trainer.steps, info="")
@@ -223,7 +223,7 @@ class Progress:
         info = f"reward {metrics['reward/mean']:.3f}  {metrics['perf/tokens_per_s']:.0f} tok/s"
         if self.bar:
             self.bar.update(self.task, completed=self.done, info=info)
-        else:
+        elif self.enabled:
             print(f"step {self.done}: {info}", flush=True)
 
     def close(self) -> None:
