@@ -1,8 +1,14 @@
 """The agent contract: the only module a plugin imports.
 
-A plugin (`plugins/NAME.py`, a dotted module, or a file path) exports `AgentRunner`, an `Env`:
-the framework owns the LLM loop, calling `reset(sample)` for the first observation and then
-`step(action)` with each decoded reply until the episode terminates or the turn budget runs out.
+A plugin (`plugins/NAME.py`, a dotted module, or a file path) exports `AgentRunner`, either
+
+- an `Env`: the framework owns the LLM loop, calling `reset(sample)` for the first observation and
+  then `step(action)` with each decoded reply until the episode terminates or the turn budget runs
+  out; or
+- a `ChatAgent`: the plugin owns the loop. `run(ctx)` (plain or `async def`) gets a `ChatContext`
+  with a per-episode base URL and key for the stock `openai` or `anthropic` SDK and returns a
+  `Result`; the loopback server behind that URL records every sampled token.
+
 Optionally it exports `make_dataset(size, seed) -> list[dict]` (synthetic samples, used when no
 `data.path` is given) and `warm_start(sample, rng) -> str` (a completion to fine-tune on before
 RL when a tiny random model would otherwise never earn a reward).
@@ -42,6 +48,28 @@ class Env:
 
     def step(self, action: str) -> Result:
         """Take the policy's reply; return its reward and, unless terminated, the next observation."""
+        raise NotImplementedError
+
+
+@dataclass
+class ChatContext:
+    """What a ChatAgent gets for one episode."""
+
+    base_url: str  # OpenAI SDK: OpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+    anthropic_base_url: str  # Anthropic SDK: Anthropic(base_url=ctx.anthropic_base_url, api_key=ctx.api_key)
+    api_key: str
+    model: str
+    prompt: str  # the sample's "prompt" (or "problem") field
+    label: object  # the sample's "answer" field, for the reward
+    sample: dict
+    max_tokens: int
+    temperature: float
+
+
+class ChatAgent:
+    """One episode of an agent program that talks to the policy through an SDK."""
+
+    def run(self, ctx: ChatContext) -> Result:
         raise NotImplementedError
 
 

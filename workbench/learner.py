@@ -38,6 +38,19 @@ def collate(segments: list[Segment]) -> dict[str, torch.Tensor]:
     return batch
 
 
+def audit_identity(segments: list[Segment], batch: dict) -> dict[str, float]:
+    """Token identity, checked on every batch: the rollout's audit (mask-1 ids are the engine's sampled
+    ids, in order) and the trainer's input ids equal to the segment's ids. A violation stops the run."""
+    violations = sum(not s.audit.get("identity", True) for s in segments)
+    violations += sum(not np.array_equal(batch["token_ids"][row, :len(s.token_ids)].numpy(), s.token_ids)
+                      for row, s in enumerate(segments))
+    if violations:
+        raise RuntimeError(f"Token identity violated in {violations} segment(s): trainer input no longer equals the "
+                           f"sampled ids; this is a bug in the rollout path, please report it with the run folder.")
+    drift = [s.audit["retokenize_drift"] for s in segments if "retokenize_drift" in s.audit]
+    return {"identity/violations": 0.0, "identity/retokenize_drift": float(np.mean(drift)) if drift else 0.0}
+
+
 class Learner:
     def __init__(self, cfg, model_path: str):
         from workbench.engines.torch_engine import load_causal_lm, set_threads
@@ -64,6 +77,7 @@ class Learner:
         segments = [s for batch in worker_segments for s in batch]
         consumed_at = self.version
         batch = collate(segments)
+        identity = audit_identity(segments, batch)
         advantages = compute_advantages(batch["rewards"], batch["group_ids"], self.algo.advantage,
                                         rollout_ids=batch["rollout_ids"])  # [batch]
         with torch.no_grad():
@@ -80,7 +94,7 @@ class Learner:
                    "rollout/sampled_tokens": float(sampled.sum()), "rollout/response_len": float(sampled.mean()),
                    "mismatch/kl": float(approx_kl(batch["behavior_logprob"], old_logprob, mask, "k3")),
                    "mismatch/max_abs_logprob_diff": float(((old_logprob - batch["behavior_logprob"]).abs() * mask).max()),
-                   **gate_metrics(gate, mask)}
+                   **gate_metrics(gate, mask), **identity}
         steps = []
         for rows in torch.arange(len(segments)).chunk(self.trainer.minibatches):
             minibatch = {key: value[rows] for key, value in batch.items()}

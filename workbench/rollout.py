@@ -8,11 +8,14 @@ carries the episode's reward.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from workbench.api import load_plugin
+from workbench.api import ChatAgent, ChatContext, load_plugin
 from workbench.engines.base import SamplingParams
 from workbench.invariants.token_identity import TokenAccumulator
 from workbench.segment import Segment
@@ -38,6 +41,7 @@ class RolloutWorker:
         self.engine = TorchEngine(model_path, cfg.model.dtype, seed=cfg.seed * 1000 + worker_index,
                                   partial=cfg.rollout.partial)
         self.lock = threading.Lock()  # one rollout at a time; weight pushes arrive on another thread
+        self._server = None
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.plugin = load_plugin(cfg.agent.plugin)
         self.params = SamplingParams(max_tokens=cfg.engine.max_tokens, temperature=cfg.engine.temperature,
@@ -50,10 +54,41 @@ class RolloutWorker:
 
     def rollout(self, jobs: list[Job]) -> list[Segment]:
         """Run the episodes of `jobs` to the end. Without partial rollout, one weight version serves them all."""
+        chat = isinstance(self.plugin.AgentRunner, type) and issubclass(self.plugin.AgentRunner, ChatAgent)
         with self.lock, (contextlib.nullcontext() if self.engine.partial else self.engine.hold()):
-            return self._rollout(jobs)
+            return self._chat_rollout(jobs) if chat else self._env_rollout(jobs)
 
-    def _rollout(self, jobs: list[Job]) -> list[Segment]:
+    def server(self):
+        """This worker's loopback server, started on first use."""
+        if self._server is None:
+            from workbench.server.loopback import LoopbackServer
+
+            self._server = LoopbackServer(self.engine, self.tokenizer, self.params)
+        return self._server
+
+    def _chat_rollout(self, jobs: list[Job]) -> list[Segment]:
+        """Every job's ChatAgent runs at once on its own session; their requests share engine calls."""
+        server = self.server()
+        sessions = [server.open_session(job.rollout_id) for job in jobs]
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            results = list(pool.map(self._run_agent, jobs, sessions))
+        segments = []
+        for job, session, result in zip(jobs, sessions, results):
+            pieces, requests = server.close_session(session["session"])
+            episode = self._segments(job, pieces, result.reward, pieces[-1].finish if pieces else "")
+            if episode:
+                episode[0].requests = requests
+            segments += episode
+        return segments
+
+    def _run_agent(self, job: Job, session: dict):
+        ctx = ChatContext(session["openai_base_url"], session["anthropic_base_url"], session["api_key"], "policy",
+                          job.sample.get("prompt", job.sample.get("problem", "")), job.sample.get("answer"), job.sample,
+                          self.params.max_tokens, self.params.temperature)
+        result = self.plugin.AgentRunner().run(ctx)
+        return asyncio.run(result) if inspect.iscoroutine(result) else result
+
+    def _env_rollout(self, jobs: list[Job]) -> list[Segment]:
         envs = [self.plugin.AgentRunner() for _ in jobs]
         episodes, rewards, open_ = [], [0.0] * len(jobs), list(range(len(jobs)))
         for env, job in zip(envs, jobs):
@@ -64,8 +99,8 @@ class RolloutWorker:
             still_open = []
             for i, generation in zip(open_, generations):
                 text = self.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
-                episodes[i].add_sampled(generation.token_ids, generation.logprobs, generation.versions, text,
-                                        generation.finish_reason)
+                episodes[i].add_sampled(generation.token_ids, generation.logprobs, generation.versions,
+                                        {"role": "assistant", "content": text}, generation.finish_reason)
                 result = envs[i].step(text)
                 rewards[i] += result.reward
                 if not (result.terminated or result.truncated) and turn + 1 < self.max_turns:
@@ -75,16 +110,18 @@ class RolloutWorker:
             if not open_:
                 break
         return [segment for job, episode, reward in zip(jobs, episodes, rewards)
-                for segment in self._segments(job, episode, reward)]
+                for segment in self._segments(job, episode.finish(), reward, episode.last_finish)]
 
-    def _segments(self, job: Job, episode: TokenAccumulator, reward: float) -> list[Segment]:
-        pieces = episode.finish()
+    def _segments(self, job: Job, pieces: list, reward: float, finish_reason: str) -> list[Segment]:
+        """Segment records of one episode, each audited: sampled ids intact, and would text round-trip?"""
         segments = []
         for index, piece in enumerate(pieces):
             prompt_end = piece.turn_spans[0][0] if piece.turn_spans else len(piece.token_ids)
             response = self.tokenizer.decode(piece.token_ids[prompt_end:])
+            drift = self.tokenizer(self.tokenizer.decode(piece.token_ids), add_special_tokens=False)["input_ids"] != piece.token_ids
             segments.append(Segment(self.run_id, job.rollout_id, index, job.group_id, **piece.arrays(), reward=reward,
-                                    turn_spans=piece.turn_spans, finish_reason=episode.last_finish,
+                                    turn_spans=piece.turn_spans, finish_reason=finish_reason,
                                     seal_reason=piece.seal_reason,
-                                    display={"prompt": piece.prompt_text, "response": response}))
+                                    display={"prompt": piece.prompt_text, "response": response},
+                                    audit={"identity": piece.identity_holds(), "retokenize_drift": drift}))
         return segments

@@ -27,6 +27,8 @@ class Segment:
     seal_reason: str = "end"  # why the segment closed: end (episode over) | compaction | ...
     routed_experts: np.ndarray | None = None  # int16 [T, layers, top_k], -1 where unknown
     display: dict = field(default_factory=dict)  # for people only: prompt text, env info
+    audit: dict = field(default_factory=dict)  # token-identity audit: identity (bool), retokenize_drift (bool)
+    requests: list[dict] = field(default_factory=list)  # loopback requests of the episode (on its first segment)
 
     def __post_init__(self):
         expected = {"token_ids": np.int32, "loss_mask": np.uint8, "behavior_logprob": np.float32,

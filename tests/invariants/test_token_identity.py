@@ -23,7 +23,7 @@ def test_non_canonical_sampled_ids_survive_untouched(tokenizer):
     assert tokenizer(tokenizer.decode(sampled), add_special_tokens=False)["input_ids"] != sampled.tolist()
     episode = TokenAccumulator(tokenizer, [{"role": "user", "content": "What is 5 + 6?"}])
     prompt = episode.token_ids.copy()
-    episode.add_sampled(sampled, np.array([-0.1, -0.2, -0.3, -0.4], np.float32), 4, " the", "stop")
+    episode.add_sampled(sampled, np.array([-0.1, -0.2, -0.3, -0.4], np.float32), 4, {"role": "assistant", "content": " the"}, "stop")
     episode.add_messages([{"role": "user", "content": "Sure?"}])
     (segment,) = episode.finish()
     arrays = segment.arrays()
@@ -39,7 +39,7 @@ def test_extending_a_conversation_adds_only_the_rendered_delta(tokenizer):
     messages = [{"role": "user", "content": "Hi"}]
     episode = TokenAccumulator(tokenizer, messages)
     reply = tokenizer("Hello", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    episode.add_sampled(np.array(reply, np.int32), np.zeros(len(reply), np.float32), 0, "Hello", "stop")
+    episode.add_sampled(np.array(reply, np.int32), np.zeros(len(reply), np.float32), 0, {"role": "assistant", "content": "Hello"}, "stop")
     assert episode.add_messages([{"role": "user", "content": "Bye"}])
     whole = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}],
                                           add_generation_prompt=True, tokenize=True)["input_ids"]
@@ -49,7 +49,7 @@ def test_extending_a_conversation_adds_only_the_rendered_delta(tokenizer):
 def test_a_truncated_turn_gets_its_stop_token_untrainable(tokenizer):
     episode = TokenAccumulator(tokenizer, [{"role": "user", "content": "Hi"}])
     cut = tokenizer("Hel", add_special_tokens=False)["input_ids"]
-    episode.add_sampled(np.array(cut, np.int32), np.zeros(len(cut), np.float32), 0, "Hel", "length")
+    episode.add_sampled(np.array(cut, np.int32), np.zeros(len(cut), np.float32), 0, {"role": "assistant", "content": "Hel"}, "length")
     episode.add_messages([{"role": "user", "content": "Go on"}])
     (segment,) = episode.finish()
     end = segment.turn_spans[0][1]
@@ -69,7 +69,7 @@ def test_a_template_that_rewrites_history_seals_the_segment(tokenizer):
     hiding.chat_template = HIDING_TEMPLATE
     episode = TokenAccumulator(hiding, [{"role": "user", "content": "Hi"}])
     reply = hiding("Hello", add_special_tokens=False)["input_ids"] + [hiding.eos_token_id]
-    episode.add_sampled(np.array(reply, np.int32), np.zeros(len(reply), np.float32), 0, "Hello", "stop")
+    episode.add_sampled(np.array(reply, np.int32), np.zeros(len(reply), np.float32), 0, {"role": "assistant", "content": "Hello"}, "stop")
     assert not episode.add_messages([{"role": "user", "content": "next"}])
     first, second = episode.finish()
     assert (first.seal_reason, second.seal_reason) == ("template_rewrite", "end")

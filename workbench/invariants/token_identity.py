@@ -10,6 +10,7 @@ Decoded text exists for the environment and for display, never as trainer input.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,12 +27,20 @@ class SegmentTokens:
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
     seal_reason: str = ""
     prompt_text: str = ""
+    sampled_turns: list[np.ndarray] = field(default_factory=list)  # what the engine returned, per turn
+    finish: str = ""  # finish reason of the last sampled turn
 
     def extend(self, ids, sampled: bool, logprobs=None, versions=None) -> None:
         self.token_ids.extend(int(i) for i in ids)
         self.loss_mask.extend([int(sampled)] * len(ids))
         self.behavior_logprob.extend([float(x) for x in logprobs] if sampled else [0.0] * len(ids))
         self.behavior_version.extend([int(v) for v in versions] if sampled else [-1] * len(ids))
+
+    def identity_holds(self) -> bool:
+        """Audit: the mask-1 ids are exactly the engine's sampled ids, in order."""
+        sampled = np.asarray(self.token_ids, dtype=np.int64)[np.asarray(self.loss_mask, dtype=bool)]
+        returned = np.concatenate(self.sampled_turns) if self.sampled_turns else np.zeros(0, np.int64)
+        return np.array_equal(sampled, returned)
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {"token_ids": np.asarray(self.token_ids, dtype=np.int32),
@@ -41,14 +50,15 @@ class SegmentTokens:
 
 
 class TokenAccumulator:
-    def __init__(self, tokenizer, messages: list[dict]):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, messages: list[dict], tools: list[dict] | None = None):
+        self.tokenizer, self.tools = tokenizer, tools or None
         self.sealed: list[SegmentTokens] = []
         self.last_finish = "stop"
         self._open(list(messages))
 
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -58,15 +68,31 @@ class TokenAccumulator:
         """The exact ids generation continues from (int32 [t])."""
         return np.asarray(self.open.token_ids, dtype=np.int32)
 
-    def add_sampled(self, token_ids: np.ndarray, logprobs: np.ndarray, versions, text: str, finish_reason: str) -> None:
+    def add_sampled(self, token_ids: np.ndarray, logprobs: np.ndarray, versions, message: dict, finish_reason: str) -> None:
         """Append what the engine sampled, untouched, with each token's log-prob and weight version
-        (`versions`: one int for the whole turn or int [n]); `text` is its decoding, for the conversation only."""
+        (`versions`: one int for the whole turn or int [n]). `message` is the assistant message decoded
+        from it (text, tool calls), for the conversation only; `finish_reason` "stop" means the last
+        id is the template's stop token."""
+        if len(logprobs) != len(token_ids):
+            raise ValueError(f"The engine returned {len(logprobs)} log-probs for {len(token_ids)} sampled tokens.")
         start = len(self.open.token_ids)
         versions = np.broadcast_to(np.asarray(versions, dtype=np.int32), (len(token_ids),))
         self.open.extend(token_ids, sampled=True, logprobs=logprobs, versions=versions)
         self.open.turn_spans.append((start, len(self.open.token_ids)))
-        self.messages.append({"role": "assistant", "content": text})
-        self.last_finish = finish_reason
+        self.open.sampled_turns.append(np.asarray(token_ids, dtype=np.int64).copy())
+        self.messages.append(message)
+        self.last_finish = self.open.finish = finish_reason
+
+    def continue_with(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """Take a client's whole conversation: `extend` when it continues this one (our messages are its
+        prefix and the render stays a prefix), else `seal` and start a new segment from its full render."""
+        known = len(self.messages)
+        if (tools or None) == self.tools and len(messages) > known and messages[:known] == self.messages:
+            return "extend" if self.add_messages(messages[known:]) else "seal"
+        self.seal("compaction" if (tools or None) == self.tools else "tools_changed")
+        self.tools = tools or None
+        self._open(list(messages))
+        return "seal"
 
     def add_messages(self, new_messages: list[dict]) -> bool:
         """Extend the open segment with the rendered delta of `new_messages`; False if it had to seal."""
@@ -84,6 +110,12 @@ class TokenAccumulator:
         self.open.extend(self.encode(tail + full[len(previous):]), sampled=False)
         self.messages.extend(new_messages)
         return True
+
+    def fork(self) -> "TokenAccumulator":
+        """A copy to try a turn on; the original is untouched until the copy replaces it."""
+        twin = copy.copy(self)
+        twin.open, twin.sealed, twin.messages = copy.deepcopy(self.open), list(self.sealed), copy.deepcopy(self.messages)
+        return twin
 
     def seal(self, reason: str) -> None:
         self.open.seal_reason = reason

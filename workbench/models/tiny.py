@@ -18,9 +18,24 @@ from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 
+# ChatML with Qwen-style tools: a tool list in the system turn, calls as <tool_call>{json}</tool_call>
+# after the assistant's text, tool results as <tool_response> user turns.
 CHAT_TEMPLATE = (
+    "{%- set first_system = messages and messages[0]['role'] == 'system' %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}{%- if first_system %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n<tools>\\n' }}{%- for tool in tools %}{{- tool | tojson }}{{- '\\n' }}{%- endfor %}"
+    "{{- '</tools>\\nCall a tool as <tool_call>{\\\"name\\\": ..., \\\"arguments\\\": ...}</tool_call>.<|im_end|>\\n' }}"
+    "{%- elif first_system %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'assistant' %}{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{{- '<tool_call>' }}{{- {'name': call['name'], 'arguments': call['arguments']} | tojson }}{{- '</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>' + message['content'] + '</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
@@ -85,7 +100,7 @@ def tiny_model_path(name: str = "tiny", seed: int = 0) -> Path:
     """Build (once) and return the folder of the tiny model `name`; safe under concurrent callers."""
     if name not in TINY_SPECS:
         raise ValueError(f"Unknown tiny model {name!r}: use one of {sorted(TINY_SPECS)} or set model.path.")
-    spec = dict(TINY_SPECS[name], seed=seed)
+    spec = dict(TINY_SPECS[name], seed=seed, template=spec_hash({"t": CHAT_TEMPLATE}))
     target = cache_root() / "models" / f"{name}-{spec_hash(spec)}"
     if (target / "config.json").exists():
         return target

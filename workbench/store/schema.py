@@ -36,8 +36,14 @@ GATE_DECISIONS = pa.schema([
     ("decision", pa.string()), ("reason", pa.string()), ("tokens_masked", pa.int32()),
 ])
 
+REQUESTS = pa.schema([
+    ("run_id", pa.string()), ("step", pa.int32()), ("session", pa.string()), ("rollout_id", pa.int64()),
+    ("wire", pa.string()), ("stream", pa.bool_()), ("action", pa.string()), ("prompt_tokens_reused", pa.int32()),
+    ("new_prompt_tokens", pa.int32()), ("generated_tokens", pa.int32()), ("latency_s", pa.float64()), ("time", pa.float64()),
+])
+
 TABLES: dict[str, pa.Schema] = {"segments": SEGMENTS, "tokens": TOKENS, "metrics": METRICS,
-                                "gate_decisions": GATE_DECISIONS}
+                                "gate_decisions": GATE_DECISIONS, "requests": REQUESTS}
 
 
 def step_tables(run_id: str, step: int, learner_version: int, segments: list, train: dict) -> dict[str, pa.Table]:
@@ -82,4 +88,11 @@ def step_tables(run_id: str, step: int, learner_version: int, segments: list, tr
                      decision=["kept" if kept else "dropped" for kept in gate["kept"]], reason=gate["reason"],
                      tokens_masked=gate["tokens_masked"])
     return {"segments": pa.table(segment_rows, schema=SEGMENTS), "tokens": pa.table(token_rows, schema=TOKENS),
-            "gate_decisions": pa.table(gate_rows, schema=GATE_DECISIONS)}
+            "gate_decisions": pa.table(gate_rows, schema=GATE_DECISIONS),
+            "requests": request_table(run_id, step, [r for s in segments for r in s.requests])}
+
+
+def request_table(run_id: str, step: int, rows: list[dict]) -> pa.Table:
+    """Loopback request rows (see workbench.server.loopback) as the `requests` table."""
+    columns = {name: [row[name] for row in rows] for name in REQUESTS.names if name not in ("run_id", "step")}
+    return pa.table(dict(run_id=[run_id] * len(rows), step=[step] * len(rows), **columns), schema=REQUESTS)
