@@ -93,3 +93,18 @@ def test_importing_the_core_loads_no_heavy_framework():
             "assert not heavy, heavy")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("plugin", ["chat_minimal", "chat_anthropic", "tool_env"])
+def test_chat_agents_and_the_tool_env_train_end_to_end(tmp_path, plugin):
+    result = molt_wb("train", *FAST, "trainer.steps=2", f"run.root={tmp_path}", "run.id=agent", f"agent.plugin={plugin}",
+                     "agent.max_turns=3")
+    assert result.returncode == 0, result.stderr[-2000:]
+    db = open_run("agent", str(tmp_path))
+    assert db.execute("select count(distinct rollout_id) from segments").fetchone()[0] == 2 * 16
+    assert db.execute("select max(value) from metrics where key = 'identity/violations'").fetchone()[0] == 0
+    wires = dict(db.execute("select wire, count(*) from requests group by wire").fetchall())
+    expected = {"chat_minimal": {"openai": 32}, "chat_anthropic": {"anthropic": 64}, "tool_env": {}}[plugin]
+    assert wires == expected  # Env episodes do not go through the server
+    if plugin == "chat_anthropic":  # the second turn extended the first: its prompt reused turn one's ids
+        assert db.execute("select min(prompt_tokens_reused) from requests where action = 'extend'").fetchone()[0] > 0

@@ -41,6 +41,7 @@ class Env:
     """One episode of an environment the framework drives turn by turn."""
 
     system_prompt: str | None = None
+    tools: list[dict] | None = None  # OpenAI-style tool schemas the chat template lists for the policy
 
     def reset(self, sample: dict) -> str:
         """Start an episode on `sample`; return the first user message."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from workbench.api import ChatAgent, ChatContext, load_plugin
 from workbench.engines.base import SamplingParams
-from workbench.invariants.token_identity import TokenAccumulator
+from workbench.invariants.token_identity import TokenAccumulator, reply_text
 from workbench.segment import Segment
 
 
@@ -93,12 +93,13 @@ class RolloutWorker:
         episodes, rewards, open_ = [], [0.0] * len(jobs), list(range(len(jobs)))
         for env, job in zip(envs, jobs):
             system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
-            episodes.append(TokenAccumulator(self.tokenizer, system + [{"role": "user", "content": env.reset(job.sample)}]))
+            episodes.append(TokenAccumulator(self.tokenizer, system + [{"role": "user", "content": env.reset(job.sample)}],
+                                             tools=env.tools))
         for turn in range(self.max_turns):
             generations = self.engine.generate([episodes[i].token_ids for i in open_], self.params)
             still_open = []
             for i, generation in zip(open_, generations):
-                text = self.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+                text = reply_text(self.tokenizer, generation.token_ids, generation.finish_reason)
                 episodes[i].add_sampled(generation.token_ids, generation.logprobs, generation.versions,
                                         {"role": "assistant", "content": text}, generation.finish_reason)
                 result = envs[i].step(text)

@@ -49,6 +49,12 @@ class SegmentTokens:
                 "behavior_version": np.asarray(self.behavior_version, dtype=np.int32)}
 
 
+def reply_text(tokenizer, token_ids, finish_reason: str) -> str:
+    """The text of a sampled turn, for the agent: the stop token dropped, tool-call tags kept."""
+    ids = token_ids[:-1] if finish_reason == "stop" and len(token_ids) else token_ids
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
 class TokenAccumulator:
     def __init__(self, tokenizer, messages: list[dict], tools: list[dict] | None = None):
         self.tokenizer, self.tools = tokenizer, tools or None

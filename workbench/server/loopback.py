@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from workbench.engines.base import SamplingParams
-from workbench.invariants.token_identity import TokenAccumulator
+from workbench.invariants.token_identity import TokenAccumulator, reply_text
 from workbench.server import wires
 
 MAX_BODY = 4 * 2**20
@@ -185,10 +185,10 @@ class LoopbackServer:
                          temperature=self.params.temperature if chat.temperature is None else chat.temperature)
         generation = await self.batcher.generate(prompt, params)
         ids, logprobs, versions, finish = generation.token_ids, generation.logprobs, generation.versions, generation.finish_reason
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = reply_text(self.tokenizer, ids, finish)
         hit = min((text.index(s), s) for s in chat.stop if s in text) if any(s in text for s in chat.stop) else None
         if hit:  # keep the ids up to the one that completed the stop sequence; its text is not returned
-            end = next(k for k in range(1, len(ids) + 1) if hit[1] in self.tokenizer.decode(ids[:k], skip_special_tokens=True))
+            end = next(k for k in range(1, len(ids) + 1) if hit[1] in reply_text(self.tokenizer, ids[:k], "length"))
             ids, logprobs, versions, finish, text = ids[:end], logprobs[:end], versions[:end], "stop_sequence", text[:hit[0]]
         content, calls = wires.parse_assistant(text)
         message = dict({"role": "assistant", "content": content}, **({"tool_calls": calls} if calls else {}))
@@ -206,7 +206,7 @@ class LoopbackServer:
         """The reply's text as it was generated, one piece per token (for streaming)."""
         pieces, previous = [], ""
         for k in range(1, len(ids) + 1):
-            text = self.tokenizer.decode(ids[:k], skip_special_tokens=True)[:len(content)]
+            text = reply_text(self.tokenizer, ids[:k], "length")[:len(content)]
             pieces.append(text[len(previous):])
             previous = text
         return pieces

@@ -1,0 +1,186 @@
+"""Loopback-server overhead: requests/s and added latency over a direct engine call, per wire.
+
+    python bench/server_overhead.py [--quick] [--requests N]
+
+One process, one tiny model, one engine. Every request is a fresh session (open_session and
+close_session, and building the SDK client, are outside the timing) with the single user message
+"What is 2 + 3?" and max_tokens 16 (temperature 1 and no stop ids are the server's own params; the
+installed anthropic SDK takes no temperature, so neither wire sends one), so every call renders the same
+prompt and samples exactly 16 tokens (checked from the session's request rows). Cases: the real
+`openai` and `anthropic` sync clients (max_retries=0), non-streaming and streaming, one request at
+a time; "direct" is `engine.generate` on the same rendered prompt ids. After a few warm-up calls
+the cases are interleaved round by round (direct, then the four wires), so drift hits all alike.
+requests/s is N over the summed request latencies; added = case percentile - direct percentile.
+Last, 16 OpenAI requests in 16 threads (16 sessions) against the same 16 one after another: the
+server batches concurrent requests into one engine call, so the wall-time ratio is its speed-up.
+"""
+
+import argparse
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import anthropic
+import numpy as np
+import openai
+from transformers import AutoTokenizer
+
+from workbench.engines.base import SamplingParams
+from workbench.engines.torch_engine import TorchEngine
+from workbench.models.tiny import tiny_model_path
+from workbench.server.loopback import LoopbackServer
+
+MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
+MAX_TOKENS = 16
+WARMUP = 5
+PARALLEL = 16
+
+
+class CountingEngine:
+    """The engine as the server sees it, recording each call's batch size."""
+
+    def __init__(self, engine):
+        self.engine, self.batches, self.lock = engine, [], threading.Lock()
+
+    def generate(self, prompts, params):
+        with self.lock:
+            self.batches.append(len(prompts))
+        return self.engine.generate(prompts, params)
+
+
+def openai_call(session: dict, stream: bool):
+    client = openai.OpenAI(base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0)
+
+    def call() -> str:
+        if stream:
+            chunks = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                                    stream=True)
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=MAX_TOKENS).choices[0].message.content
+
+    return client, call
+
+
+def anthropic_call(session: dict, stream: bool):
+    client = anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key=session["api_key"], max_retries=0)
+
+    def call() -> str:
+        if stream:
+            events = client.messages.create(model="policy", messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                            stream=True)
+            return "".join(e.delta.text for e in events
+                           if e.type == "content_block_delta" and e.delta.type == "text_delta")
+        return "".join(b.text for b in client.messages.create(model="policy", messages=MESSAGES, max_tokens=MAX_TOKENS).content if b.type == "text")
+
+    return client, call
+
+
+CASES = {"openai": (openai_call, False), "openai stream": (openai_call, True),
+         "anthropic": (anthropic_call, False), "anthropic stream": (anthropic_call, True)}
+
+
+def checked_close(server: LoopbackServer, session: dict, prompt_len: int) -> None:
+    _, requests = server.close_session(session["session"])
+    (row,) = requests
+    assert row["new_prompt_tokens"] == prompt_len and row["generated_tokens"] == MAX_TOKENS, row
+
+
+def one_request(server: LoopbackServer, case: str, prompt_len: int) -> float:
+    """Seconds for one request on a fresh session (session and client set-up not timed)."""
+    make, stream = CASES[case]
+    session = server.open_session(0)
+    client, call = make(session, stream)
+    start = time.perf_counter()
+    call()
+    elapsed = time.perf_counter() - start
+    client.close()
+    checked_close(server, session, prompt_len)
+    return elapsed
+
+
+def one_direct(engine: TorchEngine, prompt: np.ndarray, params: SamplingParams) -> float:
+    start = time.perf_counter()
+    (generation,) = engine.generate([prompt], params)
+    elapsed = time.perf_counter() - start
+    assert len(generation.token_ids) == MAX_TOKENS
+    return elapsed
+
+
+def concurrency(server: LoopbackServer, counting: CountingEngine, prompt_len: int) -> tuple[float, float, list[int]]:
+    """Wall seconds of PARALLEL OpenAI requests one after another, and in PARALLEL threads; the
+    engine batch sizes of the threaded run."""
+    walls = []
+    for threaded in (False, True):
+        sessions = [server.open_session(k) for k in range(PARALLEL)]
+        calls = [openai_call(s, False) for s in sessions]
+        with ThreadPoolExecutor(PARALLEL) as pool:
+            gate = threading.Barrier(PARALLEL + 1)
+            counting.batches.clear()
+            if threaded:
+                futures = [pool.submit(lambda c=c: (gate.wait(), c())) for _, c in calls]
+                gate.wait()
+                start = time.perf_counter()
+                for future in futures:
+                    future.result()
+            else:
+                start = time.perf_counter()
+                for _, call in calls:
+                    call()
+            walls.append(time.perf_counter() - start)
+        batches = list(counting.batches)
+        for (client, _), session in zip(calls, sessions):
+            client.close()
+            checked_close(server, session, prompt_len)
+    return walls[0], walls[1], batches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="20 requests per case, for a CI smoke run")
+    parser.add_argument("--requests", type=int, default=200, help="timed requests per case")
+    args = parser.parse_args()
+    n = 20 if args.quick else args.requests
+    rounds = 2 if args.quick else 5
+
+    path = str(tiny_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, stop_token_ids=())
+    engine = TorchEngine(path)
+    counting = CountingEngine(engine)
+    server = LoopbackServer(counting, tokenizer, params)
+    prompt = np.asarray(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)["input_ids"],
+                        dtype=np.int32)
+    try:
+        for _ in range(WARMUP):
+            one_direct(engine, prompt, params)
+            for case in CASES:
+                one_request(server, case, len(prompt))
+        times = {"direct": [], **{case: [] for case in CASES}}
+        for _ in range(n):
+            times["direct"].append(one_direct(engine, prompt, params))
+            for case in CASES:
+                times[case].append(one_request(server, case, len(prompt)))
+        runs = [concurrency(server, counting, len(prompt)) for _ in range(rounds)]
+    finally:
+        server.stop()
+
+    ms = {case: np.asarray(t) * 1e3 for case, t in times.items()}
+    base50, base99 = np.percentile(ms["direct"], [50, 99])
+    print(f"prompt {len(prompt)} tokens, {MAX_TOKENS} sampled per request, {n} sequential requests per case")
+    print(f"{'case':<18}{'requests/s':>11}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'added p99':>11}")
+    for case, values in ms.items():
+        p50, p99 = np.percentile(values, [50, 99])
+        rate = len(values) / (values.sum() / 1e3)
+        added = "" if case == "direct" else f"{p50 - base50:>11.2f}{p99 - base99:>11.2f}"
+        print(f"{case:<18}{rate:>11.1f}{p50:>9.2f}{p99:>9.2f}{added}")
+    sequential = statistics.median(r[0] for r in runs)
+    parallel = statistics.median(r[1] for r in runs)
+    batches = runs[len(runs) // 2][2]
+    print(f"concurrency  {PARALLEL} openai requests: sequential {sequential * 1e3:.1f} ms, {PARALLEL} threads "
+          f"{parallel * 1e3:.1f} ms, ratio {sequential / parallel:.2f}x  (median of {rounds}; "
+          f"engine batches {batches})")
+
+
+if __name__ == "__main__":
+    main()
