@@ -4,13 +4,14 @@
 
 One process, one tiny model, one engine. Every request is a fresh session (open_session and
 close_session, and building the SDK client, are outside the timing) with the single user message
-"What is 2 + 3?" and max_tokens 16 (temperature 1 and no stop ids are the server's own params; the
-installed anthropic SDK takes no temperature, so neither wire sends one), so every call renders the same
-prompt and samples exactly 16 tokens (checked from the session's request rows). Cases: the real
-`openai` and `anthropic` sync clients (max_retries=0), non-streaming and streaming, one request at
-a time; "direct" is `engine.generate` on the same rendered prompt ids. After a few warm-up calls
-the cases are interleaved round by round (direct, then the four wires), so drift hits all alike.
-requests/s is N over the summed request latencies; added = case percentile - direct percentile.
+"What is 2 + 3?" and max_tokens 16; temperature 1 and no stop ids are the server's own params
+(the installed anthropic SDK takes no temperature, so neither wire sends one). So every call
+renders the same prompt and samples exactly 16 tokens, checked from the session's request rows.
+Cases: the real `openai` and `anthropic` sync clients (max_retries=0), non-streaming and
+streaming, one request at a time; "direct" is `engine.generate` on the same rendered prompt ids.
+After a few warm-up calls the cases are interleaved round by round (direct, then the four wires),
+so drift hits all alike. requests/s is N over the summed request latencies; added = case
+percentile - direct percentile.
 Last, 16 OpenAI requests in 16 threads (16 sessions) against the same 16 one after another: the
 server batches concurrent requests into one engine call, so the wall-time ratio is its speed-up.
 """

@@ -108,3 +108,30 @@ def test_chat_agents_and_the_tool_env_train_end_to_end(tmp_path, plugin):
     assert wires == expected  # Env episodes do not go through the server
     if plugin == "chat_anthropic":  # the second turn extended the first: its prompt reused turn one's ids
         assert db.execute("select min(prompt_tokens_reused) from requests where action = 'extend'").fetchone()[0] > 0
+
+
+def test_serve_prints_sessions_and_records_them_on_sigterm(tmp_path):
+    import signal
+
+    import anthropic
+    import openai
+
+    process = subprocess.Popen([sys.executable, "-m", "workbench.cli", "serve", "--json", "--sessions", "2",
+                                f"run.root={tmp_path}", "run.id=served"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        infos = [json.loads(process.stdout.readline()) for _ in range(2)]
+        assert {"session", "openai_base_url", "anthropic_base_url", "api_key", "run_id"} <= set(infos[0])
+        client = openai.OpenAI(base_url=infos[0]["openai_base_url"], api_key=infos[0]["api_key"], max_retries=0)
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        aclient = anthropic.Anthropic(base_url=infos[1]["anthropic_base_url"], api_key=infos[1]["api_key"], max_retries=0)
+        aclient.messages.create(model="policy", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        process.kill()
+    db = open_run("served", str(tmp_path))
+    assert db.execute("select count(*) from segments").fetchone()[0] == 2
+    assert sorted(db.execute("select wire from requests").fetchall()) == [("anthropic",), ("openai",)]
+    assert db.execute("select status from runs").fetchone()[0] == "finished"
+    assert db.execute("select count(*) from tokens where loss_mask = 1").fetchone()[0] >= 2

@@ -57,6 +57,42 @@ def train(ctx: typer.Context):
         raise typer.Exit(1)
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve(ctx: typer.Context,
+          sessions: int = typer.Option(1, help="Number of sessions to open."),
+          json_lines: bool = typer.Option(False, "--json", help="One JSON line per session, for scripts.")):
+    """Serve the policy on a loopback server for agent development; every session is recorded as a run.
+
+    Arguments are Hydra overrides (`model.path=...`, `engine.max_tokens=64`). Prints each session's
+    OpenAI base URL, Anthropic URL and key. Ctrl-C or SIGTERM flushes the run store and exits.
+    """
+    import json
+    import signal
+
+    from workbench.config import ConfigError, compose_config
+
+    try:
+        cfg = compose_config(ctx.args)
+    except ConfigError as error:
+        fail(str(error))
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # the server's threads inherit this
+    from workbench.server.serve import Recorder
+
+    recorder = Recorder(cfg, sessions)
+    for info in recorder.infos:
+        if json_lines:
+            typer.echo(json.dumps(info))
+        else:
+            typer.echo(f"session {info['session']}\n  OpenAI:    OpenAI(base_url={info['openai_base_url']!r}, api_key={info['api_key']!r})"
+                       f"\n  Anthropic: Anthropic(base_url={info['anthropic_base_url']!r}, api_key={info['api_key']!r})")
+    if not json_lines:
+        typer.echo(f"recording into run {cfg.run.id} ({cfg.run.root}/{cfg.run.id}); Ctrl-C to stop.")
+    sys.stdout.flush()
+    signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    recorder.close()
+    typer.echo(f"run {cfg.run.id} saved: {os.path.join(cfg.run.root, cfg.run.id)}", err=True)
+
+
 @app.command()
 def runs(root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
          limit: int = typer.Option(50, help="Show at most this many runs, newest first.")):

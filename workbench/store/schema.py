@@ -50,7 +50,8 @@ def step_tables(run_id: str, step: int, learner_version: int, segments: list, tr
     """Segment and token rows of one consumed batch.
 
     `train` holds per-segment lists from the learner: `train_logprob` and `is_weight` (float32 [T]
-    each), `advantage` (one float per segment) and `gate` (the version gate's per-sequence columns).
+    each), `advantage` (one float per segment) and, when a learner gated them, `gate` (the version
+    gate's per-sequence columns).
     """
     lengths = np.array([len(s.token_ids) for s in segments], dtype=np.int64)
     versions = [s.version_range() for s in segments]
@@ -81,9 +82,10 @@ def step_tables(run_id: str, step: int, learner_version: int, segments: list, tr
         "is_weight": np.concatenate(train["is_weight"]).astype(np.float32),
         "advantage": np.repeat(np.asarray(train["advantage"], dtype=np.float32), lengths),
     }
-    gate = train["gate"]
-    gate_rows = {key: segment_rows[key] for key in ("run_id", "step", "rollout_id", "segment_idx", "learner_version",
-                                                   "min_version", "max_version")}
+    gate = train.get("gate") or {k: [] for k in ("staleness", "seq_log_ratio", "geo_ratio", "kept", "reason", "tokens_masked")}
+    gated = len(gate["kept"])  # no learner (molt-wb serve): no gate decisions
+    gate_rows = {key: segment_rows[key][:gated] for key in ("run_id", "step", "rollout_id", "segment_idx", "learner_version",
+                                                           "min_version", "max_version")}
     gate_rows.update(staleness=gate["staleness"], seq_log_ratio=gate["seq_log_ratio"], geo_ratio=gate["geo_ratio"],
                      decision=["kept" if kept else "dropped" for kept in gate["kept"]], reason=gate["reason"],
                      tokens_masked=gate["tokens_masked"])
