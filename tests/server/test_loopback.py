@@ -251,3 +251,42 @@ def test_concurrent_sessions_share_engine_calls_and_stay_separate(server):
     for session in sessions:
         (segment,), (request,) = server.close_session(session["session"])
         assert session["session"] in segment.prompt_text and request["rollout_id"] >= 100
+
+
+class FailingOnce(TorchEngine):
+    """A real engine whose next generate call fails, as an out-of-memory or a killed kernel would."""
+
+    fail_next = False
+
+    def generate(self, prompts, params):
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("engine crashed")
+        return super().generate(prompts, params)
+
+
+def test_a_failed_generation_commits_nothing(tiny_path, tokenizer):
+    engine = FailingOnce(tiny_path)
+    loopback = LoopbackServer(engine, tokenizer, SamplingParams(max_tokens=6, stop_token_ids=(tokenizer.eos_token_id,)))
+    try:
+        session = loopback.open_session(0)
+        client, _ = clients(session)
+        messages = [{"role": "user", "content": "Hi"}]
+        text = client.chat.completions.create(model="policy", messages=messages).choices[0].message.content
+        longer = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": "And?"}]
+        engine.fail_next = True
+        with pytest.raises(openai.InternalServerError, match="nothing was recorded"):
+            client.chat.completions.create(model="policy", messages=longer)
+        client.chat.completions.create(model="policy", messages=longer)  # the retry extends the committed turn
+        (segment,), requests = loopback.close_session(session["session"])
+    finally:
+        loopback.stop()
+    assert [r["action"] for r in requests] == ["open", "extend"] and len(segment.turn_spans) == 2
+
+
+def test_bad_sampling_values_are_refused(server):
+    session = server.open_session(10)
+    client, _ = clients(session)
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1"):
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], max_tokens=0)
+    assert server.close_session(session["session"]) == ([], [])

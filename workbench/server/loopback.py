@@ -159,6 +159,10 @@ class LoopbackServer:
                 chat, reply, ids = session.last_response  # a retry gets the committed reply, nothing new
         except wires.WireError as error:
             return web.json_response(error_body(error), status=error.status)
+        except Exception as error:  # the engine failed: nothing was committed, the client may retry
+            failure = wires.WireError(500, f"Generation failed ({type(error).__name__}: {error}); nothing was recorded, "
+                                           f"retry the request.", "api_error")
+            return web.json_response(error_body(failure), status=500)
         if not chat.stream:
             return web.json_response(wires.openai_reply(reply) if wire == "openai" else wires.anthropic_reply(reply))
         pieces = self._pieces(ids, reply.text)

@@ -30,6 +30,12 @@ class ChatRequest:
     stream: bool
     include_usage: bool = False
 
+    def __post_init__(self):
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise WireError(400, "max_tokens must be at least 1.")
+        if self.temperature is not None and not 0 <= self.temperature <= 100:
+            raise WireError(400, "temperature must be a number from 0 to 100.")
+
 
 @dataclass
 class ChatReply:
