@@ -103,3 +103,16 @@ def test_multi_turn_env_episodes_are_token_exact_segments(tiny_path):
         assert "Be brief." in segment.display["prompt"] and (segment.behavior_logprob[~sampled] == 0).all()
     batch = collate(segments)
     np.testing.assert_array_equal(batch["token_ids"][0, :len(segments[0].token_ids)].numpy(), segments[0].token_ids)
+
+
+def test_an_identity_violation_stops_training(tiny_path):
+    from workbench.learner import audit_identity
+
+    ones = np.ones(3, np.uint8)
+    good = Segment("r", 0, 0, 0, np.arange(3, dtype=np.int32), ones, np.zeros(3, np.float32), np.zeros(3, np.int32),
+                   audit={"identity": True, "retokenize_drift": True})
+    bad = Segment("r", 1, 0, 0, np.arange(3, dtype=np.int32), ones, np.zeros(3, np.float32), np.zeros(3, np.int32),
+                  audit={"identity": False, "retokenize_drift": False})
+    assert audit_identity([good, good], collate([good, good])) == {"identity/violations": 0.0, "identity/retokenize_drift": 1.0}
+    with pytest.raises(RuntimeError, match="Token identity violated in 1 segment"):
+        audit_identity([good, bad], collate([good, bad]))

@@ -290,3 +290,21 @@ def test_bad_sampling_values_are_refused(server):
     with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1"):
         client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], max_tokens=0)
     assert server.close_session(session["session"]) == ([], [])
+
+
+def test_stop_sequences_cut_the_reply_on_both_wires(server):
+    session = server.open_session(11)
+    client, aclient = clients(session)
+    messages = [{"role": "user", "content": TOOL_PROMPT}]
+    reply = client.chat.completions.create(model="policy", messages=messages, tools=OPENAI_TOOLS, temperature=0,
+                                           max_tokens=40, stop=["arguments"])
+    assert reply.choices[0].message.content == '<tool_call>{"name": "add", "' and reply.choices[0].finish_reason == "stop"
+    other = server.open_session(12)
+    _, aclient = clients(other)
+    message = aclient.messages.create(model="policy", max_tokens=40, messages=messages, tools=ANTHROPIC_TOOLS,
+                                      stop_sequences=["arguments"], extra_body={"temperature": 0})
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == "arguments"
+    for name in (session["session"], other["session"]):
+        (segment,), _ = server.close_session(name)
+        sampled = server.tokenizer.decode(segment.sampled_turns[0])
+        assert sampled.endswith("arguments") or "arguments" in sampled[-12:]  # the ids up to the stop, kept
