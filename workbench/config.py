@@ -76,6 +76,8 @@ class AlgoConfig:
     """How token losses become one number: token_mean | seq_mean | constant."""
     constant_denominator: float | None = None
     """Denominator of `constant` aggregation (e.g. batch size x max tokens)."""
+    routing_replay: bool = False
+    """MoE policies: force the rollout's recorded experts in the learner's forward (R3); measured either way."""
     policy_loss: str = "ppo"
     """ppo (token ratio, PPO-clip) | gspo (sequence ratio: geometric mean of token ratios, clipped per sequence)."""
 
@@ -232,6 +234,17 @@ ADVANTAGES = ("reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo")
 AGGREGATIONS = ("token_mean", "seq_mean", "constant")
 
 
+def _is_moe(model) -> bool:
+    import json
+
+    from workbench.models.tiny import TINY_SPECS
+
+    if model.path:
+        config = json.loads(Path(model.path, "config.json").read_text())
+        return any(config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    return any(k in TINY_SPECS.get(model.name, {}) for k in ("num_experts", "num_local_experts"))
+
+
 def validate(cfg) -> None:
     """Refuse unsafe or unsupported combinations before anything starts."""
     def need(ok: bool, message: str) -> None:
@@ -265,6 +278,9 @@ def validate(cfg) -> None:
     need(gate.level == "off" or cfg.engine.top_p >= 1,
          "engine.top_p < 1 gives behavior log-probs the learner cannot recompute, so the gate would misjudge "
          "every token: set engine.top_p=1.")
+    need(not cfg.algo.routing_replay or _is_moe(cfg.model),
+         f"algo.routing_replay needs a mixture-of-experts policy and model {cfg.model.path or cfg.model.name} is dense: "
+         f"use model=tiny-moe or set algo.routing_replay=false.")
     need(cfg.algo.policy_loss in ("ppo", "gspo"), f"algo.policy_loss={cfg.algo.policy_loss} is unknown: use ppo or gspo.")
     need(cfg.tracking.wandb.mode in ("offline", "online", "disabled"), "tracking.wandb.mode must be offline, online or disabled.")
     need(not cfg.model.path or Path(cfg.model.path, "config.json").exists(),

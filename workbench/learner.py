@@ -6,11 +6,14 @@ version) to every rollout engine. The maths is in workbench.algo; this module on
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
 from workbench.algo.advantages import compute_advantages
 from workbench.algo.losses import approx_kl, policy_gradient_loss, sequence_ratio_logprob, token_logprobs
+from workbench.invariants.routing_replay import find_routers, replay_routes
 from workbench.invariants.version_gate import gate_metrics, version_gate
 from workbench.segment import Segment
 
@@ -32,6 +35,12 @@ def collate(segments: list[Segment]) -> dict[str, torch.Tensor]:
         batch["loss_mask"][row, :n] = torch.from_numpy(s.loss_mask.astype(bool))
         batch["behavior_logprob"][row, :n] = torch.from_numpy(s.behavior_logprob)
         batch["behavior_version"][row, :n] = torch.from_numpy(s.behavior_version)
+    if any(s.routed_experts is not None for s in segments):  # [batch, seq, layers, k], -1 = unknown
+        shape = next(s.routed_experts.shape[1:] for s in segments if s.routed_experts is not None)
+        batch["routed_experts"] = torch.full((len(segments), longest, *shape), -1, dtype=torch.int16)
+        for row, s in enumerate(segments):
+            if s.routed_experts is not None:
+                batch["routed_experts"][row, :len(s.token_ids)] = torch.from_numpy(s.routed_experts)
     batch["rewards"] = torch.tensor([s.reward for s in segments], dtype=torch.float32)  # [batch]
     batch["group_ids"] = torch.tensor([s.group_id for s in segments])
     batch["rollout_ids"] = torch.tensor([s.rollout_id for s in segments])
@@ -51,6 +60,20 @@ def audit_identity(segments: list[Segment], batch: dict) -> dict[str, float]:
     return {"identity/violations": 0.0, "identity/retokenize_drift": float(np.mean(drift)) if drift else 0.0}
 
 
+def routing_table_rows(segments: list[Segment], routing: dict) -> list[dict]:
+    """One row per (segment, MoE layer): tokens with a recorded route, how many the live router
+    routed differently, and their positions."""
+    rows = []
+    for row, s in enumerate(segments):
+        n = len(s.token_ids)
+        for layer in range(routing["known"].shape[-1]):
+            positions = torch.nonzero(routing["mismatch"][row, :n, layer]).flatten().tolist()
+            rows.append({"rollout_id": s.rollout_id, "segment_idx": s.segment_idx, "layer": layer,
+                         "tokens": int(routing["known"][row, :n, layer].sum()), "mismatched": len(positions),
+                         "positions": positions})
+    return rows
+
+
 class Learner:
     def __init__(self, cfg, model_path: str):
         from workbench.engines.torch_engine import load_causal_lm, set_threads
@@ -61,16 +84,36 @@ class Learner:
         self.model = load_causal_lm(model_path, cfg.model.dtype).train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.trainer.lr,
                                            weight_decay=cfg.trainer.weight_decay)
-        self.version = 0
+        self.version, self.moe, self.replay = 0, bool(find_routers(self.model)), cfg.algo.routing_replay
 
     def weights(self) -> dict:
         """The current weights and their version, as the engines load them."""
         return {"state_dict": {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()},
                 "version": self.version}
 
-    def logprobs(self, batch: dict) -> torch.Tensor:
-        logits = self.model(input_ids=batch["token_ids"], attention_mask=batch["attention_mask"]).logits
+    def logprobs(self, batch: dict, replay: bool | None = None, routing: dict | None = None) -> torch.Tensor:
+        """Log-probs of the batch's own ids; for a MoE policy with recorded routes, under routing replay
+        (`algo.routing_replay`, or `replay` to override) and with the route mismatches put in `routing`."""
+        recorded = batch.get("routed_experts") if self.moe else None
+        with (replay_routes(self.model, recorded, self.replay if replay is None else replay) if recorded is not None
+              else contextlib.nullcontext({})) as stats:
+            logits = self.model(input_ids=batch["token_ids"], attention_mask=batch["attention_mask"]).logits
+        if routing is not None:
+            routing.update(stats)
         return token_logprobs(logits, batch["token_ids"], self.temperature)  # [batch, seq]
+
+    def routing_metrics(self, batch: dict, routing: dict, old_logprob: torch.Tensor) -> dict[str, float]:
+        """Live vs rollout routes, and the rollout-learner KL with replay and without (one extra forward)."""
+        real = batch["attention_mask"].bool()[:, :, None] & routing["known"]  # [batch, seq, layers]
+        tokens = real.any(-1)
+        with torch.no_grad():
+            other = self.logprobs(batch, replay=not self.replay)
+        with_replay, without = (old_logprob, other) if self.replay else (other, old_logprob)
+        mask = batch["loss_mask"]
+        return {"routing/mismatch_token_frac": float((routing["mismatch"] & real).any(-1).sum() / tokens.sum().clamp(min=1)),
+                "routing/mismatch_layer_frac": float((routing["mismatch"] & real).sum() / real.sum().clamp(min=1)),
+                "mismatch/kl_replay": float(approx_kl(batch["behavior_logprob"], with_replay, mask, "k3")),
+                "mismatch/kl_no_replay": float(approx_kl(batch["behavior_logprob"], without, mask, "k3"))}
 
     def train(self, *worker_segments: list[Segment]) -> tuple[dict, dict]:
         """One rollout batch -> `trainer.minibatches` optimizer steps. Returns (metrics, per-token rows)."""
@@ -80,8 +123,9 @@ class Learner:
         identity = audit_identity(segments, batch)
         advantages = compute_advantages(batch["rewards"], batch["group_ids"], self.algo.advantage,
                                         rollout_ids=batch["rollout_ids"])  # [batch]
+        routing: dict = {}
         with torch.no_grad():
-            old_logprob = self.logprobs(batch)  # π_old: the learner's log-probs of the sampled ids
+            old_logprob = self.logprobs(batch, routing=routing)  # π_old: the learner's log-probs of the sampled ids
         mask = batch["loss_mask"]
         gate = version_gate(batch["behavior_logprob"], old_logprob, mask, batch["behavior_version"], consumed_at,
                             level=self.gate.level, mode=self.gate.mode, band=tuple(self.gate.band),
@@ -95,10 +139,14 @@ class Learner:
                    "mismatch/kl": float(approx_kl(batch["behavior_logprob"], old_logprob, mask, "k3")),
                    "mismatch/max_abs_logprob_diff": float(((old_logprob - batch["behavior_logprob"]).abs() * mask).max()),
                    **gate_metrics(gate, mask), **identity}
+        routing_rows = []
+        if routing:
+            metrics.update(self.routing_metrics(batch, routing, old_logprob))
+            routing_rows = routing_table_rows(segments, routing)
         steps = []
         for rows in torch.arange(len(segments)).chunk(self.trainer.minibatches):
             minibatch = {key: value[rows] for key, value in batch.items()}
-            logprob = self.logprobs(minibatch)
+            logprob = self.logprobs(minibatch)  # under replay when on: router logits and gradient stay live
             if self.algo.policy_loss == "gspo":
                 logprob = sequence_ratio_logprob(logprob, old_logprob[rows], mask[rows])
             loss, step_metrics = policy_gradient_loss(
@@ -118,6 +166,7 @@ class Learner:
         rows = {"train_logprob": [old_logprob[i, :n].numpy() for i, n in enumerate(lengths.tolist())],
                 "is_weight": [gate.token_weight[i, :n].numpy() for i, n in enumerate(lengths.tolist())],
                 "advantage": advantages.tolist(), "learner_version": consumed_at,
+                "routing": routing_rows,
                 "gate": {"staleness": gate.staleness.tolist(), "seq_log_ratio": gate.seq_log_ratio.tolist(),
                          "geo_ratio": gate.geo_ratio.tolist(), "kept": gate.kept.tolist(), "reason": gate.reason,
                          "tokens_masked": gate.tokens_masked.tolist()}}

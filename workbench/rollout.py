@@ -101,7 +101,8 @@ class RolloutWorker:
             for i, generation in zip(open_, generations):
                 text = reply_text(self.tokenizer, generation.token_ids, generation.finish_reason)
                 episodes[i].add_sampled(generation.token_ids, generation.logprobs, generation.versions,
-                                        {"role": "assistant", "content": text}, generation.finish_reason)
+                                        {"role": "assistant", "content": text}, generation.finish_reason,
+                                        generation.extras.get("routed_experts"))
                 result = envs[i].step(text)
                 rewards[i] += result.reward
                 if not (result.terminated or result.truncated) and turn + 1 < self.max_turns:

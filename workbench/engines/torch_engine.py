@@ -56,6 +56,9 @@ class TorchEngine:
         self.pad_token_id = self.model.config.pad_token_id or 0
         self.generator = torch.Generator().manual_seed(seed)
         self.version, self.partial = 0, partial
+        from workbench.invariants.routing_replay import find_routers
+
+        self.moe = bool(find_routers(self.model))  # then every Generation carries its routed experts
         self._lock, self._pending, self._busy = threading.Lock(), None, 0  # busy: generations and holds
 
     def load_weights(self, state_dict: dict, version: int) -> None:
@@ -99,8 +102,24 @@ class TorchEngine:
         finally:
             self._leave()
 
-    @torch.no_grad()
     def _generate(self, prompts: list[np.ndarray], params: SamplingParams) -> list[Generation]:
+        if not self.moe:
+            return self._sample(prompts, params)
+        from workbench.invariants.routing_replay import capture_routes
+
+        with capture_routes(self.model) as forwards:
+            generations = self._sample(prompts, params)
+        longest = max(len(p) for p in prompts)
+        prefill = forwards[0].reshape(len(prompts), longest, *forwards[0].shape[1:])  # [batch, seq, layers, k]
+        for row, (prompt, generation) in enumerate(zip(prompts, generations)):
+            # token j of the reply is fed (and routed) by forward j + 1; the last sampled token never is
+            fed = [forwards[j + 1][row] for j in range(len(generation.token_ids) - 1)]
+            unknown = np.full((1, *prefill.shape[2:]), -1, dtype=np.int16)
+            generation.extras["routed_experts"] = np.concatenate([prefill[row, longest - len(prompt):], *([np.stack(fed)] if fed else []), unknown])
+        return generations
+
+    @torch.no_grad()
+    def _sample(self, prompts: list[np.ndarray], params: SamplingParams) -> list[Generation]:
         batch, longest = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((batch, longest), self.pad_token_id, dtype=torch.long)  # [batch, seq]
         attention = torch.zeros((batch, longest), dtype=torch.long)

@@ -29,6 +29,7 @@ class SegmentTokens:
     prompt_text: str = ""
     sampled_turns: list[np.ndarray] = field(default_factory=list)  # what the engine returned, per turn
     finish: str = ""  # finish reason of the last sampled turn
+    routes: np.ndarray | None = None  # int16 [t, layers, k] experts of the latest forward over positions 0..t
 
     def extend(self, ids, sampled: bool, logprobs=None, versions=None) -> None:
         self.token_ids.extend(int(i) for i in ids)
@@ -43,7 +44,11 @@ class SegmentTokens:
         return np.array_equal(sampled, returned)
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {"token_ids": np.asarray(self.token_ids, dtype=np.int32),
+        routed = None
+        if self.routes is not None:  # positions added after the last forward are unknown (-1)
+            routed = np.full((len(self.token_ids), *self.routes.shape[1:]), -1, dtype=np.int16)
+            routed[:len(self.routes)] = self.routes[:len(self.token_ids)]
+        return {"routed_experts": routed,"token_ids": np.asarray(self.token_ids, dtype=np.int32),
                 "loss_mask": np.asarray(self.loss_mask, dtype=np.uint8),
                 "behavior_logprob": np.asarray(self.behavior_logprob, dtype=np.float32),
                 "behavior_version": np.asarray(self.behavior_version, dtype=np.int32)}
@@ -74,7 +79,8 @@ class TokenAccumulator:
         """The exact ids generation continues from (int32 [t])."""
         return np.asarray(self.open.token_ids, dtype=np.int32)
 
-    def add_sampled(self, token_ids: np.ndarray, logprobs: np.ndarray, versions, message: dict, finish_reason: str) -> None:
+    def add_sampled(self, token_ids: np.ndarray, logprobs: np.ndarray, versions, message: dict, finish_reason: str,
+                    routed_experts: np.ndarray | None = None) -> None:
         """Append what the engine sampled, untouched, with each token's log-prob and weight version
         (`versions`: one int for the whole turn or int [n]). `message` is the assistant message decoded
         from it (text, tool calls), for the conversation only; `finish_reason` "stop" means the last
@@ -86,6 +92,8 @@ class TokenAccumulator:
         self.open.extend(token_ids, sampled=True, logprobs=logprobs, versions=versions)
         self.open.turn_spans.append((start, len(self.open.token_ids)))
         self.open.sampled_turns.append(np.asarray(token_ids, dtype=np.int64).copy())
+        if routed_experts is not None:  # the rollout's experts for every position of this forward
+            self.open.routes = routed_experts
         self.messages.append(message)
         self.last_finish = self.open.finish = finish_reason
 

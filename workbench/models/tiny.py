@@ -41,9 +41,14 @@ CHAT_TEMPLATE = (
 )
 
 # Shapes of the built-in tiny models. head_dim 32 is the smallest vLLM's CPU attention accepts.
+_SHAPE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512)
 TINY_SPECS: dict[str, dict] = {
-    "tiny": dict(family="qwen3", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32, intermediate_size=256, vocab_size=512),
+    "tiny": dict(_SHAPE, family="qwen3", num_hidden_layers=2, intermediate_size=256),
+    # mixtures of experts: 8 experts, top-2, every one of 3 layers sparse
+    "tiny-moe": dict(_SHAPE, family="qwen3_moe", num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=64, intermediate_size=256, norm_topk_prob=True),
+    "tiny-mixtral": dict(_SHAPE, family="mixtral", num_hidden_layers=3, num_local_experts=8, num_experts_per_tok=2,
+                         intermediate_size=64),
 }
 
 _CORPUS = """\
@@ -86,14 +91,20 @@ def build_tokenizer(vocab_size: int):
 def build_model(spec: dict, tokenizer, seed: int = 0):
     """A randomly initialised causal LM of the given spec (untied embeddings: vLLM reloads need it)."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    fields = {k: v for k, v in spec.items() if k not in ("family", "vocab_size")}
-    config = Qwen3Config(**fields, vocab_size=len(tokenizer), tie_word_embeddings=False,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.pad_token_id, max_position_embeddings=2048)
+    fields = {k: v for k, v in spec.items() if k not in ("family", "vocab_size", "seed", "template")}
+    config = CONFIG_MAPPING[spec["family"]](**fields, vocab_size=len(tokenizer), tie_word_embeddings=False,
+                                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                            bos_token_id=tokenizer.pad_token_id, max_position_embeddings=2048)
     torch.manual_seed(seed)
-    return Qwen3ForCausalLM(config)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def is_moe(model_config) -> bool:
+    """Whether a transformers config describes a mixture-of-experts model."""
+    return any(getattr(model_config, key, 0) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def tiny_model_path(name: str = "tiny", seed: int = 0) -> Path:

@@ -196,7 +196,8 @@ class LoopbackServer:
             ids, logprobs, versions, finish, text = ids[:end], logprobs[:end], versions[:end], "stop_sequence", text[:hit[0]]
         content, calls = wires.parse_assistant(text)
         message = dict({"role": "assistant", "content": content}, **({"tool_calls": calls} if calls else {}))
-        episode.add_sampled(ids, logprobs, versions, message, finish)
+        routes = generation.extras.get("routed_experts")
+        episode.add_sampled(ids, logprobs, versions, message, finish, None if routes is None else routes[:len(prompt) + len(ids)])
         session.accumulator = episode  # committed: generation succeeded
         session.requests.append({"session": session.session_id, "rollout_id": session.rollout_id, "wire": wire,
                                  "stream": chat.stream, "action": action, "prompt_tokens_reused": reused,

@@ -42,8 +42,14 @@ REQUESTS = pa.schema([
     ("new_prompt_tokens", pa.int32()), ("generated_tokens", pa.int32()), ("latency_s", pa.float64()), ("time", pa.float64()),
 ])
 
+ROUTING = pa.schema([
+    ("run_id", pa.string()), ("step", pa.int32()), ("rollout_id", pa.int64()), ("segment_idx", pa.int32()),
+    ("layer", pa.int32()), ("tokens", pa.int32()), ("mismatched", pa.int32()), ("positions", pa.list_(pa.int32())),
+])
+
 TABLES: dict[str, pa.Schema] = {"segments": SEGMENTS, "tokens": TOKENS, "metrics": METRICS,
-                                "gate_decisions": GATE_DECISIONS, "requests": REQUESTS}
+                                "gate_decisions": GATE_DECISIONS, "requests": REQUESTS,
+                                "routing": ROUTING}
 
 
 def step_tables(run_id: str, step: int, learner_version: int, segments: list, train: dict) -> dict[str, pa.Table]:
@@ -91,10 +97,15 @@ def step_tables(run_id: str, step: int, learner_version: int, segments: list, tr
                      tokens_masked=gate["tokens_masked"])
     return {"segments": pa.table(segment_rows, schema=SEGMENTS), "tokens": pa.table(token_rows, schema=TOKENS),
             "gate_decisions": pa.table(gate_rows, schema=GATE_DECISIONS),
-            "requests": request_table(run_id, step, [r for s in segments for r in s.requests])}
+            "requests": request_table(run_id, step, [r for s in segments for r in s.requests]),
+            "routing": _rows_table(ROUTING, run_id, step, train.get("routing") or [])}
+
+
+def _rows_table(schema: pa.Schema, run_id: str, step: int, rows: list[dict]) -> pa.Table:
+    columns = {name: [row[name] for row in rows] for name in schema.names if name not in ("run_id", "step")}
+    return pa.table(dict(run_id=[run_id] * len(rows), step=[step] * len(rows), **columns), schema=schema)
 
 
 def request_table(run_id: str, step: int, rows: list[dict]) -> pa.Table:
     """Loopback request rows (see workbench.server.loopback) as the `requests` table."""
-    columns = {name: [row[name] for row in rows] for name in REQUESTS.names if name not in ("run_id", "step")}
-    return pa.table(dict(run_id=[run_id] * len(rows), step=[step] * len(rows), **columns), schema=REQUESTS)
+    return _rows_table(REQUESTS, run_id, step, rows)

@@ -1,0 +1,101 @@
+"""Invariant: rollout and trainer compute the same model — the experts the rollout chose for each token are the experts the training forward uses.
+
+Rollout routing replay (R3, arXiv 2510.11370), with no change to the model code: a forward hook
+on every MoE router (transformers' `*TopKRouter`: `forward(hidden) -> (logits, weights, indices)`)
+either *captures* the top-k expert ids of each token, or *replays* recorded ones — the recorded
+ids replace the live top-k, their weights are re-gathered from the live softmax (so router logits
+and their gradient stay live) and re-normalised over the forced experts; a token whose record is
+-1 keeps its live choice. Replay on or off, the hook *measures* where the live top-k differs from
+the record, per layer and token. `decode_vllm_routed_experts` reads vLLM's formats into the same
+int16 [T, layers, top_k] array.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+
+import numpy as np
+import torch
+
+
+def find_routers(model) -> list[torch.nn.Module]:
+    """The MoE router modules of a transformers model, in layer order (empty for a dense model)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k")]
+
+
+@contextlib.contextmanager
+def capture_routes(model):
+    """Yield a list that collects, per forward, one int16 [tokens, layers, top_k] array of live expert ids."""
+    routers, per_forward, current = find_routers(model), [], {}
+
+    def hook(index):
+        def record(module, inputs, output):
+            current[index] = output[2].detach().to(torch.int16)
+            if len(current) == len(routers):  # the last MoE layer of this forward
+                per_forward.append(torch.stack([current[i] for i in range(len(routers))], dim=1).numpy())
+                current.clear()
+        return record
+
+    handles = [router.register_forward_hook(hook(i)) for i, router in enumerate(routers)]
+    try:
+        yield per_forward
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def replay_routes(model, routed_experts: torch.Tensor, enabled: bool = True):
+    """Force (or, with enabled=False, only compare with) recorded routes for the next forwards.
+
+    routed_experts: int [batch, seq, layers, top_k] for the batch about to be run (-1 = unknown).
+    Yields a dict filled with `mismatch`: bool [batch, seq, layers] (live top-k set ≠ recorded set,
+    where recorded) and `known`: bool [batch, seq, layers].
+    """
+    routers = find_routers(model)
+    batch, seq = routed_experts.shape[:2]
+    stats: dict[str, torch.Tensor] = {}
+
+    def hook(layer):
+        def force(module, inputs, output):
+            logits, live_weights, live = output  # [tokens, experts], [tokens, k], [tokens, k]
+            recorded = routed_experts[:, :, layer, :].reshape(-1, live.shape[-1]).to(live.device).long()
+            known = (recorded >= 0).all(-1)  # [tokens]
+            same = (live.sort(-1).values == recorded.sort(-1).values).all(-1)
+            stats.setdefault("mismatch", torch.zeros(batch, seq, len(routers), dtype=torch.bool))[:, :, layer] = \
+                (known & ~same).view(batch, seq)
+            stats.setdefault("known", torch.zeros(batch, seq, len(routers), dtype=torch.bool))[:, :, layer] = known.view(batch, seq)
+            if not enabled:
+                return output
+            chosen = torch.where(known[:, None], recorded, live)  # [tokens, k]
+            weights = torch.softmax(logits.float(), dim=-1).gather(-1, chosen)
+            if getattr(module, "norm_topk_prob", True):  # Mixtral always re-normalises; Qwen3-MoE / OLMoE by config
+                weights = weights / weights.sum(-1, keepdim=True)
+            return logits, weights.to(live_weights.dtype), chosen
+        return force
+
+    handles = [router.register_forward_hook(hook(i)) for i, router in enumerate(routers)]
+    try:
+        yield stats
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def decode_vllm_routed_experts(data, num_tokens: int) -> np.ndarray:
+    """vLLM's `routed_experts` (nested lists, or a base64 `.npy` string), one row per token that was
+    fed (one fewer than the tokens: the last sampled token never is), as int16 [num_tokens, layers, k]
+    with -1 for rows vLLM did not report."""
+    if isinstance(data, str):
+        array = np.load(io.BytesIO(base64.b64decode(data)), allow_pickle=False)
+    else:
+        array = np.asarray(data)
+    if array.ndim != 3:
+        raise ValueError(f"routed_experts must be [tokens, layers, top_k]; got shape {array.shape}.")
+    if not num_tokens - 1 <= len(array) <= num_tokens:
+        raise ValueError(f"routed_experts has {len(array)} rows for {num_tokens} tokens (expected {num_tokens - 1} or {num_tokens}).")
+    out = np.full((num_tokens, *array.shape[1:]), -1, dtype=np.int16)
+    out[:len(array)] = array.astype(np.int16)
+    return out
