@@ -1,0 +1,80 @@
+"""Routing replay on the tiny MoE: learner forward+backward time with replay / without, and what
+replay buys when the rollout's routes differ (router noise on the rollout engine).
+
+    python bench/replay_overhead.py [--quick] [--model tiny-moe|tiny-mixtral]
+"""
+
+import argparse
+import time
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from workbench.config import compose_config
+from workbench.engines.base import SamplingParams
+from workbench.engines.torch_engine import TorchEngine
+from workbench.invariants.routing_replay import find_routers
+from workbench.learner import Learner, collate
+from workbench.models.tiny import tiny_model_path
+from workbench.segment import Segment
+
+
+def segments_from(engine, count, max_tokens):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(5, 400, size=16).astype(np.int32) for _ in range(count)]
+    out = []
+    for i, (p, g) in enumerate(zip(prompts, engine.generate(prompts, SamplingParams(max_tokens=max_tokens, seed=1)))):
+        mask = np.r_[np.zeros(len(p)), np.ones(len(g.token_ids))].astype(np.uint8)
+        out.append(Segment("b", i, 0, i // 4, np.r_[p, g.token_ids].astype(np.int32), mask,
+                           np.r_[np.zeros(len(p)), g.logprobs].astype(np.float32), np.where(mask == 1, 0, -1).astype(np.int32),
+                           reward=float(i % 2), routed_experts=g.extras["routed_experts"]))
+    return out
+
+
+def forward_backward_seconds(learner, batch, replay, repeats):
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        logprob = learner.logprobs(batch, replay=replay)
+        (logprob * batch["loss_mask"]).sum().backward()
+        learner.model.zero_grad()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--model", default="tiny-moe")
+    args = parser.parse_args()
+    count, tokens, repeats = (8, 16, 3) if args.quick else (32, 48, 15)
+    torch.set_num_threads(2)
+    path = str(tiny_model_path(args.model))
+    cfg = compose_config([f"model={args.model}", "algo.routing_replay=true"])
+    OmegaConf.update(cfg, "run.id", "bench")
+    learner = Learner(cfg, path)
+    batch = collate(segments_from(TorchEngine(path), count, tokens))
+    forward_backward_seconds(learner, batch, True, 1)  # warm-up
+    plain = forward_backward_seconds(learner, batch, False, repeats)
+    replayed = forward_backward_seconds(learner, batch, True, repeats)
+    print(f"{args.model}: {count} sequences x {batch['token_ids'].shape[1]} tokens, {len(find_routers(learner.model))} MoE layers")
+    print(f"forward+backward  without replay {plain * 1e3:7.1f} ms   with replay {replayed * 1e3:7.1f} ms   ratio {replayed / plain:.3f}")
+    noisy = TorchEngine(path)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for router in find_routers(noisy.model):
+            router.weight.add_(0.5 * router.weight.abs().mean() * torch.randn_like(router.weight))
+    batch = collate(segments_from(noisy, count, tokens))
+    routing = {}
+    with torch.no_grad():
+        old = learner.logprobs(batch, routing=routing)
+    metrics = learner.routing_metrics(batch, routing, old)
+    print(f"router noise on the rollout: mismatched tokens {metrics['routing/mismatch_token_frac']:.3f}, "
+          f"(token, layer) pairs {metrics['routing/mismatch_layer_frac']:.3f}")
+    print(f"KL(rollout || learner)  without replay {metrics['mismatch/kl_no_replay']:.2e}   with replay "
+          f"{metrics['mismatch/kl_replay']:.2e}   reduction {metrics['mismatch/kl_no_replay'] / max(metrics['mismatch/kl_replay'], 1e-12):.1f}x")
+
+
+if __name__ == "__main__":
+    main()
