@@ -55,11 +55,15 @@ def main() -> None:
     OmegaConf.update(cfg, "run.id", "bench")
     learner = Learner(cfg, path)
     batch = collate(segments_from(TorchEngine(path), count, tokens))
-    forward_backward_seconds(learner, batch, True, 1)  # warm-up
-    plain = forward_backward_seconds(learner, batch, False, repeats)
-    replayed = forward_backward_seconds(learner, batch, True, repeats)
+    unrouted = {k: v for k, v in batch.items() if k != "routed_experts"}
+    cases = [(unrouted, False), (batch, False), (batch, True)]  # no hooks; routes measured only; replayed
+    for case in cases:
+        forward_backward_seconds(learner, *case, 2)  # warm-up
+    rounds = np.array([[forward_backward_seconds(learner, *case, 1) for case in cases] for _ in range(repeats)])
+    bare, plain, replayed = np.median(rounds, axis=0)  # interleaved rounds: drift hits every case alike
     print(f"{args.model}: {count} sequences x {batch['token_ids'].shape[1]} tokens, {len(find_routers(learner.model))} MoE layers")
-    print(f"forward+backward  without replay {plain * 1e3:7.1f} ms   with replay {replayed * 1e3:7.1f} ms   ratio {replayed / plain:.3f}")
+    print(f"forward+backward  no hooks {bare * 1e3:7.1f} ms   measured only {plain * 1e3:7.1f} ms   with replay "
+          f"{replayed * 1e3:7.1f} ms   replay / no hooks {replayed / bare:.3f}")
     noisy = TorchEngine(path)
     torch.manual_seed(1)
     with torch.no_grad():
