@@ -116,3 +116,10 @@ def test_an_identity_violation_stops_training(tiny_path):
     assert audit_identity([good, good], collate([good, good])) == {"identity/violations": 0.0, "identity/retokenize_drift": 1.0}
     with pytest.raises(RuntimeError, match="Token identity violated in 1 segment"):
         audit_identity([good, bad], collate([good, bad]))
+
+
+def test_misaligned_logprobs_are_a_hard_error(tokenizer):
+    episode = TokenAccumulator(tokenizer, [{"role": "user", "content": "Hi"}])
+    with pytest.raises(ValueError, match="2 log-probs for 3 sampled tokens"):
+        episode.add_sampled(np.array([5, 6, 7], np.int32), np.zeros(2, np.float32), 0, {"role": "assistant", "content": ""}, "stop")
+    assert sum(episode.open.loss_mask) == 0  # nothing was appended
