@@ -51,8 +51,18 @@ def test_bad_config_is_one_sentence_naming_the_key(override, words):
 
 
 def test_multirun_line_expands_to_every_combination():
-    jobs = expand_sweep(["+recipe=arith", "trainer.lr=1e-3,2e-3", "seed=0,1,2"])
+    jobs = [job for job, _ in expand_sweep(["+recipe=arith", "trainer.lr=1e-3,2e-3", "seed=0,1,2"])]
     assert len(jobs) == 6
     assert {tuple(sorted(j)) for j in jobs} == {tuple(sorted(["+recipe=arith", f"trainer.lr={lr}", f"seed={s}"]))
                                                 for lr in ("0.001", "0.002") for s in (0, 1, 2)}
     assert [compose_config(j).seed for j in jobs[:3]] == [0, 1, 2]
+
+
+def test_sweep_grammar_lists_ranges_and_swept_values():
+    jobs = expand_sweep(["+recipe=arith", "gate.level=token", "gate.band=[0.5,2.0],[0.9,1.1]", "seed=range(0,3)"])
+    assert len(jobs) == 6
+    swept = [values for _, values in jobs]
+    assert {v["gate.band"] for v in swept} == {"[0.5,2.0]", "[0.9,1.1]"} and {v["seed"] for v in swept} == {"0", "1", "2"}
+    assert all(set(v) == {"gate.band", "seed"} for v in swept)  # fixed keys are not "swept"
+    bands = {tuple(compose_config(job).gate.band) for job, _ in jobs}
+    assert bands == {(0.5, 2.0), (0.9, 1.1)}

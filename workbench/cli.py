@@ -13,6 +13,13 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="molt-wb: a research workbench for agentic RL on language models.")
 
 
+def console():
+    """A rich console; piped output gets wide lines so ids are never cut."""
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 200)
+
+
 def fail(message: str) -> None:
     typer.secho(f"error: {message}", fg="red", err=True)
     raise typer.Exit(2)
@@ -26,34 +33,58 @@ def train(ctx: typer.Context):
     one run after another, all tagged with one sweep id. Config groups: model, engine, agent, algo,
     gate, trainer, tracking, ray; see conf/ and the README for every key.
     """
+    from omegaconf import OmegaConf
+
     from workbench.config import ConfigError, compose_config, expand_sweep
 
     overrides = [a for a in ctx.args if a not in ("-m", "--multirun")]
     multirun = len(overrides) != len(ctx.args)
     try:
-        jobs = expand_sweep(overrides) if multirun else [overrides]
-        sweep = ["run.sweep_id=" + datetime.datetime.now().strftime("sweep-%Y%m%d-%H%M%S")] if multirun else []
-        configs = [compose_config(job + sweep) for job in jobs]
+        jobs = expand_sweep(overrides) if multirun else [(overrides, {})]
+        sweep = ["run.sweep_id=" + datetime.datetime.now().strftime("sweep-%Y%m%d-%H%M%S-") + os.urandom(2).hex()] if multirun else []
+        configs = [compose_config(job + sweep) for job, _ in jobs]
     except (ConfigError, ValueError) as error:
         fail(str(error))
-    from workbench import loop
+    for cfg, (_, swept) in zip(configs, jobs):
+        OmegaConf.update(cfg, "run.swept", swept, merge=False)
+    from workbench import loop, runtime
 
-    failed = 0
-    for cfg in configs:
+    parallel = configs[0].sweep.parallel if multirun else 1
+    if parallel > 1:
+        runtime.init_ray(configs[0])  # once, sized for the parallel jobs
+        for cfg in configs:
+            OmegaConf.update(cfg, "run.progress", False)
+
+    def run(cfg) -> bool:
         try:
             run_id = loop.train(cfg)
             typer.echo(f"run {run_id} finished: {os.path.join(cfg.run.root, run_id)}")
-        except KeyboardInterrupt:
-            typer.echo(f"run {cfg.run.id} interrupted; what was written is kept.", err=True)
-            raise typer.Exit(130)
+            return True
         except ConfigError as error:
-            fail(str(error))
-        except Exception as error:  # a failed job of a sweep is recorded and the sweep goes on
+            if not multirun:
+                fail(str(error))
+            typer.secho(f"run {cfg.run.id} refused: {error}", fg="red", err=True)
+        except Exception as error:  # a failed job of a sweep is recorded as failed and the sweep goes on
             if not multirun:
                 raise
-            failed += 1
             typer.secho(f"run {cfg.run.id} failed: {error}", fg="red", err=True)
-    if failed:
+        return False
+
+    try:
+        if parallel > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(parallel) as pool:
+                outcomes = list(pool.map(run, configs))
+        else:
+            outcomes = [run(cfg) for cfg in configs]
+    except KeyboardInterrupt:
+        typer.echo("interrupted; what was written is kept.", err=True)
+        raise typer.Exit(130)
+    if multirun:
+        typer.echo(f"sweep {configs[0].run.sweep_id}: {sum(outcomes)}/{len(outcomes)} runs finished; "
+                   f"molt-wb compare {configs[0].run.sweep_id}")
+    if not all(outcomes):
         raise typer.Exit(1)
 
 
@@ -97,7 +128,6 @@ def serve(ctx: typer.Context,
 def runs(root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
          limit: int = typer.Option(50, help="Show at most this many runs, newest first.")):
     """List runs: id, recipe, status, steps, mean reward, created."""
-    from rich.console import Console
     from rich.table import Table
 
     from workbench.store import list_runs
@@ -109,7 +139,61 @@ def runs(root: str = typer.Option("runs", help="Folder of run folders (run.root)
                       f"{row.get('steps_done', 0)}/{row.get('steps', '?')}", "-" if reward is None else f"{reward:.3f}",
                       datetime.datetime.fromtimestamp(row.get("created", 0)).strftime("%Y-%m-%d %H:%M"),
                       row.get("sweep_id") or "")
-    Console().print(table)
+    console().print(table)
+
+
+@app.command("sweeps")
+def list_sweeps(root: str = typer.Option("runs", help="Folder of run folders (run.root).")):
+    """List sweeps: id, runs, finished, failed, swept keys, created."""
+    from rich.table import Table
+
+    from workbench.store.compare import sweeps
+
+    table = Table("sweep", "runs", "finished", "failed", "swept", "created")
+    for row in sweeps(root):
+        table.add_row(row["sweep_id"], str(row["runs"]), str(row["finished"]), str(row["failed"]), ", ".join(row["swept"]),
+                      datetime.datetime.fromtimestamp(row["created"]).strftime("%Y-%m-%d %H:%M"))
+    console().print(table)
+
+
+@app.command()
+def compare(selection: list[str] = typer.Argument(..., help="A sweep id, or run ids (unique prefixes)."),
+            root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
+            csv: bool = typer.Option(False, "--csv", help="CSV on stdout."),
+            json_out: bool = typer.Option(False, "--json", help="JSON (one object per run) on stdout."),
+            plot_path: Optional[str] = typer.Option(None, "--plot", help="Write reward curves and kept-vs-reward to PNG.")):
+    """Runs side by side: swept values, final and best reward, kept fraction, KL, stale fraction, tokens/s, wall time."""
+    import json
+
+    from workbench.store.compare import COLUMNS, compare_rows, plot
+
+    try:
+        swept, rows = compare_rows(selection, root)
+    except ValueError as error:
+        fail(str(error))
+    columns = [*COLUMNS[:1], *swept, *COLUMNS[1:]]
+    if json_out:
+        typer.echo(json.dumps(rows, indent=1))
+    elif csv:
+        import csv as csv_module
+
+        writer = csv_module.DictWriter(sys.stdout, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    else:
+        from rich.table import Table
+
+        table = Table(*columns)
+        for row in rows:
+            table.add_row(*("-" if row[c] is None else f"{row[c]:.4g}" if isinstance(row[c], float) else str(row[c])
+                            for c in columns))
+        console().print(table)
+    if plot_path:
+        try:
+            plot(rows, swept, root, plot_path)
+        except ImportError:
+            fail("compare --plot needs matplotlib: pip install 'molt-wb[plot]'.")
+        typer.echo(f"wrote {plot_path}", err=True)
 
 
 @app.command()

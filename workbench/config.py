@@ -170,8 +170,16 @@ class RunConfig:
     """...or as soon as this many token rows are buffered."""
     sweep_id: str | None = None
     """Set by `molt-wb train -m`: the sweep this run belongs to."""
+    swept: dict[str, str] = field(default_factory=dict)
+    """Set by `molt-wb train -m`: this run's values of the swept keys."""
     progress: bool = True
     """Show progress: a rich bar on a terminal, one line per step otherwise; false = silent."""
+
+
+@dataclass
+class SweepConfig:
+    parallel: int = 1
+    """Jobs of a multirun that run at once on the same Ray cluster (1 = one after another)."""
 
 
 @dataclass
@@ -191,6 +199,7 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
 class ConfigError(ValueError):
@@ -220,14 +229,15 @@ def compose_config(overrides: list[str] = ()) -> Any:
     return cfg
 
 
-def expand_sweep(overrides: list[str]) -> list[list[str]]:
-    """One override list per job of a Hydra multirun line (`a=1,2 b=x,y` gives four jobs)."""
+def expand_sweep(overrides: list[str]) -> list[tuple[list[str], dict[str, str]]]:
+    """(overrides, swept values) per job of a Hydra multirun line (`a=1,2 b=x,y` gives four jobs)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(list(overrides))
-    batches = BasicSweeper.split_arguments(parsed, None)
-    return [list(job) for batch in batches for job in batch]
+    swept = {o.key_or_group for o in parsed if o.is_sweep_override()}
+    jobs = [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    return [(job, {k: v for k, v in (o.lstrip("+~").split("=", 1) for o in job) if k in swept}) for job in jobs]
 
 
 ADVANTAGES = ("reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo")
@@ -259,6 +269,7 @@ def validate(cfg) -> None:
          "algo.aggregation=constant needs algo.constant_denominator (e.g. batch size x max tokens).")
     need(cfg.trainer.group_size >= 2 or cfg.algo.advantage in ("reinforce", "reinforce_baseline"),
          f"algo.advantage={cfg.algo.advantage} compares samples of one prompt: set trainer.group_size to 2 or more.")
+    need(cfg.sweep.parallel >= 1, "sweep.parallel must be at least 1.")
     need(cfg.trainer.steps >= 1 and cfg.trainer.prompts_per_step >= 1, "trainer.steps and trainer.prompts_per_step must be at least 1.")
     need(cfg.trainer.minibatches >= 1 and cfg.trainer.steps % cfg.trainer.minibatches == 0,
          "trainer.steps must be a multiple of trainer.minibatches (each rollout batch gives that many optimizer steps).")

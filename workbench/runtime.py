@@ -46,7 +46,7 @@ def start_run(cfg) -> tuple[Path, dict]:
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     row = {"run_id": cfg.run.id, "recipe": cfg.recipe, "status": "running", "created": time.time(),
-           "code_version": code_version(), "sweep_id": cfg.run.sweep_id, "steps_done": 0, "steps": cfg.trainer.steps,
+           "code_version": code_version(), "sweep_id": cfg.run.sweep_id, "swept": dict(cfg.run.swept), "steps_done": 0, "steps": cfg.trainer.steps,
            "reward_mean": None, "config": OmegaConf.to_container(cfg, resolve=True)}
     return run_dir, row
 
@@ -77,7 +77,7 @@ def init_ray(cfg) -> None:
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, log_to_driver=False, logging_level=logging.WARNING)
         return
-    cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, cfg.ray.rollout_workers + 1)
+    cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, (cfg.ray.rollout_workers + 1) * cfg.sweep.parallel)
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
              _node_ip_address="127.0.0.1",
              object_store_memory=cfg.ray.object_store_mb * 2**20,

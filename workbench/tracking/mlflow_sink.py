@@ -47,6 +47,8 @@ class MlflowSink:
         experiment = self.client.get_experiment_by_name(mlflow_config.experiment)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(mlflow_config.experiment)
         tags = {"workbench.run_id": run_id} | ({"workbench.group": group} if group else {})
+        if group:  # the runs of a sweep are children of one parent run named after the sweep
+            tags["mlflow.parentRunId"] = self._parent(experiment_id, group)
         self.run_id = self.client.create_run(experiment_id, run_name=run_id, tags=tags).info.run_id
         params = [
             Param(key[: limits.MAX_ENTITY_KEY_LENGTH], str(value)[: limits.MAX_PARAM_VAL_LENGTH])
@@ -54,6 +56,12 @@ class MlflowSink:
         ]
         for batch in chunks(params, limits.MAX_PARAMS_TAGS_PER_BATCH):
             self.client.log_batch(self.run_id, params=batch)
+
+    def _parent(self, experiment_id: str, group: str) -> str:
+        found = self.client.search_runs([experiment_id], f"tags.`workbench.sweep` = '{group}'", max_results=1)
+        if found:
+            return found[0].info.run_id
+        return self.client.create_run(experiment_id, run_name=group, tags={"workbench.sweep": group}).info.run_id
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         timestamp_ms = int(time.time() * 1000)

@@ -1,0 +1,85 @@
+"""Runs side by side: the rows of `molt-wb compare` and `molt-wb sweeps`, read back from the store."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from workbench.store.query import list_runs, resolve_run
+
+COLUMNS = ("run_id", "status", "final_reward", "best_reward", "kept_frac", "mismatch_kl", "stale_frac", "tokens_per_s", "wall_s")
+
+
+def sweeps(root: str = "runs") -> list[dict]:
+    """One row per sweep id: runs, finished, failed, swept keys, created (newest first)."""
+    table: dict[str, dict] = {}
+    for row in list_runs(root):
+        if row.get("sweep_id"):
+            entry = table.setdefault(row["sweep_id"], {"sweep_id": row["sweep_id"], "runs": 0, "finished": 0, "failed": 0,
+                                                       "swept": set(), "created": row.get("created", 0)})
+            entry["runs"] += 1
+            entry["finished"] += row.get("status") == "finished"
+            entry["failed"] += row.get("status") == "failed"
+            entry["swept"] |= set(row.get("swept") or {})
+            entry["created"] = min(entry["created"], row.get("created", 0))
+    return sorted(({**e, "swept": sorted(e["swept"])} for e in table.values()), key=lambda e: -e["created"])
+
+
+def compare_rows(selection: list[str], root: str = "runs") -> tuple[list[str], list[dict]]:
+    """(swept keys, one row per run) for a sweep id or a list of run ids (unique prefixes allowed)."""
+    runs = [r for r in list_runs(root) if len(selection) == 1 and r.get("sweep_id") == selection[0]]
+    if not runs:
+        runs = [_run_row(resolve_run(run_id, root)) for run_id in selection]
+    import duckdb
+
+    db = duckdb.connect()
+    swept = sorted({key for run in runs for key in (run.get("swept") or {})})
+    rows = []
+    for run in sorted(runs, key=lambda r: r.get("created", 0)):
+        metrics = Path(root, run["run_id"], "metrics").resolve()
+        stats = db.execute(f"""
+            select arg_max(value, step) filter (where key = 'reward/mean'), max(value) filter (where key = 'reward/mean'),
+                   avg(value) filter (where key = 'gate/kept_frac'), avg(value) filter (where key = 'mismatch/kl'),
+                   avg(value) filter (where key = 'gate/stale_frac'), avg(value) filter (where key = 'perf/tokens_per_s')
+            from read_parquet('{metrics}/*.parquet')""").fetchone()
+        wall = run.get("updated", time.time()) - run.get("created", 0)
+        rows.append(dict(zip(COLUMNS, (run["run_id"], run.get("status"), *stats, wall)),
+                         **{key: (run.get("swept") or {}).get(key) for key in swept}))
+    return swept, rows
+
+
+def reward_curves(run_ids: list[str], root: str = "runs") -> dict[str, list[tuple[int, float]]]:
+    import duckdb
+
+    db = duckdb.connect()
+    return {run_id: db.execute(f"select step, value from read_parquet('{Path(root, run_id, 'metrics').resolve()}/*.parquet') "
+                               f"where key = 'reward/mean' order by step").fetchall() for run_id in run_ids}
+
+
+def plot(rows: list[dict], swept: list[str], root: str, path: str):
+    """Reward curves of every run, and kept fraction vs final reward; returns the figure's two axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (curves, tradeoff) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for row, (run_id, points) in zip(rows, reward_curves([r["run_id"] for r in rows], root).items()):
+        label = ", ".join(f"{k}={row[k]}" for k in swept) or run_id
+        curves.plot([p[0] for p in points], [p[1] for p in points], label=label)
+        tradeoff.scatter(row["kept_frac"] if row["kept_frac"] is not None else 1.0, row["final_reward"] or 0.0)
+        tradeoff.annotate(label, (row["kept_frac"] if row["kept_frac"] is not None else 1.0, row["final_reward"] or 0.0),
+                          fontsize=7)
+    curves.set(xlabel="step", ylabel="reward/mean", title="reward")
+    curves.legend(fontsize=7)
+    tradeoff.set(xlabel="gate/kept_frac (mean)", ylabel="final reward", title="kept fraction vs reward")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return curves, tradeoff
+
+
+def _run_row(folder: Path) -> dict:
+    import json
+
+    return json.loads((folder / "run.json").read_text())
