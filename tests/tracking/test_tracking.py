@@ -119,3 +119,15 @@ def test_enabled_mlflow_without_mlflow_installed_says_how_to_fix():
     result = run_python(code)
     assert "RuntimeError" in result.stderr and "pip install 'molt-wb[mlflow]'" in result.stderr
     assert "tracking.mlflow.enabled=false" in result.stderr
+
+
+def test_mlflow_runs_of_one_sweep_share_a_parent_run(tmp_path, mlflow_uri):
+    from mlflow.tracking import MlflowClient
+
+    sinks = [make_sinks(tracking(mlflow_uri=mlflow_uri), str(tmp_path / f"job-{i}"), f"job-{i}", {}, group="sweep-x")[0]
+             for i in range(2)]
+    log_steps(sinks)
+    client = MlflowClient(mlflow_uri)
+    parents = {client.get_run(s.run_id).data.tags["mlflow.parentRunId"] for s in sinks}
+    assert len(parents) == 1
+    assert client.get_run(parents.pop()).info.run_name == "sweep-x"
