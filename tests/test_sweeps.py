@@ -37,7 +37,9 @@ def test_a_band_sweep_runs_every_job_and_compare_reads_them_back(tmp_path):
         rewards = [v for (v,) in db.execute("select value from metrics where key = 'reward/mean' order by step").fetchall()]
         kept = db.execute("select avg(value) from metrics where key = 'gate/kept_frac'").fetchone()[0]
         assert row["final_reward"] == rewards[-1] and row["best_reward"] == max(rewards)
-        assert abs(row["kept_frac"] - kept) < 1e-12 and row["status"] == "finished" and row["wall_s"] > 0
+        filtered = db.execute("select avg(value) from metrics where key = 'gate/is_filter_ratio'").fetchone()[0]
+        assert abs(row["kept_frac"] - kept) < 1e-12 and abs(row["kept_token_frac"] - (1 - filtered)) < 1e-12
+        assert row["status"] == "finished" and row["wall_s"] > 0
     image = matplotlib.image.imread(tmp_path / "sweep.png")
     assert image.shape[0] >= 300 and image.shape[1] >= 800  # 11 x 4.2 inches at 100 dpi
     assert image[..., :3].std() > 0.05  # something is drawn, not a blank canvas

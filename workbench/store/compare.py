@@ -7,7 +7,7 @@ from pathlib import Path
 
 from workbench.store.query import list_runs, resolve_run
 
-COLUMNS = ("run_id", "status", "final_reward", "best_reward", "kept_frac", "mismatch_kl", "stale_frac", "tokens_per_s", "wall_s")
+COLUMNS = ("run_id", "status", "final_reward", "best_reward", "kept_frac", "kept_token_frac", "mismatch_kl", "stale_frac", "tokens_per_s", "wall_s")
 
 
 def sweeps(root: str = "runs") -> list[dict]:
@@ -39,7 +39,8 @@ def compare_rows(selection: list[str], root: str = "runs") -> tuple[list[str], l
         metrics = Path(root, run["run_id"], "metrics").resolve()
         stats = db.execute(f"""
             select arg_max(value, step) filter (where key = 'reward/mean'), max(value) filter (where key = 'reward/mean'),
-                   avg(value) filter (where key = 'gate/kept_frac'), avg(value) filter (where key = 'mismatch/kl'),
+                   avg(value) filter (where key = 'gate/kept_frac'), 1 - avg(value) filter (where key = 'gate/is_filter_ratio'),
+                   avg(value) filter (where key = 'mismatch/kl'),
                    avg(value) filter (where key = 'gate/stale_frac'), avg(value) filter (where key = 'perf/tokens_per_s')
             from read_parquet('{metrics}/*.parquet')""").fetchone()
         wall = run.get("updated", time.time()) - run.get("created", 0)
@@ -57,7 +58,8 @@ def reward_curves(run_ids: list[str], root: str = "runs") -> dict[str, list[tupl
 
 
 def plot(rows: list[dict], swept: list[str], root: str, path: str):
-    """Reward curves of every run, and kept fraction vs final reward; returns the figure's two axes."""
+    """Reward curves of every run, and the fraction of sampled tokens the gate kept vs final reward
+    (sequence-level gates drop whole sequences, token-level ones single tokens: both count here)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,12 +69,12 @@ def plot(rows: list[dict], swept: list[str], root: str, path: str):
     for row, (run_id, points) in zip(rows, reward_curves([r["run_id"] for r in rows], root).items()):
         label = ", ".join(f"{k}={row[k]}" for k in swept) or run_id
         curves.plot([p[0] for p in points], [p[1] for p in points], label=label)
-        tradeoff.scatter(row["kept_frac"] if row["kept_frac"] is not None else 1.0, row["final_reward"] or 0.0)
-        tradeoff.annotate(label, (row["kept_frac"] if row["kept_frac"] is not None else 1.0, row["final_reward"] or 0.0),
-                          fontsize=7)
+        kept = row["kept_token_frac"] if row["kept_token_frac"] is not None else 1.0
+        tradeoff.scatter(kept, row["final_reward"] or 0.0)
+        tradeoff.annotate(label, (kept, row["final_reward"] or 0.0), fontsize=7)
     curves.set(xlabel="step", ylabel="reward/mean", title="reward")
     curves.legend(fontsize=7)
-    tradeoff.set(xlabel="gate/kept_frac (mean)", ylabel="final reward", title="kept fraction vs reward")
+    tradeoff.set(xlabel="sampled tokens kept by the gate (mean)", ylabel="final reward", title="kept fraction vs reward")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
