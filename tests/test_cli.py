@@ -135,3 +135,20 @@ def test_serve_prints_sessions_and_records_them_on_sigterm(tmp_path):
     assert sorted(db.execute("select wire from requests").fetchall()) == [("anthropic",), ("openai",)]
     assert db.execute("select status from runs").fetchone()[0] == "finished"
     assert db.execute("select count(*) from tokens where loss_mask = 1").fetchone()[0] >= 2
+
+
+def test_a_run_killed_with_sigkill_is_marked_crashed_by_the_next_command(tmp_path):
+    import signal
+
+    process = subprocess.Popen([sys.executable, "-m", "workbench.cli", "serve", "--json", f"run.root={tmp_path}",
+                                "run.id=killed"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        json.loads(process.stdout.readline())  # serving: the run exists and is running
+        assert json.loads((tmp_path / "killed" / "run.json").read_text())["status"] == "running"
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        process.kill()
+    listing = molt_wb("runs", "--root", str(tmp_path))
+    assert "crashed" in listing.stdout
+    assert json.loads((tmp_path / "killed" / "run.json").read_text())["status"] == "crashed"

@@ -11,6 +11,7 @@ import logging
 import os
 import random
 import secrets
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -46,6 +47,7 @@ def start_run(cfg) -> tuple[Path, dict]:
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     row = {"run_id": cfg.run.id, "recipe": cfg.recipe, "status": "running", "created": time.time(),
+           "pid": os.getpid(), "host": socket.gethostname(),
            "code_version": code_version(), "sweep_id": cfg.run.sweep_id, "swept": dict(cfg.run.swept), "steps_done": 0, "steps": cfg.trainer.steps,
            "reward_mean": None, "config": OmegaConf.to_container(cfg, resolve=True)}
     return run_dir, row

@@ -4,20 +4,41 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
+import socket
 from pathlib import Path
 
 from workbench.store.schema import TABLES
 
 
 def list_runs(root: str = "runs") -> list[dict]:
-    """The `runs` rows of every run under `root`, newest first."""
+    """The `runs` rows of every run under `root`, newest first. A run still marked `running` whose
+    process (on this host) is gone was killed without a chance to say so: it is marked `crashed`."""
     rows = []
     for path in Path(root).glob("*/run.json"):
         try:
-            rows.append(json.loads(path.read_text()))
+            row = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue  # a folder that is not (yet) a run
+        if row.get("status") == "running" and row.get("host") == socket.gethostname() and not _alive(row.get("pid")):
+            from workbench.store.writer import write_json_atomic
+
+            row["status"] = "crashed"
+            write_json_atomic(path, row)
+        rows.append(row)
     return sorted(rows, key=lambda row: row.get("created", 0), reverse=True)
+
+
+def _alive(pid) -> bool:
+    if not pid:
+        return True  # unknown: do not guess
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def resolve_run(run_id: str, root: str = "runs") -> Path:
