@@ -29,9 +29,7 @@ def fail(message: str) -> None:
 def train(ctx: typer.Context):
     """Train a policy. Arguments are Hydra overrides: `+recipe=arith trainer.steps=10 engine.temperature=0.9`.
 
-    `-m`/`--multirun` (anywhere on the line) runs every combination of comma-separated values,
-    one run after another, all tagged with one sweep id. Config groups: model, engine, agent, algo,
-    gate, trainer, tracking, ray; see conf/ and the README for every key.
+    `-m`/`--multirun` (anywhere on the line) runs every combination of comma-separated values as its own run, all tagged with one sweep id; `sweep.parallel=N` runs N at once. Config groups: model, engine, agent, algo, gate, trainer, tracking, ray; see conf/ and the README for every key.
     """
     from omegaconf import OmegaConf
 
@@ -94,8 +92,7 @@ def serve(ctx: typer.Context,
           json_lines: bool = typer.Option(False, "--json", help="One JSON line per session, for scripts.")):
     """Serve the policy on a loopback server for agent development; every session is recorded as a run.
 
-    Arguments are Hydra overrides (`model.path=...`, `engine.max_tokens=64`). Prints each session's
-    OpenAI base URL, Anthropic URL and key. Ctrl-C or SIGTERM flushes the run store and exits.
+    Arguments are Hydra overrides (`model.path=...`, `engine.max_tokens=64`). Prints each session's OpenAI base URL, Anthropic URL and key. Ctrl-C or SIGTERM flushes the run store and exits.
     """
     import json
     import signal
