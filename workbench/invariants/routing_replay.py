@@ -26,6 +26,17 @@ def find_routers(model) -> list[torch.nn.Module]:
 
 
 @contextlib.contextmanager
+def _hooked(routers: list[torch.nn.Module], make_hook):
+    """`make_hook(layer)` installed as a forward hook on each router for the duration of the block."""
+    handles = [router.register_forward_hook(make_hook(i)) for i, router in enumerate(routers)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
 def capture_routes(model):
     """Yield a list that collects, per forward, one int16 [tokens, layers, top_k] array of live expert ids."""
     routers, per_forward, current = find_routers(model), [], {}
@@ -38,12 +49,8 @@ def capture_routes(model):
                 current.clear()
         return record
 
-    handles = [router.register_forward_hook(hook(i)) for i, router in enumerate(routers)]
-    try:
+    with _hooked(routers, hook):
         yield per_forward
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @contextlib.contextmanager
@@ -76,12 +83,8 @@ def replay_routes(model, routed_experts: torch.Tensor, enabled: bool = True):
             return logits, weights.to(live_weights.dtype), chosen
         return force
 
-    handles = [router.register_forward_hook(hook(i)) for i, router in enumerate(routers)]
-    try:
+    with _hooked(routers, hook):
         yield stats
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def decode_vllm_routed_experts(data, num_tokens: int) -> np.ndarray:
