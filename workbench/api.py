@@ -94,3 +94,9 @@ def load_plugin(spec: str) -> ModuleType:
     if not hasattr(module, "AgentRunner"):
         raise ValueError(f"Agent plugin {spec!r} does not export AgentRunner: add `AgentRunner = YourEnv`.")
     return module
+
+
+# ---- tools and graders for plugins (re-exported so that plugins import only this module) ----------
+
+from workbench.grading import extract_answer, format_ok, geo3k_reward, grade, is_equivalent  # noqa: E402
+from workbench.sandbox import SandboxResult, run_python  # noqa: E402

@@ -1,4 +1,4 @@
-"""The `molt-wb` command line: train, runs, doctor."""
+"""The `molt-wb` command line: train, runs, doctor, prepare."""
 
 from __future__ import annotations
 
@@ -215,6 +215,23 @@ def doctor(root: str = typer.Option("runs", help="Folder of run folders (run.roo
 
     typer.echo(f"runs         {os.path.abspath(root)}")
     typer.echo(f"model cache  {cache_root()}")
+
+
+prepare_app = typer.Typer(no_args_is_help=True, help="Convert a public data set into the shape a recipe reads.")
+app.add_typer(prepare_app, name="prepare")
+
+
+@prepare_app.command("geo3k")
+def prepare_geo3k(src: str = typer.Argument(..., help="A split folder of the Geometry3K release (<id>/data.json, img_diagram.png) or a hiyouga/geometry3k .parquet/.jsonl."),
+                  out: str = typer.Argument(..., help="Output file: .parquet (images as bytes) or .jsonl (images as base64).")):
+    """Convert Geometry3K into the Parquet/JSONL shape `+recipe=geo3k data.path=OUT` reads; choice letters become values."""
+    from workbench.api import load_plugin
+
+    try:
+        rows = load_plugin("geo3k_data").prepare(src, out)
+    except ValueError as error:
+        fail(str(error))
+    typer.echo(f"wrote {rows} samples to {out}")
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -1,0 +1,177 @@
+"""Final-answer extraction and numeric-equivalence grading for math answers (Geometry3K style).
+
+Invariant: two answers are equivalent when both evaluate to the same number (within 1e-4 relative, or
+within the rounding of a decimal written with fewer places), whatever their notation (`\\frac{3}{4}`,
+`0.75`, `3/4`; `4\\pi`, `4π`, `12.57`; `2\\sqrt{3}`, `2√3`), units, degree signs, a leading `x =`
+or thousands commas; answers that are not numbers are compared as normalised text. Pure Python and
+fast: expressions are tokenised to floats, `pi`, `sqrt`, operators and brackets before evaluation.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+UNITS = re.compile(r"(?<![a-z])(?:square|sq|cubic|units?|cm|mm|km|m|in|inch|inches|ft|feet|foot|yd|yards?|miles?|"
+                   r"(?:centi|milli|kilo)?meters?|degrees?|deg|radians?)(?:\s*\^?\s*\{?[23]\}?|²|³)?(?![a-z])")
+TOKEN = re.compile(r"\s*(\d+\.\d*|\.\d+|\d+|pi|sqrt|\*\*|[-+*/()])")
+LETTERS = "ABCDEFGH"
+
+
+# ---- extraction ----------------------------------------------------------------------------------
+
+def _group(text: str, start: int) -> tuple[str, int] | None:
+    """The content of the brace group opening at text[start] == '{', and the index after it."""
+    depth = 0
+    for index in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[index], 0)
+        if depth == 0:
+            return text[start + 1:index], index + 1
+    return None
+
+
+def _answer_spans(text: str) -> list[tuple[int, int, str]]:
+    """Every final-answer span (start, end, content): `<answer>` tags and `\\boxed{}` outside them."""
+    spans = [(m.start(), m.end(), m.group(1)) for m in ANSWER_TAG.finditer(text)]
+    for match in re.finditer(r"\\boxed\s*(?=\{)", text):
+        group = _group(text, match.end())
+        if group and not any(start <= match.start() < end for start, end, _ in spans):
+            spans.append((match.start(), group[1], group[0]))
+    return sorted(spans)
+
+
+def extract_answer(text: str) -> str | None:
+    """The content of the last `<answer>…</answer>` or `\\boxed{…}` (nested braces allowed), or None."""
+    spans = _answer_spans(text or "")
+    if not spans:
+        return None
+    content = spans[-1][2]
+    inner = _answer_spans(content)  # <answer>\boxed{5}</answer>
+    content = (inner[-1][2] if inner else content).strip()
+    return content or None
+
+
+def format_ok(text: str) -> bool:
+    """Reasoning first, then exactly one final answer tag, and nothing but punctuation after it."""
+    spans = _answer_spans(text or "")
+    if len(spans) != 1 or not spans[0][2].strip():
+        return False
+    before, after = text[:spans[0][0]], text[spans[0][1]:]
+    if "<think>" in before and "</think>" not in before:
+        return False
+    reasoning = re.sub(r"</?think>", "", before).strip(" \n\t$\\[(")
+    return len(reasoning) > 0 and re.fullmatch(r"[\s$.\\\])]*", after) is not None
+
+
+# ---- evaluation ----------------------------------------------------------------------------------
+
+def _latex(text: str) -> str:
+    """Rewrite \\frac, \\sqrt and brace groups as bracketed Python-like text, recursively."""
+    out, index = [], 0
+    while index < len(text):
+        command = re.match(r"\\[dt]?frac|\\sqrt", text[index:])
+        if command:
+            index += command.end()
+            root = re.match(r"\s*\[([^\]]*)\]", text[index:]) if command.group() == "\\sqrt" else None
+            if root:
+                index += root.end()
+            parts = []
+            for _ in range(2 if "frac" in command.group() else 1):
+                while index < len(text) and text[index] == " ":
+                    index += 1
+                group = _group(text, index) if text[index:index + 1] == "{" else None
+                if group:
+                    parts.append(_latex(group[0]))
+                    index = group[1]
+                else:  # \frac12, \sqrt 3: a single digit for \frac, a digit run for \sqrt
+                    token = re.match(r"\d+" if "sqrt" in command.group() else r".", text[index:], re.DOTALL)
+                    parts.append(token.group() if token else "")
+                    index += len(parts[-1])
+            if "frac" in command.group():
+                out.append(f"(({parts[0]})/({parts[1]}))")
+            else:
+                out.append(f"(({parts[0]})**(1/({_latex(root.group(1))})))" if root else f"sqrt({parts[0]})")
+        elif text[index] == "{":
+            group = _group(text, index)
+            if group is None:
+                return text
+            out.append(f"({_latex(group[0])})")
+            index = group[1]
+        else:
+            out.append(text[index])
+            index += 1
+    return "".join(out)
+
+
+def _normalise(answer: object) -> str:
+    """Lower-case text with markup, units, degree signs, a leading `x =` and thousands commas removed."""
+    text = str(answer).strip().strip("$").strip()
+    text = re.split(r"=|\\approx|≈", text)[-1]
+    text = re.sub(r"\\(?:text|mathrm|textrm|mbox|operatorname)\s*\{([^{}]*)\}", r" \1 ", text)
+    text = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree|°|\\%|%", " ", text)
+    text = re.sub(r"\\(?:left|right|displaystyle|[,;:! ])|~", " ", text)
+    text = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text).lower()
+    text = text.replace("√", "\\sqrt").replace("π", "\\pi").replace("−", "-")
+    return UNITS.sub(" ", text).strip().rstrip(".").strip()
+
+
+def _number(answer: object) -> tuple[float, int | None] | None:
+    """(value, decimal places written, or None unless a plain decimal) of an answer, or None if not a number."""
+    text = _normalise(answer)
+    if not text or len(text) > 200:
+        return None
+    plain = re.fullmatch(r"[-+]?\d*\.(\d+)", text)
+    text = re.sub(r"\\cdot|\\times|×|·", "*", _latex(text)).replace("\\pi", "pi").replace("^", "**").replace("÷", "/")
+    tokens, index = [], 0
+    while index < len(text.rstrip()):
+        match = TOKEN.match(text, index)
+        if match is None:
+            return None
+        tokens.append(match.group(1))
+        index = match.end()
+    expression = []
+    for previous, token in zip([None, *tokens], tokens):
+        if previous and (previous[0].isdigit() or previous[0] in ".)" or previous == "pi") and \
+                (token[0].isdigit() or token[0] == "." or token in ("pi", "sqrt", "(")):
+            expression.append("*")  # 2\sqrt{3}, 4\pi, 2(3)
+        expression.append(repr(float(token)) if token[0].isdigit() or token[0] == "." else token)
+    try:  # safe: only float literals, pi, sqrt, + - * / ** and brackets reach eval; float ** overflows, never hangs
+        value = eval("".join(expression), {"__builtins__": {}, "pi": math.pi, "sqrt": math.sqrt})
+        return (float(value), len(plain.group(1)) if plain else None) if math.isfinite(value) else None
+    except (ArithmeticError, ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+        return None
+
+
+def is_equivalent(pred: object, truth: object) -> bool:
+    """Whether a predicted answer means the same as the ground truth (see the module docstring)."""
+    if pred is None or truth is None or not str(pred).strip():
+        return False
+    numbers = _number(pred), _number(truth)
+    if None in numbers:
+        return numbers == (None, None) and re.sub(r"\s+", "", _normalise(pred)) == re.sub(r"\s+", "", _normalise(truth))
+    (value, places), (true_value, true_places) = numbers
+    tolerance = max(1e-4 * abs(true_value), 1e-9)
+    for written in (places, true_places):  # a decimal rounded to its places matches the exact value
+        if written is not None:
+            tolerance = max(tolerance, 0.5 * 10 ** -written + 1e-12)
+    return abs(value - true_value) <= tolerance
+
+
+def _choice(answer: object, choices: list | None) -> object:
+    """A choice letter (`B`, `(B)`, `B.`) mapped to its choice's value; anything else unchanged."""
+    letter = re.fullmatch(r"\s*\(?([A-Ha-h])[).:]?\s*", str(answer)) if choices else None
+    if letter and LETTERS.index(letter.group(1).upper()) < len(choices):
+        return choices[LETTERS.index(letter.group(1).upper())]
+    return answer
+
+
+def grade(text: str, answer: object, choices: list | None = None) -> bool:
+    """Whether the final answer in `text` matches `answer`; a letter answer or reply maps to `choices`."""
+    return is_equivalent(_choice(extract_answer(text), choices), _choice(answer, choices))
+
+
+def geo3k_reward(text: str, answer: object, choices: list | None = None) -> tuple[float, dict]:
+    """The common Geometry3K reward, 0.9·accuracy + 0.1·format, and what it saw."""
+    accuracy, formatted = float(grade(text, answer, choices)), float(format_ok(text))
+    return 0.9 * accuracy + 0.1 * formatted, {"pred": extract_answer(text), "accuracy": accuracy, "format": formatted}

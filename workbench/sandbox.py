@@ -1,0 +1,128 @@
+"""Run model-written Python in a separate, limited process: the policy's Python tool.
+
+Invariant: whatever the code does, the caller gets a `SandboxResult` back within the timeout (plus
+process start-up) and is never crashed, blocked or flooded by it.
+
+What the isolation is:
+- a fresh `python -I` process (no user site, no PYTHON* variables) in a new session (process group),
+  in an empty temporary working directory deleted afterwards, with an environment holding only
+  PATH, HOME (the temporary directory) and LC_ALL, so none of the caller's variables leak in;
+- limits: wall clock (the whole process group is killed), CPU seconds (RLIMIT_CPU), address space
+  (RLIMIT_AS, so a large allocation raises MemoryError) and size of any file it writes (RLIMIT_FSIZE,
+  which also caps stdout and stderr, written to files rather than pipes);
+- no network: where `unshare --net --map-root-user` works without root (Linux user namespaces), the
+  process runs in an empty network namespace (no interface but a downed loopback), so no connection
+  can be made even through `_socket` or a subprocess; on top of that, and alone where namespaces are
+  unavailable, the `socket` module's constructors are replaced before the code runs by a function
+  that raises `OSError`.
+What it is not: a security boundary against hostile code. The file system is readable and writable as
+the caller's user (outside the temporary directory too), the number of processes is not limited,
+and without a network namespace the socket guard can be bypassed (`import _socket`, ctypes).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+OUTPUT_LIMIT = 16_384  # bytes of stdout (and of stderr) kept; a tool reply longer than this is useless to a policy
+
+# Runs in the child before the code (so no preexec_fn, unsafe in a threaded caller): set the limits,
+# block sockets, run main.py, report an exception as a traceback without this prelude's own frame.
+PRELUDE = r"""
+import resource, socket, sys, traceback
+for _limit, _value in zip(("RLIMIT_CPU", "RLIMIT_AS", "RLIMIT_FSIZE", "RLIMIT_CORE"), map(int, sys.argv[1:])):
+    resource.setrlimit(getattr(resource, _limit), (_value, _value))
+def _no_network(*args, **kwargs):
+    raise OSError("network access is disabled in the sandbox")
+for _name in ("socket", "create_connection", "create_server", "socketpair", "fromfd", "getaddrinfo"):
+    setattr(socket, _name, _no_network)
+_source = open("main.py", encoding="utf-8").read()
+try:
+    exec(compile(_source, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+except BaseException as _error:
+    if isinstance(_error, SystemExit):
+        raise
+    sys.stdout.flush()
+    traceback.print_exception(type(_error), _error, _error.__traceback__.tb_next)
+    sys.exit(1)
+"""
+
+
+@dataclass
+class SandboxResult:
+    stdout: str
+    stderr: str
+    error: str | None  # None when the code ran to the end; else its last traceback line or why it was stopped
+    timed_out: bool
+    exit_code: int  # negative: killed by that signal (SIGKILL after a timeout)
+
+    def tool_text(self) -> str:
+        """The tool response a policy sees: its stdout, then `Error: ...` if it failed."""
+        if self.error is None:
+            return self.stdout or "(no output)"
+        return (self.stdout.rstrip("\n") + "\n" if self.stdout.strip() else "") + f"Error: {self.error}"
+
+
+@functools.cache
+def _netns_prefix() -> tuple[str, ...]:
+    """`unshare` arguments for an empty network namespace, or () where user namespaces are unavailable."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return ()
+    prefix = (unshare, "--net", "--map-root-user")
+    probe = subprocess.run([*prefix, sys.executable, "-I", "-c", "pass"], capture_output=True, timeout=30)
+    return prefix if probe.returncode == 0 else ()
+
+
+def _read(path: str, limit: int) -> tuple[str, bool]:
+    with open(path, "rb") as handle:
+        data = handle.read(limit + 1)
+    return data[:limit].decode("utf-8", errors="replace"), len(data) >= limit
+
+
+def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 256, output_limit: int = OUTPUT_LIMIT) -> SandboxResult:
+    """Run `code` as a script in a fresh limited process (see the module docstring) and collect what it printed."""
+    with tempfile.TemporaryDirectory(prefix="molt-wb-sandbox-") as workdir:
+        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as handle:
+            handle.write(code)
+        out_path, err_path = os.path.join(workdir, ".stdout"), os.path.join(workdir, ".stderr")
+        env = {"PATH": os.defpath, "HOME": workdir, "LC_ALL": "C.UTF-8"}
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            limits = [math.ceil(timeout_s) + 1, memory_mb << 20, output_limit, 0]  # CPU s, address space, file size, core
+            process = subprocess.Popen([*_netns_prefix(), sys.executable, "-I", "-c", PRELUDE, *map(str, limits)],
+                                       cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                       start_new_session=True)
+            try:
+                process.wait(timeout=timeout_s)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # also whatever it started, finished or not
+            except ProcessLookupError:
+                pass
+            exit_code = process.wait()
+        stdout, stdout_full = _read(out_path, output_limit)
+        stderr, stderr_full = _read(err_path, output_limit)
+    if timed_out:
+        error = f"timed out after {timeout_s:g} s"
+    elif stdout_full or stderr_full:
+        error = f"output exceeded the limit of {output_limit} bytes"
+    elif exit_code == -signal.SIGXCPU:
+        error = "CPU time limit exceeded"
+    elif exit_code < 0:
+        error = f"killed by {signal.Signals(-exit_code).name}"
+    elif exit_code != 0:
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        error = lines[-1].strip() if lines else f"exited with status {exit_code}"
+    else:
+        error = None
+    return SandboxResult(stdout, stderr, error, timed_out, exit_code)
