@@ -1,7 +1,7 @@
 """Final-answer extraction and numeric-equivalence grading for math answers (Geometry3K style).
 
 Invariant: two answers are equivalent when both evaluate to the same number (within 1e-4 relative, or
-within the rounding of a decimal written with fewer places), whatever their notation (`\\frac{3}{4}`,
+within the rounding of the truth's decimal places, or else of the prediction's), whatever their notation (`\\frac{3}{4}`,
 `0.75`, `3/4`; `4\\pi`, `4π`, `12.57`; `2\\sqrt{3}`, `2√3`), units, degree signs, a leading `x =`
 or thousands commas; answers that are not numbers are compared as normalised text. Pure Python and
 fast: expressions are tokenised to floats, `pi`, `sqrt`, operators and brackets before evaluation.
@@ -34,10 +34,16 @@ def _group(text: str, start: int) -> tuple[str, int] | None:
 def _answer_spans(text: str) -> list[tuple[int, int, str]]:
     """Every final-answer span (start, end, content): `<answer>` tags and `\\boxed{}` outside them."""
     spans = [(m.start(), m.end(), m.group(1)) for m in ANSWER_TAG.finditer(text)]
+    closing, open_braces = {}, []  # one pass over the braces, so a long reply costs linear time
+    for brace in re.finditer(r"[{}]", text):
+        if brace.group() == "{":
+            open_braces.append(brace.start())
+        elif open_braces:
+            closing[open_braces.pop()] = brace.start()
     for match in re.finditer(r"\\boxed\s*(?=\{)", text):
-        group = _group(text, match.end())
-        if group and not any(start <= match.start() < end for start, end, _ in spans):
-            spans.append((match.start(), group[1], group[0]))
+        end = closing.get(match.end())
+        if end is not None and not any(start <= match.start() < stop for start, stop, _ in spans):
+            spans.append((match.start(), end + 1, text[match.end() + 1:end]))
     return sorted(spans)
 
 
@@ -151,10 +157,8 @@ def is_equivalent(pred: object, truth: object) -> bool:
     if None in numbers:
         return numbers == (None, None) and re.sub(r"\s+", "", _normalise(pred)) == re.sub(r"\s+", "", _normalise(truth))
     (value, places), (true_value, true_places) = numbers
-    tolerance = max(1e-4 * abs(true_value), 1e-9)
-    for written in (places, true_places):  # a decimal rounded to its places matches the exact value
-        if written is not None:
-            tolerance = max(tolerance, 0.5 * 10 ** -written + 1e-12)
+    rounded_to = true_places if true_places is not None else places  # a decimal matches what rounds to it
+    tolerance = max(1e-4 * abs(true_value), 1e-9, 0.5 * 10.0 ** -rounded_to + 1e-12 if rounded_to is not None else 0)
     return abs(value - true_value) <= tolerance
 
 
