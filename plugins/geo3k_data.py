@@ -26,7 +26,6 @@ from workbench.api import Env, Result, geo3k_reward, is_equivalent
 
 SIZE, MARGIN = 112, 16
 FONT = ImageFont.load_default_imagefont()  # the built-in bitmap font: the same pixels with any FreeType
-KINDS = ("triangle_angle", "right_triangle", "circle", "parallel_lines", "rectangle")
 RELATIONS = {"corresponding": False, "alternate interior": False, "same-side interior": True}  # True: supplementary
 
 
@@ -41,12 +40,9 @@ def _fit(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(dx + scale * x, dy - scale * y) for x, y in points]
 
 
-def _label(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str, toward=None, distance=0.0) -> None:
-    """Write text centred at `at`, moved `distance` pixels toward the point `toward`."""
+def _label(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str) -> None:
+    """Write text centred at `at`."""
     x, y = at
-    if toward is not None:
-        length = math.dist(at, toward) or 1.0
-        x, y = x + (toward[0] - x) * distance / length, y + (toward[1] - y) * distance / length
     left, top, right, bottom = draw.textbbox((0, 0), text, font=FONT)
     draw.text((round(x - (right - left) / 2), round(y - (bottom - top) / 2)), text, fill="black", font=FONT)
 
@@ -113,7 +109,9 @@ def _right_triangle(rng: random.Random):
         d.rectangle([A[0], A[1] - 7, A[0] + 7, A[1]], outline="black")
         _label(d, ((A[0] + B[0]) / 2, A[1] + 8), str(a))
         _label(d, (A[0] - 8, (A[1] + C[1]) / 2), str(b))
-        _label(d, ((B[0] + C[0]) / 2, (B[1] + C[1]) / 2), "x", A, -10)
+        middle = (B[0] + C[0]) / 2, (B[1] + C[1]) / 2
+        outward = math.dist(middle, A) / 10  # the label 10 pixels outside the hypotenuse
+        _label(d, (middle[0] + (middle[0] - A[0]) / outward, middle[1] + (middle[1] - A[1]) / outward), "x")
     text = f"The legs of the right triangle measure {a} and {b}. Find x, the hypotenuse."
     wrong = [_radical(s) for s in (a * a + b * b + 1, (a + 1) ** 2 + b * b, a * a + (b + 1) ** 2, abs(a * a - b * b) or 2)]
     return {"a": a, "b": b}, _radical(a * a + b * b), wrong + [str(a + b)], text, _png(draw)
@@ -170,12 +168,16 @@ def _rectangle(rng: random.Random):
     return {"w": w, "h": h, "asked": asked}, str(answer), [str(v) for v in (w + h, 2 * (w + h), w * h, 2 * w * h, answer + 2)], text, _png(draw)
 
 
+KINDS = {"triangle_angle": _triangle_angle, "right_triangle": _right_triangle, "circle": _circle,
+         "parallel_lines": _parallel_lines, "rectangle": _rectangle}
+
+
 def make_dataset(size: int, seed: int) -> list[dict]:
     """`size` synthetic samples, kinds in turn, values from `seed` (same seed, same bytes)."""
     rng, samples = random.Random(seed), []
     for index in range(size):
-        kind = KINDS[index % len(KINDS)]
-        values, answer, wrong, text, png = globals()[f"_{kind}"](rng)
+        kind = list(KINDS)[index % len(KINDS)]
+        values, answer, wrong, text, png = KINDS[kind](rng)
         choices = [answer]
         for candidate in wrong + [str(n) for n in range(1, 400)]:
             if len(choices) < 4 and not any(is_equivalent(candidate, c) for c in choices):
