@@ -84,6 +84,7 @@ CHOICES = ["50", "70", "4\\pi", "2\\sqrt{3}"]
     ("... \\boxed{B}", "B", CHOICES, True),  # letter reply, letter answer
     ("... \\boxed{(B)}", "70", CHOICES, True),  # letter reply, value answer
     ("... \\boxed{70}", "B", CHOICES, True),  # value reply, letter answer
+    ("... \\boxed{\\text{B}}", "B", CHOICES, True),
     ("... \\boxed{12.57}", "C", CHOICES, True),
     ("... \\boxed{√12}", "D", CHOICES, True),
     ("... \\boxed{A}", "B", CHOICES, False),

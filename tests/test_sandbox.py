@@ -109,8 +109,13 @@ def test_the_callers_environment_variables_do_not_leak(monkeypatch):
     assert set(eval(names)) <= {"PATH", "HOME", "LC_ALL"}
     assert "molt-wb-sandbox-" in cwd and cwd != os.getcwd()
     assert not os.path.exists(cwd)  # the temporary directory is gone
-    assert "main.py" in listing
+    assert eval(listing) == ["main.py"]  # the code alone; its output goes to unnamed files
 
 
 def test_non_ascii_output_round_trips():
     assert run_python("print('70° √3 π')").stdout == "70° √3 π\n"
+
+
+def test_code_that_deletes_its_own_directory_still_reports_back():
+    result = run_python("import os, shutil\nshutil.rmtree(os.getcwd())\nprint('gone')")
+    assert result.stdout == "gone\n" and result.error is None

@@ -163,8 +163,8 @@ def is_equivalent(pred: object, truth: object) -> bool:
 
 
 def _choice(answer: object, choices: list | None) -> object:
-    """A choice letter (`B`, `(B)`, `B.`) mapped to its choice's value; anything else unchanged."""
-    letter = re.fullmatch(r"\s*\(?([A-Ha-h])[).:]?\s*", str(answer)) if choices else None
+    """A choice letter (`B`, `(B)`, `B.`, `\\text{B}`) mapped to its choice's value; anything else unchanged."""
+    letter = re.fullmatch(r"\s*(?:\\text(?:bf)?\{)?\(?([A-Ha-h])[).:]?\}?\s*", str(answer)) if choices else None
     if letter and LETTERS.index(letter.group(1).upper()) < len(choices):
         return choices[LETTERS.index(letter.group(1).upper())]
     return answer

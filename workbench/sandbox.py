@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 OUTPUT_LIMIT = 16_384  # bytes of stdout (and of stderr) kept; a tool reply longer than this is useless to a policy
@@ -82,36 +83,40 @@ def _netns_prefix() -> tuple[str, ...]:
     return prefix if probe.returncode == 0 else ()
 
 
-def _read(path: str, limit: int) -> tuple[str, bool]:
-    with open(path, "rb") as handle:
-        data = handle.read(limit + 1)
+def _read(handle, limit: int) -> tuple[str, bool]:
+    handle.seek(0)
+    data = handle.read(limit + 1)
     return data[:limit].decode("utf-8", errors="replace"), len(data) >= limit
+
+
+def _exited(pid: int, timeout_s: float) -> bool:
+    """Wait up to timeout_s for the process to exit, without reaping it (so its pid, the group id, stays ours)."""
+    deadline = time.monotonic() + timeout_s
+    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 256, output_limit: int = OUTPUT_LIMIT) -> SandboxResult:
     """Run `code` as a script in a fresh limited process (see the module docstring) and collect what it printed."""
-    with tempfile.TemporaryDirectory(prefix="molt-wb-sandbox-") as workdir:
+    limits = [math.ceil(timeout_s) + 1, memory_mb << 20, output_limit, 0]  # CPU seconds, address space, file size, core
+    # output goes to unnamed files: the code cannot delete them, and a flood costs disk (capped), not memory
+    with tempfile.TemporaryDirectory(prefix="molt-wb-sandbox-", ignore_cleanup_errors=True) as workdir, \
+            tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as handle:
             handle.write(code)
-        out_path, err_path = os.path.join(workdir, ".stdout"), os.path.join(workdir, ".stderr")
         env = {"PATH": os.defpath, "HOME": workdir, "LC_ALL": "C.UTF-8"}
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            limits = [math.ceil(timeout_s) + 1, memory_mb << 20, output_limit, 0]  # CPU s, address space, file size, core
-            process = subprocess.Popen([*_netns_prefix(), sys.executable, "-I", "-c", PRELUDE, *map(str, limits)],
-                                       cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                       start_new_session=True)
-            try:
-                process.wait(timeout=timeout_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            try:
-                os.killpg(process.pid, signal.SIGKILL)  # also whatever it started, finished or not
-            except ProcessLookupError:
-                pass
+        process = subprocess.Popen([*_netns_prefix(), sys.executable, "-I", "-c", PRELUDE, *map(str, limits)], cwd=workdir,
+                                   env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
+        try:
+            timed_out = not _exited(process.pid, timeout_s)
+        finally:
+            os.killpg(process.pid, signal.SIGKILL)  # the group: whatever the code started too, finished or not
             exit_code = process.wait()
-        stdout, stdout_full = _read(out_path, output_limit)
-        stderr, stderr_full = _read(err_path, output_limit)
+        stdout, stdout_full = _read(out, output_limit)
+        stderr, stderr_full = _read(err, output_limit)
     if timed_out:
         error = f"timed out after {timeout_s:g} s"
     elif stdout_full or stderr_full:
