@@ -31,7 +31,8 @@ class Result:
     """What `Env.step` returns, aligned with Gymnasium's step tuple."""
 
     reward: float = 0.0
-    observation: str | None = None  # the next user turn, when not terminated
+    observation: str | None = None  # the next turn, when not terminated
+    role: str = "user"  # who speaks `observation`: user, or tool (a tool's output, rendered as a tool response)
     terminated: bool = True
     truncated: bool = False
     info: dict = field(default_factory=dict)
@@ -43,8 +44,9 @@ class Env:
     system_prompt: str | None = None
     tools: list[dict] | None = None  # OpenAI-style tool schemas the chat template lists for the policy
 
-    def reset(self, sample: dict) -> str:
-        """Start an episode on `sample`; return the first user message."""
+    def reset(self, sample: dict) -> str | list[dict]:
+        """Start an episode on `sample`; return the first user message: its text, or a list of content parts
+        `{"type": "text", "text": ...}` and `{"type": "image", "image": <PNG/JPEG bytes>}` (vision-language)."""
         raise NotImplementedError
 
     def step(self, action: str) -> Result:

@@ -56,7 +56,9 @@ def train(ctx: typer.Context):
     def run(cfg) -> bool:
         try:
             run_id = loop.train(cfg)
-            typer.echo(f"run {run_id} finished: {os.path.join(cfg.run.root, run_id)}")
+            root = f" --root {cfg.run.root}" if cfg.run.root != "runs" else ""
+            typer.echo(f"run {run_id} finished: {os.path.join(cfg.run.root, run_id)}\n"
+                       f"inspect it: molt-wb inspect {run_id}{root}   (or molt-wb runs{root}; SQL: workbench.store.open_run)")
             return True
         except ConfigError as error:
             if not multirun:

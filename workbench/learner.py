@@ -15,6 +15,7 @@ from workbench.algo.advantages import compute_advantages
 from workbench.algo.losses import approx_kl, policy_gradient_loss, sequence_ratio_logprob, token_logprobs
 from workbench.invariants.routing_replay import find_routers, replay_routes
 from workbench.invariants.version_gate import gate_metrics, version_gate
+from workbench.models.multimodal import forward_inputs
 from workbench.segment import Segment
 
 
@@ -41,6 +42,7 @@ def collate(segments: list[Segment]) -> dict[str, torch.Tensor]:
         for row, s in enumerate(segments):
             if s.routed_experts is not None:
                 batch["routed_experts"][row, :len(s.token_ids)] = torch.from_numpy(s.routed_experts)
+    batch["images"] = [s.images for s in segments]  # encoded images per row (vision-language policies)
     batch["rewards"] = torch.tensor([s.reward for s in segments], dtype=torch.float32)  # [batch]
     batch["group_ids"] = torch.tensor([s.group_id for s in segments])
     batch["rollout_ids"] = torch.tensor([s.rollout_id for s in segments])
@@ -77,8 +79,10 @@ def routing_table_rows(segments: list[Segment], routing: dict) -> list[dict]:
 class Learner:
     def __init__(self, cfg, model_path: str):
         from workbench.engines.torch_engine import load_causal_lm, set_threads
+        from workbench.models.multimodal import ImageCodec, is_vision_language
 
         set_threads(cfg)
+        self.codec = ImageCodec(model_path) if is_vision_language(model_path) else None
         torch.manual_seed(cfg.seed)
         self.algo, self.trainer, self.gate, self.temperature = cfg.algo, cfg.trainer, cfg.gate, cfg.engine.temperature
         self.model = load_causal_lm(model_path, cfg.model.dtype).train()
@@ -97,7 +101,8 @@ class Learner:
         recorded = batch.get("routed_experts") if self.moe else None
         with (replay_routes(self.model, recorded, self.replay if replay is None else replay) if recorded is not None
               else contextlib.nullcontext({})) as stats:
-            logits = self.model(input_ids=batch["token_ids"], attention_mask=batch["attention_mask"]).logits
+            inputs = forward_inputs(self.model, batch["token_ids"], batch["attention_mask"], batch.get("images"), self.codec)
+            logits = self.model(**inputs).logits
         if routing is not None:
             routing.update(stats)
         return token_logprobs(logits, batch["token_ids"], self.temperature)  # [batch, seq]
@@ -145,7 +150,8 @@ class Learner:
             routing_rows = routing_table_rows(segments, routing)
         steps = []
         for rows in torch.arange(len(segments)).chunk(self.trainer.minibatches):
-            minibatch = {key: value[rows] for key, value in batch.items()}
+            minibatch = {key: value[rows] if torch.is_tensor(value) else [value[i] for i in rows.tolist()]
+                         for key, value in batch.items()}
             logprob = self.logprobs(minibatch)  # under replay when on: router logits and gradient stay live
             if self.algo.policy_loss == "gspo":
                 logprob = sequence_ratio_logprob(logprob, old_logprob[rows], mask[rows])

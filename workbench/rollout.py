@@ -94,19 +94,20 @@ class RolloutWorker:
         for env, job in zip(envs, jobs):
             system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
             episodes.append(TokenAccumulator(self.tokenizer, system + [{"role": "user", "content": env.reset(job.sample)}],
-                                             tools=env.tools))
+                                             tools=env.tools, codec=self.engine.codec))
         for turn in range(self.max_turns):
-            generations = self.engine.generate([episodes[i].token_ids for i in open_], self.params)
-            still_open = []
-            for i, generation in zip(open_, generations):
-                text = reply_text(self.tokenizer, generation.token_ids, generation.finish_reason)
+            generations = self.engine.generate([episodes[i].token_ids for i in open_], self.params,
+                                               [episodes[i].open.images for i in open_])
+            still_open, texts = [], [reply_text(self.tokenizer, g.token_ids, g.finish_reason) for g in generations]
+            with ThreadPoolExecutor(max_workers=min(8, len(open_))) as pool:  # tools (a sandbox) run side by side
+                results = list(pool.map(lambda i, text: envs[i].step(text), open_, texts))
+            for i, generation, text, result in zip(open_, generations, texts, results):
                 episodes[i].add_sampled(generation.token_ids, generation.logprobs, generation.versions,
                                         {"role": "assistant", "content": text}, generation.finish_reason,
                                         generation.extras.get("routed_experts"))
-                result = envs[i].step(text)
                 rewards[i] += result.reward
                 if not (result.terminated or result.truncated) and turn + 1 < self.max_turns:
-                    episodes[i].add_messages([{"role": "user", "content": result.observation or ""}])
+                    episodes[i].add_messages([{"role": result.role, "content": result.observation or ""}])
                     still_open.append(i)
             open_ = still_open
             if not open_:
@@ -123,7 +124,7 @@ class RolloutWorker:
             drift = self.tokenizer(self.tokenizer.decode(piece.token_ids), add_special_tokens=False)["input_ids"] != piece.token_ids
             segments.append(Segment(self.run_id, job.rollout_id, index, job.group_id, **piece.arrays(), reward=reward,
                                     turn_spans=piece.turn_spans, finish_reason=finish_reason,
-                                    seal_reason=piece.seal_reason,
+                                    seal_reason=piece.seal_reason, images=piece.images,
                                     display={"prompt": piece.prompt_text, "response": response},
                                     audit={"identity": piece.identity_holds(), "retokenize_drift": drift}))
         return segments

@@ -101,6 +101,7 @@ class StoreActor:
         from workbench.store.schema import step_tables
 
         segments = [s for batch in worker_segments for s in batch]
+        self.writer.save_images([image for s in segments for image in s.images])
         for name, table in step_tables(self.run_id, step, rows["learner_version"], segments, rows).items():
             self.writer.append(name, table)
         self.log(step, metrics)
@@ -155,7 +156,11 @@ class Prompts:
     def __init__(self, cfg):
         from workbench.api import load_plugin
 
-        self.samples = load_samples(cfg.data.path) if cfg.data.path else load_plugin(cfg.agent.plugin).make_dataset(cfg.data.size, cfg.seed)
+        plugin = load_plugin(cfg.agent.plugin)
+        if cfg.data.path:  # the plugin's own reader when it has one (images, real-set layouts), else plain rows
+            self.samples = plugin.load_dataset(cfg.data.path) if hasattr(plugin, "load_dataset") else load_samples(cfg.data.path)
+        else:
+            self.samples = plugin.make_dataset(cfg.data.size, cfg.seed)
         self.rng, self.order, self.cursor = random.Random(cfg.seed), [], 0
         self.per_step, self.group_size = cfg.trainer.prompts_per_step, cfg.trainer.group_size
         self.next_group = self.next_rollout = 0

@@ -6,6 +6,7 @@ A segment holds no text the trainer could read; `display` is for people (the TUI
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +27,7 @@ class Segment:
     finish_reason: str = ""  # the last turn's: stop | length
     seal_reason: str = "end"  # why the segment closed: end (episode over) | compaction | ...
     routed_experts: np.ndarray | None = None  # int16 [T, layers, top_k], -1 where unknown
+    images: list[bytes] = field(default_factory=list)  # encoded images, in the order of their placeholder runs in token_ids
     display: dict = field(default_factory=dict)  # for people only: prompt text, env info
     audit: dict = field(default_factory=dict)  # token-identity audit: identity (bool), retokenize_drift (bool)
     requests: list[dict] = field(default_factory=list)  # loopback requests of the episode (on its first segment)
@@ -49,3 +51,8 @@ class Segment:
         """(oldest, newest) weight version among sampled tokens; (-1, -1) when none was sampled."""
         sampled = self.behavior_version[self.loss_mask.astype(bool)]
         return (int(sampled.min()), int(sampled.max())) if len(sampled) else (-1, -1)
+
+
+def image_name(image: bytes) -> str:
+    """The run store's file name of an encoded image (`runs/<id>/images/<name>`): a content hash."""
+    return hashlib.sha256(image).hexdigest()[:16] + ".png"

@@ -258,11 +258,11 @@ class FailingOnce(TorchEngine):
 
     fail_next = False
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, images=None):
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("engine crashed")
-        return super().generate(prompts, params)
+        return super().generate(prompts, params, images)
 
 
 def test_a_failed_generation_commits_nothing(tiny_path, tokenizer):

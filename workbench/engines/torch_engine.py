@@ -31,12 +31,9 @@ def set_threads(cfg) -> None:
 
 
 def load_causal_lm(path: str, dtype: str = "float32"):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
+    from workbench.models.multimodal import load_policy
 
-    logging.disable_progress_bar()
-    logging.set_verbosity_error()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return load_policy(path, dtype)
 
 
 def nucleus(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -52,8 +49,12 @@ def nucleus(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 class TorchEngine:
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, partial: bool = False):
+        from workbench.models.multimodal import ImageCodec, is_vision_language
+
         self.model = load_causal_lm(model_path, dtype).eval()
-        self.pad_token_id = self.model.config.pad_token_id or 0
+        self.codec = ImageCodec(model_path) if is_vision_language(model_path) else None
+        config = self.model.config.get_text_config()
+        self.pad_token_id = config.pad_token_id or 0
         self.generator = torch.Generator().manual_seed(seed)
         self.version, self.partial = 0, partial
         from workbench.invariants.routing_replay import find_routers
@@ -95,20 +96,22 @@ class TorchEngine:
             self.model.load_state_dict(state_dict)
             self._pending = None
 
-    def generate(self, prompts: list[np.ndarray], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: list[np.ndarray], params: SamplingParams,
+                 images: list[list[bytes]] | None = None) -> list[Generation]:
+        """`images[i]`: the images of prompt i, in the order of its placeholder runs (vision-language models)."""
         self._enter()
         try:
-            return self._generate(prompts, params)
+            return self._generate(prompts, params, images)
         finally:
             self._leave()
 
-    def _generate(self, prompts: list[np.ndarray], params: SamplingParams) -> list[Generation]:
+    def _generate(self, prompts: list[np.ndarray], params: SamplingParams, images=None) -> list[Generation]:
         if not self.moe:
-            return self._sample(prompts, params)
+            return self._sample(prompts, params, images)
         from workbench.invariants.routing_replay import capture_routes
 
         with capture_routes(self.model) as forwards:
-            generations = self._sample(prompts, params)
+            generations = self._sample(prompts, params, images)
         longest = max(len(p) for p in prompts)
         prefill = forwards[0].reshape(len(prompts), longest, *forwards[0].shape[1:])  # [batch, seq, layers, k]
         for row, (prompt, generation) in enumerate(zip(prompts, generations)):
@@ -119,19 +122,21 @@ class TorchEngine:
         return generations
 
     @torch.no_grad()
-    def _sample(self, prompts: list[np.ndarray], params: SamplingParams) -> list[Generation]:
+    def _sample(self, prompts: list[np.ndarray], params: SamplingParams, images=None) -> list[Generation]:
+        from workbench.models.multimodal import forward_inputs
+
         batch, longest = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((batch, longest), self.pad_token_id, dtype=torch.long)  # [batch, seq]
         attention = torch.zeros((batch, longest), dtype=torch.long)
         for row, prompt in enumerate(prompts):
             input_ids[row, longest - len(prompt):] = torch.as_tensor(prompt, dtype=torch.long)
             attention[row, longest - len(prompt):] = 1
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        inputs = forward_inputs(self.model, input_ids, attention, images, self.codec)
+        positions = inputs["position_ids"]  # [batch, seq], or [3, batch, seq] (M-RoPE)
         generator = self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
         stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long)
 
-        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
-                         logits_to_keep=1)
+        out = self.model(**inputs, use_cache=True, logits_to_keep=1)
         forward_version = self.version
         sampled, logprobs, versions = [], [], []
         done = torch.zeros(batch, dtype=torch.bool)
@@ -155,7 +160,7 @@ class TorchEngine:
                     self._swap()
             forward_version = self.version
             attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long)], dim=-1)
-            positions = positions[:, -1:] + 1
+            positions = positions[..., -1:] + 1
             out = self.model(input_ids=token[:, None], attention_mask=attention, position_ids=positions,
                              cache=out.cache, use_cache=True)
 

@@ -5,7 +5,9 @@ they came out of the engine (mask 1, with their log-prob and version). A new mes
 rendering the conversation with the chat template and tokenising only the *delta* the new message
 adds (mask 0); when the old render is not a prefix of the new one (a template that rewrites
 history, a compacted context) the open segment is sealed and a new one starts from a fresh render.
-Decoded text exists for the environment and for display, never as trainer input.
+Decoded text exists for the environment and for display, never as trainer input. An image in a
+message renders as one placeholder that the model's image codec expands to that image's run of
+placeholder ids (mask 0); the segment keeps the image bytes in the order of their runs.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class SegmentTokens:
     prompt_text: str = ""
     sampled_turns: list[np.ndarray] = field(default_factory=list)  # what the engine returned, per turn
     finish: str = ""  # finish reason of the last sampled turn
+    images: list[bytes] = field(default_factory=list)  # encoded images, in the order of their placeholder runs
     routes: np.ndarray | None = None  # int16 [t, layers, k] experts of the latest forward over positions 0..t
 
     def extend(self, ids, sampled: bool, logprobs=None, versions=None) -> None:
@@ -54,6 +57,12 @@ class SegmentTokens:
                 "behavior_version": np.asarray(self.behavior_version, dtype=np.int32)}
 
 
+def message_images(messages: list[dict]) -> list[bytes]:
+    """Encoded images of `messages` in render order (content parts `{"type": "image", "image": bytes}`)."""
+    return [part["image"] for m in messages if isinstance(m.get("content"), list)
+            for part in m["content"] if part.get("type") == "image"]
+
+
 def reply_text(tokenizer, token_ids, finish_reason: str) -> str:
     """The text of a sampled turn, for the agent: the stop token dropped, tool-call tags kept."""
     ids = token_ids[:-1] if finish_reason == "stop" and len(token_ids) else token_ids
@@ -61,8 +70,8 @@ def reply_text(tokenizer, token_ids, finish_reason: str) -> str:
 
 
 class TokenAccumulator:
-    def __init__(self, tokenizer, messages: list[dict], tools: list[dict] | None = None):
-        self.tokenizer, self.tools = tokenizer, tools or None
+    def __init__(self, tokenizer, messages: list[dict], tools: list[dict] | None = None, codec=None):
+        self.tokenizer, self.tools, self.codec = tokenizer, tools or None, codec
         self.sealed: list[SegmentTokens] = []
         self.last_finish = "stop"
         self._open(list(messages))
@@ -71,8 +80,11 @@ class TokenAccumulator:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
                                                   add_generation_prompt=generation_prompt)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    def encode(self, text: str, images: list[bytes] = ()) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if images and self.codec is None:
+            raise ValueError("A message holds an image but the policy has no vision tower: use a vision-language model.")
+        return self.codec.expand(ids, images) if images else ids
 
     @property
     def token_ids(self) -> np.ndarray:
@@ -121,7 +133,9 @@ class TokenAccumulator:
         eos = self.tokenizer.eos_token
         end = previous.rfind(eos)
         tail = previous[end + len(eos):] if self.last_finish == "stop" else previous[end:]
-        self.open.extend(self.encode(tail + full[len(previous):]), sampled=False)
+        images = message_images(new_messages)
+        self.open.extend(self.encode(tail + full[len(previous):], images), sampled=False)
+        self.open.images += images
         self.messages.extend(new_messages)
         return True
 
@@ -143,5 +157,5 @@ class TokenAccumulator:
     def _open(self, messages: list[dict]) -> None:
         self.messages = messages
         prompt = self.render(messages, generation_prompt=True)
-        self.open = SegmentTokens(prompt_text=prompt)
-        self.open.extend(self.encode(prompt), sampled=False)
+        self.open = SegmentTokens(prompt_text=prompt, images=message_images(messages))
+        self.open.extend(self.encode(prompt, self.open.images), sampled=False)

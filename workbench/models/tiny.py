@@ -17,16 +17,20 @@ import tempfile
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]  # Qwen2-VL's; image_pad is expanded per image
 
 # ChatML with Qwen-style tools: a tool list in the system turn, calls as <tool_call>{json}</tool_call>
 # after the assistant's text, tool results as <tool_response> user turns.
 CHAT_TEMPLATE = (
+    "{%- macro content(c) %}{%- if c is string %}{{- c }}{%- else %}{%- for part in c %}"
+    "{%- if part['type'] == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- else %}{{- part['text'] }}{%- endif %}{%- endfor %}{%- endif %}{%- endmacro %}"
     "{%- set first_system = messages and messages[0]['role'] == 'system' %}"
     "{%- if tools %}"
-    "{{- '<|im_start|>system\\n' }}{%- if first_system %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '<|im_start|>system\\n' }}{%- if first_system %}{{- content(messages[0]['content']) + '\\n\\n' }}{%- endif %}"
     "{{- '# Tools\\n<tools>\\n' }}{%- for tool in tools %}{{- tool | tojson }}{{- '\\n' }}{%- endfor %}"
     "{{- '</tools>\\nCall a tool as <tool_call>{\\\"name\\\": ..., \\\"arguments\\\": ...}</tool_call>.<|im_end|>\\n' }}"
-    "{%- elif first_system %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif first_system %}{{- '<|im_start|>system\\n' + content(messages[0]['content']) + '<|im_end|>\\n' }}{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message['role'] == 'system' and loop.first %}"
     "{%- elif message['role'] == 'assistant' %}{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
@@ -34,8 +38,8 @@ CHAT_TEMPLATE = (
     "{{- '<tool_call>' }}{{- {'name': call['name'], 'arguments': call['arguments']} | tojson }}{{- '</tool_call>' }}"
     "{%- endfor %}{{- '<|im_end|>\\n' }}"
     "{%- elif message['role'] == 'tool' %}"
-    "{{- '<|im_start|>user\\n<tool_response>' + message['content'] + '</tool_response><|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{{- '<|im_start|>user\\n<tool_response>' + content(message['content']) + '</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + content(message['content']) + '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
@@ -49,6 +53,10 @@ TINY_SPECS: dict[str, dict] = {
                      moe_intermediate_size=64, intermediate_size=256, norm_topk_prob=True),
     "tiny-mixtral": dict(_SHAPE, family="mixtral", num_hidden_layers=3, num_local_experts=8, num_experts_per_tok=2,
                          intermediate_size=64),
+    # vision-language: Qwen2-VL with a 2-block vision tower; a 112x112 image is 64 patches, 16 tokens after merging
+    "tiny-vl": dict(_SHAPE, vocab_size=1024, family="qwen2_vl", num_hidden_layers=2, intermediate_size=256, image_pixels=112 * 112,
+                    vision=dict(depth=2, embed_dim=64, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
+                                temporal_patch_size=2)),
 }
 
 _CORPUS = """\
@@ -71,17 +79,33 @@ def spec_hash(spec: dict) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def build_tokenizer(vocab_size: int):
-    """A byte-level BPE with ChatML special tokens and chat template (~0.1 s)."""
+# The vision-language model's tokenizer also learns the phrases of tool-using geometry episodes (a tool
+# schema, a tool call, a diagram question), so a rendered episode is a few hundred tokens, not a thousand.
+_TOOL_CORPUS = """\
+Solve the geometry problem shown in the diagram. You may run Python with the python_executor tool.
+Give the final answer as <answer>...</answer>. # Tools <tools> </tools> <tool_response> </tool_response>
+{"type": "function", "function": {"name": "python_executor", "description": "Run Python code in a sandbox and return what it prints.", "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+Call a tool as <tool_call>{"name": ..., "arguments": ...}</tool_call>.
+<tool_call>{"name": "python_executor", "arguments": {"code": "print(180 - 50 - 60)"}}</tool_call> <answer>70</answer>
+Two angles of the triangle measure 50° and 60°. Find x, the third angle, in degrees.
+The legs of the right triangle measure 3 and 4. Find x, the hypotenuse. \\sqrt{2} \\pi
+The radius of the circle is 5. Find the area of the circle, in terms of \\pi. circumference
+Two parallel lines are cut by a transversal. An angle measures 70°, and x is its corresponding angle.
+alternate interior same-side interior Find x in degrees. The rectangle has sides 7 and 2. Find its perimeter.
+"""
+
+
+def build_tokenizer(vocab_size: int, vision: bool = False):
+    """A byte-level BPE with ChatML special tokens (and Qwen2-VL's vision tokens) and chat template (~0.1 s)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + (VISION_TOKENS if vision else []),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    bpe.train_from_iterator((_CORPUS + (_TOOL_CORPUS if vision else "")).splitlines(), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>",
                                         pad_token="<|endoftext|>", bos_token=None)
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -94,12 +118,21 @@ def build_model(spec: dict, tokenizer, seed: int = 0):
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    fields = {k: v for k, v in spec.items() if k not in ("family", "vocab_size", "seed", "template")}
-    config = CONFIG_MAPPING[spec["family"]](**fields, vocab_size=len(tokenizer), tie_word_embeddings=False,
-                                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                            bos_token_id=tokenizer.pad_token_id, max_position_embeddings=2048)
+    fields = {k: v for k, v in spec.items() if k not in ("family", "vocab_size", "seed", "template", "vision", "image_pixels")}
+    fields.update(vocab_size=len(tokenizer), tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.pad_token_id, max_position_embeddings=2048)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config)
+    if "vision" not in spec:
+        return AutoModelForCausalLM.from_config(CONFIG_MAPPING[spec["family"]](**fields))
+    from transformers import AutoModelForImageTextToText
+
+    fields.pop("head_dim")  # Qwen2-VL derives it; mrope sections (t, h, w) split its 16 rotary pairs
+    fields["rope_parameters"] = {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 1e6}
+    start, end, pad = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    config = CONFIG_MAPPING[spec["family"]](text_config=fields, vision_config=dict(spec["vision"], hidden_size=fields["hidden_size"]),
+                                            image_token_id=pad, vision_start_token_id=start, vision_end_token_id=end,
+                                            tie_word_embeddings=False)
+    return AutoModelForImageTextToText.from_config(config)
 
 
 def is_moe(model_config) -> bool:
@@ -111,16 +144,23 @@ def tiny_model_path(name: str = "tiny", seed: int = 0) -> Path:
     """Build (once) and return the folder of the tiny model `name`; safe under concurrent callers."""
     if name not in TINY_SPECS:
         raise ValueError(f"Unknown tiny model {name!r}: use one of {sorted(TINY_SPECS)} or set model.path.")
-    spec = dict(TINY_SPECS[name], seed=seed, template=spec_hash({"t": CHAT_TEMPLATE}))
+    spec = dict(TINY_SPECS[name], seed=seed, template=spec_hash({"t": CHAT_TEMPLATE, "tools": "vision" in TINY_SPECS[name] and _TOOL_CORPUS}))
     target = cache_root() / "models" / f"{name}-{spec_hash(spec)}"
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(spec["vocab_size"])
+    tokenizer = build_tokenizer(spec["vocab_size"], vision="vision" in spec)
     model = build_model(spec, tokenizer, seed)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}-"))
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
+    if "vision" in spec:  # images are resized to exactly image_pixels (no download: the processor is built here)
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        vision = spec["vision"]
+        Qwen2VLImageProcessorPil(min_pixels=spec["image_pixels"], max_pixels=spec["image_pixels"], patch_size=vision["patch_size"],
+                                 merge_size=vision["spatial_merge_size"],
+                                 temporal_patch_size=vision["temporal_patch_size"]).save_pretrained(staging)
     try:
         os.rename(staging, target)  # atomic: a half-built model is never visible
     except OSError:  # another process won the race

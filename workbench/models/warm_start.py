@@ -17,11 +17,21 @@ from pathlib import Path
 import torch
 
 
-def chat_prompt_ids(tokenizer, env, sample: dict) -> list[int]:
-    """Token ids of the rendered first turn of `env` on `sample`, ending in the generation prompt."""
-    messages = ([{"role": "system", "content": env.system_prompt}] if env.system_prompt else [])
-    messages.append({"role": "user", "content": env.reset(sample)})
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+def demonstration(tokenizer, codec, env, sample: dict, completion) -> tuple[list[int], list[int], list[bytes]]:
+    """(ids, trainable mask, images) of one demonstrated episode, built as a rollout builds it: `completion` is
+    the assistant's text, or a list of turns `{"role": "assistant" | "tool" | "user", "content": ...}`."""
+    from workbench.invariants.token_identity import TokenAccumulator
+
+    system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
+    episode = TokenAccumulator(tokenizer, system + [{"role": "user", "content": env.reset(sample)}], env.tools, codec)
+    for turn in [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion:
+        if turn["role"] == "assistant":
+            ids = tokenizer(turn["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            episode.add_sampled(ids, [0.0] * len(ids), 0, turn, "stop")
+        else:
+            episode.add_messages([turn])
+    piece = episode.finish()[-1]
+    return piece.token_ids, piece.loss_mask, piece.images
 
 
 def warm_started_path(base: Path, plugin, plugin_source: str, steps: int, lr: float, seed: int) -> Path:
@@ -32,38 +42,43 @@ def warm_started_path(base: Path, plugin, plugin_source: str, steps: int, lr: fl
     from transformers import AutoTokenizer
 
     from workbench.engines.torch_engine import load_causal_lm
+    from workbench.models.multimodal import ImageCodec, forward_inputs, is_vision_language
 
     tokenizer = AutoTokenizer.from_pretrained(base)
+    codec = ImageCodec(str(base)) if is_vision_language(str(base)) else None
     model = load_causal_lm(str(base)).train()
     torch.manual_seed(seed)
     rng = random.Random(seed)
     samples = plugin.make_dataset(4096, seed + 1)
     env = plugin.AgentRunner()
-    prompt_cache: dict[str, list[int]] = {}
+    cache: dict[tuple, tuple] = {}
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     for _ in range(steps):
-        batch = rng.sample(samples, 64)
         rows = []
-        for sample in batch:
-            key = repr(sorted(sample.items()))
-            if key not in prompt_cache:
-                prompt_cache[key] = chat_prompt_ids(tokenizer, env, sample)
-            prompt = prompt_cache[key]
-            completion = tokenizer(plugin.warm_start(sample, rng))["input_ids"] + [tokenizer.eos_token_id]
-            rows.append((prompt + completion, len(prompt)))
-        longest = max(len(ids) for ids, _ in rows)
+        for index in rng.sample(range(len(samples)), 64):
+            completion = plugin.warm_start(samples[index], rng)
+            key = (index, repr(completion))
+            if key not in cache:
+                cache[key] = demonstration(tokenizer, codec, env, samples[index], completion)
+            rows.append(cache[key])
+        longest = max(len(ids) for ids, _, _ in rows)
         input_ids = torch.full((len(rows), longest), tokenizer.pad_token_id)  # [batch, seq]
+        attention = torch.zeros((len(rows), longest), dtype=torch.long)
         labels = torch.full((len(rows), longest), -100)
-        for row, (ids, prompt_len) in enumerate(rows):
+        for row, (ids, mask, _) in enumerate(rows):
             input_ids[row, :len(ids)] = torch.tensor(ids)
-            labels[row, prompt_len:len(ids)] = torch.tensor(ids[prompt_len:])
-        loss = model(input_ids=input_ids, labels=labels).loss
+            attention[row, :len(ids)] = 1
+            labels[row, :len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), -100)
+        inputs = forward_inputs(model, input_ids, attention, [images for _, _, images in rows], codec)
+        loss = model(**inputs, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
+    if codec is not None:
+        codec.processor.save_pretrained(staging)
     try:
         os.rename(staging, target)
     except OSError:

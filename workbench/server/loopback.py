@@ -45,9 +45,9 @@ class Batcher:
         self.engine, self.queue = engine, asyncio.Queue()
         self.task = asyncio.get_running_loop().create_task(self._run())
 
-    async def generate(self, prompt_ids, params: SamplingParams):
+    async def generate(self, prompt_ids, params: SamplingParams, images: list[bytes]):
         future = asyncio.get_running_loop().create_future()
-        await self.queue.put((prompt_ids, params, future))
+        await self.queue.put((prompt_ids, params, future, images))
         return await future
 
     async def _run(self) -> None:
@@ -61,17 +61,19 @@ class Batcher:
                 by_params.setdefault((params.max_tokens, params.temperature, params.stop_token_ids), []).append(item)
             for items in by_params.values():
                 try:
-                    outputs = await asyncio.to_thread(self.engine.generate, [i[0] for i in items], items[0][1])
-                    for (_, _, future), output in zip(items, outputs):
+                    outputs = await asyncio.to_thread(self.engine.generate, [i[0] for i in items], items[0][1],
+                                                      [i[3] for i in items])
+                    for (_, _, future, _), output in zip(items, outputs):
                         future.set_result(output)
                 except Exception as error:  # the engine failed: every waiting request gets the error
-                    for _, _, future in items:
+                    for _, _, future, _ in items:
                         future.set_exception(error)
 
 
 class LoopbackServer:
     def __init__(self, engine, tokenizer, params: SamplingParams, model_name: str = "policy"):
         self.engine, self.tokenizer, self.params, self.model_name = engine, tokenizer, params, model_name
+        self.codec = getattr(engine, "codec", None)  # a vision-language policy's image codec
         self.sessions: dict[str, Session] = {}
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True, name="loopback").start()
@@ -179,15 +181,18 @@ class LoopbackServer:
         """Extend or seal, generate, and only then commit the turn to the session."""
         episode = session.accumulator.fork() if session.accumulator else None
         reused = len(episode.open.token_ids) if episode else 0
-        if episode is None:
-            episode, action = TokenAccumulator(self.tokenizer, chat.messages, chat.tools), "open"
-        else:
-            action = episode.continue_with(chat.messages, chat.tools)
-            reused = reused if action == "extend" else 0
+        try:
+            if episode is None:
+                episode, action = TokenAccumulator(self.tokenizer, chat.messages, chat.tools, self.codec), "open"
+            else:
+                action = episode.continue_with(chat.messages, chat.tools)
+                reused = reused if action == "extend" else 0
+        except ValueError as error:  # e.g. an image sent to a text-only policy
+            raise wires.WireError(400, str(error)) from None
         prompt = episode.token_ids
         params = replace(self.params, max_tokens=chat.max_tokens or self.params.max_tokens,
                          temperature=self.params.temperature if chat.temperature is None else chat.temperature)
-        generation = await self.batcher.generate(prompt, params)
+        generation = await self.batcher.generate(prompt, params, episode.open.images)
         ids, logprobs, versions, finish = generation.token_ids, generation.logprobs, generation.versions, generation.finish_reason
         text = reply_text(self.tokenizer, ids, finish)
         hit = min((text.index(s), s) for s in chat.stop if s in text) if any(s in text for s in chat.stop) else None

@@ -75,6 +75,44 @@ def _text(content, where: str) -> str:
     raise WireError(400, f"{where}: only text content is supported here.")
 
 
+def _image(data: str, where: str) -> dict:
+    """An inline image (`data:image/png;base64,...` or bare base64) as a content part; nothing is ever fetched."""
+    import base64
+    import binascii
+    import io
+
+    from PIL import Image
+
+    header, _, payload = data.partition(",") if data.startswith("data:") else ("base64", "", data)
+    try:
+        if "base64" not in header:
+            raise ValueError
+        raw = base64.b64decode(payload, validate=True)
+        Image.open(io.BytesIO(raw)).verify()
+    except (ValueError, binascii.Error, OSError):
+        raise WireError(400, f"{where}: an image must be inline base64 data of a PNG or JPEG "
+                             f"(data:image/png;base64,...); URLs are not fetched.") from None
+    return {"type": "image", "image": raw}
+
+
+def _content(content, where: str):
+    """A user message's content: its text, or a list of text and image parts when it holds images."""
+    if not isinstance(content, list):
+        return _text(content, where)
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+        elif kind == "image_url":  # OpenAI
+            parts.append(_image(str((part.get("image_url") or {}).get("url", "")), where))
+        elif kind == "image" and isinstance(part.get("source"), dict):  # Anthropic
+            parts.append(_image(str(part["source"].get("data", "")), where))
+        else:
+            raise WireError(400, f"{where}: content part type {kind!r} is not supported (text and inline images are).")
+    return parts if any(p["type"] == "image" for p in parts) else "".join(p["text"] for p in parts)
+
+
 def _number(body: dict, key: str, kind=float):
     value = body.get(key)
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -111,7 +149,8 @@ def openai_request(body: dict) -> ChatRequest:
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ("system", "developer", "user", "assistant", "tool"):
             raise WireError(400, f"messages[{index}].role must be system, developer, user, assistant or tool.")
-        entry = {"role": "system" if role == "developer" else role, "content": _text(message.get("content"), f"messages[{index}]")}
+        read = _content if role == "user" else _text
+        entry = {"role": "system" if role == "developer" else role, "content": read(message.get("content"), f"messages[{index}]")}
         if role == "assistant" and message.get("tool_calls"):
             try:
                 entry["tool_calls"] = [{"id": c["id"], "name": c["function"]["name"],
@@ -198,11 +237,14 @@ def anthropic_request(body: dict) -> ChatRequest:
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise WireError(400, f"messages.{index}.content: must be a string or a list of blocks.")
-        text, calls = [], []
+        text, calls, parts = [], [], []
         for block in blocks:
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text":
                 text.append(block.get("text", ""))
+                parts.append(block)
+            elif kind == "image" and role == "user":
+                parts.append(block)
             elif kind == "tool_use" and role == "assistant":
                 calls.append({"id": block.get("id", ""), "name": block.get("name", ""), "arguments": block.get("input") or {}})
             elif kind == "tool_result" and role == "user":
@@ -212,8 +254,8 @@ def anthropic_request(body: dict) -> ChatRequest:
                 raise WireError(400, f"messages.{index}.content: block type {kind!r} is not supported for role {role}.")
         if role == "assistant":
             messages.append(dict({"role": "assistant", "content": "".join(text)}, **({"tool_calls": calls} if calls else {})))
-        elif text:
-            messages.append({"role": "user", "content": "".join(text)})
+        elif parts:
+            messages.append({"role": "user", "content": _content(parts, f"messages.{index}.content")})
     tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
                                                 "parameters": t.get("input_schema", {})}} for t in body.get("tools") or []]
     if (body.get("tool_choice") or {}).get("type", "auto") not in ("auto", "none"):

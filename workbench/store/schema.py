@@ -10,13 +10,15 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from workbench.segment import image_name
+
 SEGMENTS = pa.schema([
     ("run_id", pa.string()), ("step", pa.int32()), ("rollout_id", pa.int64()), ("segment_idx", pa.int32()),
     ("group_id", pa.int64()), ("reward", pa.float64()), ("advantage", pa.float32()),
     ("num_tokens", pa.int32()), ("num_sampled", pa.int32()), ("min_version", pa.int32()),
     ("max_version", pa.int32()), ("learner_version", pa.int32()), ("finish_reason", pa.string()),
     ("seal_reason", pa.string()), ("turn_spans", pa.list_(pa.list_(pa.int32()))),
-    ("prompt_text", pa.string()), ("response_text", pa.string()),
+    ("prompt_text", pa.string()), ("response_text", pa.string()), ("images", pa.list_(pa.string())),
 ])
 
 TOKENS = pa.schema([
@@ -72,6 +74,7 @@ def step_tables(run_id: str, step: int, learner_version: int, segments: list, tr
         "turn_spans": [[list(span) for span in s.turn_spans] for s in segments],
         "prompt_text": [s.display.get("prompt", "") for s in segments],
         "response_text": [s.display.get("response", "") for s in segments],
+        "images": [[image_name(image) for image in s.images] for s in segments],  # files under images/
     }
     total = int(lengths.sum())
     token_rows = {

@@ -60,6 +60,17 @@ class RunWriter:
                 tables.clear()
         self.last_flush = time.monotonic()
 
+    def save_images(self, images: list[bytes]) -> None:
+        """Keep each encoded image once, by content hash, under images/ (atomically, like the shards)."""
+        from workbench.segment import image_name
+
+        for image in images:
+            final = self.run_dir / "images" / image_name(image)
+            if not final.exists():
+                final.parent.mkdir(exist_ok=True)
+                final.with_name(f".{final.name}.tmp").write_bytes(image)
+                os.replace(final.with_name(f".{final.name}.tmp"), final)
+
     def update_run(self, **fields) -> None:
         """Rewrite the `runs` row (status, steps done, last reward, ...) atomically."""
         self.run_row.update(fields, updated=time.time())

@@ -1,0 +1,82 @@
+"""Vision-language policies: loading, image placeholders, and the forward inputs images need.
+
+An image travels as its encoded bytes (PNG/JPEG) beside the token ids. In the token sequence it is
+one run of image-placeholder ids (mask 0, never trainable) whose length the image processor fixes;
+the model's vision tower fills those positions from `pixel_values`. Rollout engine, learner and
+warm start build their forward inputs with `forward_inputs`, so all three compute the same model:
+the same pixels, and the same multimodal (M-RoPE) positions for left- or right-padded rows.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+
+def is_vision_language(path: str) -> bool:
+    return "vision_config" in json.loads(Path(path, "config.json").read_text())
+
+
+def load_policy(path: str, dtype: str = "float32"):
+    """A causal LM, or an image-text-to-text model when the checkpoint has a vision tower."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+    auto = AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
+    return auto.from_pretrained(path, dtype=getattr(torch, dtype))
+
+
+class ImageCodec:
+    """A checkpoint's image processor: placeholder count per image, and pixel batches."""
+
+    def __init__(self, path: str):
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        self.processor = AutoImageProcessor.from_pretrained(path)
+        self.placeholder_id = AutoTokenizer.from_pretrained(path).convert_tokens_to_ids("<|image_pad|>")
+        self.merge = self.processor.merge_size ** 2
+        self._cached = lru_cache(maxsize=4096)(self._process)
+
+    def _process(self, image: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+        from PIL import Image
+
+        out = self.processor([Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")
+        return out["pixel_values"], out["image_grid_thw"][0]  # [patches, channels*patch*patch], [3]
+
+    def placeholders(self, image: bytes) -> int:
+        return int(self._cached(image)[1].prod()) // self.merge
+
+    def expand(self, ids: list[int], images: list[bytes]) -> list[int]:
+        """Replace the k-th single placeholder in `ids` by as many as `images[k]` takes."""
+        out, images = [], iter(images)
+        for token in ids:
+            out.extend([token] * self.placeholders(next(images)) if token == self.placeholder_id else [token])
+        return out
+
+    def pixels(self, images: list[bytes]) -> dict[str, torch.Tensor]:
+        processed = [self._cached(image) for image in images]
+        return {"pixel_values": torch.cat([p for p, _ in processed]), "image_grid_thw": torch.stack([g for _, g in processed])}
+
+
+def forward_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: list[list[bytes]] | None = None,
+                   codec: ImageCodec | None = None) -> dict[str, torch.Tensor]:
+    """Keyword inputs of a full forward over padded rows: position ids that skip padding (3-row M-RoPE
+    positions for a vision-language model) and, when any row has images, their pixels in row order."""
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    flat = [image for row in images or [] for image in row]
+    if codec is None:
+        inputs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [batch, seq]
+        return inputs
+    grid = None
+    if flat:
+        inputs.update(codec.pixels(flat))
+        grid = inputs["image_grid_thw"]
+    kinds = (input_ids == codec.placeholder_id).int()
+    inputs["position_ids"], _ = model.model.get_rope_index(input_ids, kinds, grid, attention_mask)  # [3, batch, seq]
+    return inputs
