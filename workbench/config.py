@@ -308,5 +308,5 @@ def validate(cfg) -> None:
         raise ConfigError(str(error)) from None
     need(cfg.data.path or hasattr(plugin, "make_dataset"),
          f"Plugin {cfg.agent.plugin} has no make_dataset(size, seed): set data.path to a local data file.")
-    need(not cfg.model.warm_start_steps or hasattr(plugin, "warm_start"),
+    need(not cfg.model.warm_start_steps or hasattr(getattr(plugin, "WARM_START_AS", plugin), "warm_start"),
          f"model.warm_start_steps is set but plugin {cfg.agent.plugin} has no warm_start(sample, rng): set it to 0.")

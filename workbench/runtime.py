@@ -64,6 +64,7 @@ def policy_path(cfg) -> str:
     path = tiny_model_path(cfg.model.name)
     if cfg.model.warm_start_steps:
         plugin = load_plugin(cfg.agent.plugin)
+        plugin = getattr(plugin, "WARM_START_AS", plugin)  # a ChatAgent plugin names the Env plugin it shares demos with
         path = warm_started_path(path, plugin, Path(plugin.__file__).read_text(), cfg.model.warm_start_steps,
                                  cfg.model.warm_start_lr, cfg.seed)
     return str(path)
