@@ -56,7 +56,7 @@ class Help(ModalScreen):
 
 
 class RunsScreen(Screen):
-    BINDINGS = [Binding("s", "focus('sweep')", "Sweep filter"), Binding("escape", "focus('runs')", "Table", show=False)]
+    BINDINGS = [Binding("s", "focus('#sweep')", "Sweep filter"), Binding("escape", "focus('#runs')", "Table", show=False)]
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -230,7 +230,7 @@ class TokenScreen(Screen):
         self.open(step, rollout_id, segment_idx)
 
     def open(self, step: int, rollout_id: int, segment_idx: int) -> None:
-        self.key, self.segment = (step, rollout_id, segment_idx), self.data.segment(step, rollout_id, segment_idx)
+        self.segment_key, self.segment = (step, rollout_id, segment_idx), self.data.segment(step, rollout_id, segment_idx)
         routing = self.data.routing(step, rollout_id, segment_idx)
         self.route_layers = sorted(routing)
         self.tokens = [dict(zip(TOKEN_FIELDS, row)) for row in self.data.tokens(step, rollout_id, segment_idx)]
@@ -282,6 +282,7 @@ class TokenScreen(Screen):
         if len(self.tokens) in ends:
             text.append("◂", style="bold magenta")
         text.append(f" ⏹ {s['seal_reason']}", style="bold")
+        self.text = text
         self.query_one("#tokens", Static).update(text)
         self.render_side()
 
@@ -317,10 +318,10 @@ class TokenScreen(Screen):
         self.render_all()
 
     def action_segment(self, delta: int) -> None:
-        siblings = self.data.siblings(self.key[1])
-        index = siblings.index((self.key[0], self.key[2])) + delta
+        siblings = self.data.siblings(self.segment_key[1])
+        index = siblings.index((self.segment_key[0], self.segment_key[2])) + delta
         if 0 <= index < len(siblings):
-            self.open(siblings[index][0], self.key[1], siblings[index][1])
+            self.open(siblings[index][0], self.segment_key[1], siblings[index][1])
             self.render_all()
 
 
