@@ -75,7 +75,9 @@ class RunsScreen(Screen):
 
         table, sweep = self.query_one(DataTable), self.query_one(Input).value.strip()
         rows = [r for r in read_runs(self.app.root) if sweep in (r.get("sweep_id") or "")]
-        cursor = table.cursor_row
+        if rows == getattr(self, "shown", None):
+            return
+        self.shown, cursor = rows, table.cursor_row
         table.clear()
         for r in rows:
             reward = r.get("reward_mean")
@@ -231,7 +233,7 @@ class TokenScreen(Screen):
 
     def open(self, step: int, rollout_id: int, segment_idx: int) -> None:
         self.segment_key, self.segment = (step, rollout_id, segment_idx), self.data.segment(step, rollout_id, segment_idx)
-        routing = self.data.routing(step, rollout_id, segment_idx)
+        routing, self.rollout_segments = self.data.routing(step, rollout_id, segment_idx), self.data.siblings(rollout_id)
         self.route_layers = sorted(routing)
         self.tokens = [dict(zip(TOKEN_FIELDS, row)) for row in self.data.tokens(step, rollout_id, segment_idx)]
         for token in self.tokens:
@@ -258,8 +260,7 @@ class TokenScreen(Screen):
 
     def render_all(self) -> None:
         s = self.segment
-        siblings = self.data.siblings(s["rollout_id"])
-        self.title = f"rollout {s['rollout_id']} · segment {s['segment_idx'] + 1}/{len(siblings)} · step {s['step']}"
+        self.title = f"rollout {s['rollout_id']} · segment {s['segment_idx'] + 1}/{len(self.rollout_segments)} · step {s['step']}"
         self.sub_title = f"reward {s['reward']:.3g} · seal {s['seal_reason']} · finish {s['finish_reason']}"
         legend = Text.assemble(("channel ", "bold"), (self.channel, "bold underline"), "  ", ("prompt/env", "dim"), "  ")
         for _, c, label in CHANNELS[self.channel][1]:
@@ -318,10 +319,9 @@ class TokenScreen(Screen):
         self.render_all()
 
     def action_segment(self, delta: int) -> None:
-        siblings = self.data.siblings(self.segment_key[1])
-        index = siblings.index((self.segment_key[0], self.segment_key[2])) + delta
-        if 0 <= index < len(siblings):
-            self.open(siblings[index][0], self.segment_key[1], siblings[index][1])
+        index = self.rollout_segments.index((self.segment_key[0], self.segment_key[2])) + delta
+        if 0 <= index < len(self.rollout_segments):
+            self.open(self.rollout_segments[index][0], self.segment_key[1], self.rollout_segments[index][1])
             self.render_all()
 
 
