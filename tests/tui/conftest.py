@@ -1,5 +1,6 @@
-"""One run made by the real loop, shared by every TUI test: a tiny MoE policy (so routing rows exist),
-async depth 1 with a seq gate at max staleness 0 (so stale segments are dropped), three steps."""
+"""One run made by the real loop, shared by every TUI test: the arith task as a ChatAgent (so loopback
+requests are recorded), a tiny MoE policy (so routing rows exist), async depth 1 with a seq gate at
+max staleness 0 (so stale segments are dropped), three steps."""
 
 import json
 import shutil
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-RUN = ["+recipe=arith", "model=tiny-moe", "trainer.steps=3", "trainer.async_depth=1", "gate.level=seq",
+RUN = ["+recipe=arith", "agent.plugin=chat_minimal", "model=tiny-moe", "trainer.steps=3", "trainer.async_depth=1", "gate.level=seq",
        "gate.max_staleness=0", "model.warm_start_steps=0", "tracking=none", "run.progress=false",
        "trainer.prompts_per_step=2", "trainer.group_size=4"]
 

@@ -168,7 +168,7 @@ def test_token_view_shows_pieces_values_and_colours_of_a_known_segment(made_run)
     assert isinstance(seen["back"], RunScreen)
 
 
-def test_a_stale_segment_is_coloured_by_version_and_gate_rows_jump_to_their_segment(made_run):
+def test_a_stale_segment_is_coloured_by_version_and_gate_and_request_rows_jump_to_their_segment(made_run):
     root, run_id = made_run
     db = open_run(run_id, root)
     gate_rows = db.execute("select count(*) from gate_decisions").fetchone()[0]
@@ -183,16 +183,23 @@ def test_a_stale_segment_is_coloured_by_version_and_gate_rows_jump_to_their_segm
         await pilot.press("enter")
         gate_key = pilot.app.screen.segment_key
         await pilot.press("escape", "4")
-        requests = pilot.app.screen.query_one("#requests-table", DataTable).row_count
+        requests = pilot.app.screen.query_one("#requests-table", DataTable)
+        requests = (requests.row_count, requests.get_row_at(0)[2])
+        await pilot.press("enter")
+        request_key = pilot.app.screen.segment_key
+        await pilot.press("escape")
         pilot.app.push_screen(TokenScreen(pilot.app.screen.data, *stale[:3]))
         await pilot.pause()
         for _ in range(3):
             await pilot.press("c")
-        return rows, cells, gate_key, requests, pilot.app.screen
+        return rows, cells, gate_key, requests, request_key, pilot.app.screen
 
-    rows, cells, gate_key, requests, token_screen = drive(InspectApp(root, run_id), script)
+    rows, cells, gate_key, requests, request_key, token_screen = drive(InspectApp(root, run_id), script)
     assert rows == gate_rows and gate_key == first[:3] and first[3] in cells
-    assert requests == db.execute("select count(*) from requests").fetchone()[0]
+    assert requests[0] == db.execute("select count(*) from requests").fetchone()[0] > 0
+    rollout = db.execute("select rollout_id from requests order by time limit 1").fetchone()[0]
+    assert int(requests[1]) == rollout and request_key == db.execute(
+        "select step, rollout_id, segment_idx from segments where rollout_id = ? order by segment_idx", [rollout]).fetchone()
     sampled = [i for i, t in enumerate(token_screen.tokens) if t["loss_mask"]]
     assert {token_screen.token_styles()[i] for i in sampled} == {"yellow" if stale[3] == 1 else "red"}
 

@@ -48,6 +48,11 @@ def colour(channel: str, token: dict) -> str:
     return next(c for bound, c, _ in bins if value < bound)
 
 
+def visible(piece: str) -> str:
+    """A token's text as it may be drawn: newlines kept (after a ↵), other control characters escaped."""
+    return "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in piece).replace("\n", "↵\n")
+
+
 class Help(ModalScreen):
     BINDINGS = [("escape,question_mark,q", "app.pop_screen", "Close")]
 
@@ -216,7 +221,7 @@ class RunScreen(Screen):
         table = event.data_table
         row = dict(zip([str(c.label) for c in table.columns.values()], table.get_row(event.row_key)))
         step, rollout = int(row["step"]), int(row["rollout_id"])
-        segment = int(row["segment_idx"]) if "segment_idx" in row else self.data.siblings(rollout)[0][1]
+        step, segment = (step, int(row["segment_idx"])) if "segment_idx" in row else self.data.siblings(rollout)[0]  # a request: its rollout's first
         self.app.push_screen(TokenScreen(self.data, step, rollout, segment))
 
 
@@ -246,7 +251,7 @@ class TokenScreen(Screen):
         yield Header()
         yield Static(id="legend")
         with Horizontal():
-            with VerticalScroll(id="tokens-scroll"):
+            with VerticalScroll(id="tokens-scroll", can_focus=False):
                 yield Static(id="tokens")
             yield Static(id="side")
         yield Footer()
@@ -279,13 +284,25 @@ class TokenScreen(Screen):
                 piece = f"▣{next(images, 'image')}"
             elif piece == "<|image_pad|>":
                 piece = "▪"
-            text.append(piece.replace("\n", "↵\n"), style=style + (" reverse" if i == self.cursor else ""))
+            if i == self.cursor:
+                self.cursor_offset = len(text)
+            text.append(visible(piece), style=style + (" reverse" if i == self.cursor else ""))
         if len(self.tokens) in ends:
             text.append("◂", style="bold magenta")
         text.append(f" ⏹ {s['seal_reason']}", style="bold")
         self.text = text
         self.query_one("#tokens", Static).update(text)
         self.render_side()
+        self.call_after_refresh(self.follow)
+
+    def follow(self) -> None:
+        """Scroll so the cursor's line is in view (lines as rich wraps them at the pane's width)."""
+        scroll = self.query_one("#tokens-scroll", VerticalScroll)
+        width, height = scroll.scrollable_content_region.width, scroll.scrollable_content_region.height
+        if width > 0 and self.tokens:
+            line = len(self.text[:self.cursor_offset + 1].wrap(self.app.console, width)) - 1
+            if not scroll.scroll_y <= line < scroll.scroll_y + height:
+                scroll.scroll_to(y=max(0, line - height // 2), animate=False)
 
     def render_side(self) -> None:
         if not self.tokens:
