@@ -223,6 +223,31 @@ def test_help_quit_and_an_80x24_terminal(made_run):
     assert not running
 
 
+def test_text_snapshots_of_key_screens_at_80x24(made_run):
+    root, run_id = made_run
+    prompt, length = open_run(run_id, root).execute(
+        "select prompt_text, num_tokens from segments order by step, rollout_id limit 1").fetchone()
+
+    async def script(pilot):
+        shots = [screen_text(pilot.app)]
+        await pilot.press("2")
+        shots.append(screen_text(pilot.app))
+        await pilot.press("enter")
+        shots.append(screen_text(pilot.app))
+        return [shot.splitlines() for shot in shots]
+
+    overview, segments, tokens = drive(InspectApp(root, run_id), script, size=(80, 24))
+    assert overview[0].strip() == f"⭘                     run {run_id} — arith".strip()
+    assert overview[1].rstrip() == " 1 Overview  2 Segments  3 Gate  4 Requests"
+    assert overview[3].startswith("status finished  steps 3/3  segments 24  tokens ")
+    assert segments[5].rstrip() == " step  rollout_id  segment_idx  reward  num_tokens  versions  decision  seal_r"
+    assert segments[6].split()[:3] == ["0", "0", "0"] and segments[-1].startswith(" 1 Overview  2 Segments  3 Gate")
+    assert tokens[1].rstrip() == "channel behavior logprob  prompt/env  ■ p<.1 ■ p<.5 ■ p<.9 ■ p≥.9"
+    user, question, assistant = (line.split("│")[0].rstrip() for line in tokens[2:5])
+    assert (user, question, assistant) == ("<|im_start|>user↵", prompt.split("\n")[1] + "↵", "<|im_start|>assistant↵")
+    assert tokens[2].split("│")[1].strip() == f"token 1/{length}" and tokens[3].split("│")[1].strip() == "id        1"
+
+
 def test_the_app_reads_the_store_read_only_and_follows_a_live_run(made_run, tmp_path):
     root, run_id = made_run
     before = tree_digest(root)
