@@ -97,6 +97,9 @@ def test_segments_filters_match_sql_counts_and_sorting_and_paging_work(made_run,
         seen["first"], seen["rows"] = status(), table.row_count
         await pilot.press("right_square_bracket")
         seen["page2"], seen["page2_first"] = status(), table.get_row_at(0)[1]
+        await pilot.press(*["right_square_bracket"] * 3)
+        seen["last"] = status()
+        await pilot.press(*["left_square_bracket"] * 3)
         await pilot.press("d")
         seen["dropped"] = (status(), {table.get_row_at(i)[6] for i in range(table.row_count)})
         await pilot.press("d", "slash", *"reward>=0.5")
@@ -116,6 +119,7 @@ def test_segments_filters_match_sql_counts_and_sorting_and_paging_work(made_run,
     assert seen["header"].split()[:5] == ["step", "rollout_id", "segment_idx", "reward", "num_tokens"]
     assert seen["first"].startswith(f"rows 1-10 of {total}") and seen["rows"] == 10
     assert seen["page2"].startswith(f"rows 11-20 of {total}") and int(seen["page2_first"]) == tenth
+    assert seen["last"].startswith(f"rows {(total - 1) // 10 * 10 + 1}-{total} of {total}")  # ] past the end stays
     assert seen["dropped"][0].startswith(f"rows 1-{min(dropped, 10)} of {dropped}") and seen["dropped"][1] == {"dropped"}
     assert "only dropped" in seen["dropped"][0]
     assert seen["reward"] == db.execute("select count(*) from segments where reward >= 0.5").fetchone()[0]

@@ -157,7 +157,7 @@ class RunScreen(Screen):
         for name, table in (("gate", "gate_decisions"), ("requests", "requests")):
             columns, rows = self.data.page(table, self.offsets[name])
             self.fill(self.query_one(f"#{name}-table", DataTable), columns, rows)
-            self.query_one(f"#{name}-status", Static).update(f"rows {self.offsets[name] + 1}-{self.offsets[name] + len(rows)} · enter opens the segment · ] [ page")
+            self.query_one(f"#{name}-status", Static).update(f"rows {self.offsets[name] + bool(rows)}-{self.offsets[name] + len(rows)} · enter opens the segment · ] [ page")
 
     def load_segments(self) -> None:
         count = self.data.segment_count(self.filter)
@@ -202,8 +202,11 @@ class RunScreen(Screen):
     def action_page(self, delta: int) -> None:
         name = self.query_one(TabbedContent).active
         if name in self.offsets:
-            self.offsets[name] = max(0, self.offsets[name] + delta * PAGE)
+            old, self.offsets[name] = self.offsets[name], max(0, self.offsets[name] + delta * PAGE)
             self.load() if name != "segments" else self.load_segments()
+            if delta > 0 and not self.query_one(f"#{name}-table", DataTable).row_count:  # past the end: stay
+                self.offsets[name] = old
+                self.load() if name != "segments" else self.load_segments()
 
     def action_back(self) -> None:
         if isinstance(self.focused, Input):

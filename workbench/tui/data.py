@@ -19,7 +19,7 @@ PAGE = 200
 PLOTS = ("reward/mean", "loss/policy", "gate/kept_frac", "mismatch/kl", "routing/mismatch_token_frac")
 SEGMENT_COLUMNS = ("step", "rollout_id", "segment_idx", "reward", "num_tokens", "versions", "decision", "seal_reason",
                    "mismatched", "images")
-SORTABLE = {"step", "rollout_id", "segment_idx", "reward", "num_tokens", "decision", "seal_reason", "mismatched"}
+SORT_KEYS = {**{c: c for c in SEGMENT_COLUMNS}, "versions": "s.max_version", "images": "len(s.images)"}
 
 
 def read_runs(root: str) -> list[dict]:
@@ -125,7 +125,7 @@ class RunData:
         return self.rows(f"select count(*) from ({self._SEGMENTS})", *self._where(found))[0][0]
 
     def segment_page(self, found: Filter, offset: int = 0, sort: str = "step", descending: bool = False) -> list[tuple]:
-        order = f"{sort if sort in SORTABLE else 'step'} {'desc' if descending else 'asc'}"
+        order = f"{SORT_KEYS.get(sort, 'step')} {'desc' if descending else 'asc'}"
         return self.rows(f"{self._SEGMENTS} order by {order}, step, rollout_id, segment_idx limit {PAGE} offset {int(offset)}",
                          *self._where(found))
 
