@@ -95,6 +95,9 @@ class RunsScreen(Screen):
 
     on_input_changed = load
 
+    def on_input_submitted(self) -> None:
+        self.query_one(DataTable).focus()
+
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         self.app.push_screen(RunScreen(RunData(event.row_key.value, self.app.root)))
 
