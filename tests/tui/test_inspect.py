@@ -113,6 +113,8 @@ def test_segments_filters_match_sql_counts_and_sorting_and_paging_work(made_run,
         await pilot.click("#segments-table", offset=(x + 2, 0))
         await pilot.pause()
         seen["sorted"] = (status(), int(table.get_row_at(0)[4]))
+        await pilot.press("o")
+        seen["next_sort"] = status()
         return seen
 
     seen = drive(InspectApp(root, run_id), script)
@@ -125,6 +127,7 @@ def test_segments_filters_match_sql_counts_and_sorting_and_paging_work(made_run,
     assert seen["reward"] == db.execute("select count(*) from segments where reward >= 0.5").fetchone()[0]
     assert seen["text"].startswith(f"rows 1-{min(same_question, 10)} of {same_question}")
     assert "sort num_tokens ↓" in seen["sorted"][0] and seen["sorted"][1] == longest
+    assert "sort versions ↑" in seen["next_sort"]
 
 
 def test_token_view_shows_pieces_values_and_colours_of_a_known_segment(made_run):

@@ -35,7 +35,7 @@ HELP = """[b]molt-wb inspect[/b] — keys
 runs:     enter open · s sweep filter · q quit
 run:      1 overview · 2 segments · 3 gate · 4 requests · esc back
 segments: enter token view · / filter · d only dropped · m only mismatches
-          click a header to sort · ] [ next/previous page
+          o or a click on a header: sort · ] [ next/previous page
           filter words: dropped  mismatch  reward>=0.5  reward<1  any text
 token:    ← → token · home end · . next sampled · c channel · n p segment
           prompt/env tokens dim; ▸ ◂ a sampled turn; ▣ image
@@ -106,7 +106,7 @@ class RunScreen(Screen):
     BINDINGS = [Binding("1", "tab('overview')", "Overview"), Binding("2", "tab('segments')", "Segments"),
                 Binding("3", "tab('gate')", "Gate"), Binding("4", "tab('requests')", "Requests"),
                 Binding("slash", "filter", "Filter", key_display="/"), Binding("d", "toggle('dropped')", "Dropped"),
-                Binding("m", "toggle('mismatch')", "Mismatch"), Binding("right_square_bracket", "page(1)", "Page", key_display="]"),
+                Binding("m", "toggle('mismatch')", "Mismatch"), Binding("o", "next_sort", "Sort"), Binding("right_square_bracket", "page(1)", "Page", key_display="]"),
                 Binding("left_square_bracket", "page(-1)", show=False), Binding("escape", "back", "Back")]
 
     def __init__(self, data: RunData):
@@ -218,7 +218,13 @@ class RunScreen(Screen):
             self.app.pop_screen()
 
     def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
-        column = str(event.column_key.value)
+        self.sort_by(str(event.column_key.value))
+
+    def action_next_sort(self) -> None:
+        self.sort_by(SEGMENT_COLUMNS[(SEGMENT_COLUMNS.index(self.sort) + 1) % len(SEGMENT_COLUMNS)])
+
+    def sort_by(self, column: str) -> None:
+        """Sort on `column` (largest first for numbers worth ranking); sorting on it again flips the order."""
         self.descending = not self.descending if column == self.sort else column in ("reward", "mismatched", "num_tokens")
         self.sort, self.offsets["segments"] = column, 0
         self.load_segments()
