@@ -3,6 +3,7 @@ the main key paths, values and colours checked against the store itself."""
 
 import asyncio
 import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -260,23 +261,29 @@ def test_the_app_reads_the_store_read_only_and_follows_a_live_run(made_run, tmp_
     before = tree_digest(root)
     live = tmp_path / run_id
     shutil.copytree(Path(root) / run_id, live, ignore=shutil.ignore_patterns("part-000002.parquet", "part-000001.parquet"))
+    row = json.loads((live / "run.json").read_text())
+    (live / "run.json").write_text(json.dumps({**row, "status": "running", "steps_done": 1}))
     total = open_run(run_id, root).execute("select count(*) from segments").fetchone()[0]
 
     async def script(pilot):
         status = lambda: str(pilot.app.screen.query_one("#segments-status").render())  # noqa: E731
+        headline = lambda: str(pilot.app.screen.query_one("#headline").render())  # noqa: E731
+        early_headline = headline()
         await pilot.press("2")
         early = status()
         for name in ("segments", "tokens", "gate_decisions", "routing", "metrics", "requests"):
             for shard in (Path(root) / run_id / name).glob("part-00000[12].parquet"):
                 shutil.copy(shard, live / name / shard.name)
+        (live / "run.json").write_text(json.dumps(row))
         for _ in range(50):
             await pilot.pause(0.1)
             if status() != early:
                 break
-        return early, status()
+        return early, status(), early_headline, headline()
 
-    early, late = drive(InspectApp(str(tmp_path), run_id, poll=0.2), script)
+    early, late, early_headline, late_headline = drive(InspectApp(str(tmp_path), run_id, poll=0.2), script)
     assert not early.endswith(f"of {total} · sort step ↑") and late.startswith(f"rows 1-{total} of {total}")
+    assert "status running  steps 1/3" in early_headline and "status finished  steps 3/3" in late_headline
     assert tree_digest(root) == before
 
 

@@ -106,8 +106,9 @@ class RunScreen(Screen):
     BINDINGS = [Binding("1", "tab('overview')", "Overview"), Binding("2", "tab('segments')", "Segments"),
                 Binding("3", "tab('gate')", "Gate"), Binding("4", "tab('requests')", "Requests"),
                 Binding("slash", "filter", "Filter", key_display="/"), Binding("d", "toggle('dropped')", "Dropped"),
-                Binding("m", "toggle('mismatch')", "Mismatch"), Binding("o", "next_sort", "Sort"), Binding("right_square_bracket", "page(1)", "Page", key_display="]"),
-                Binding("left_square_bracket", "page(-1)", show=False), Binding("escape", "back", "Back")]
+                Binding("m", "toggle('mismatch')", "Mismatch"), Binding("o", "next_sort", "Sort"),
+                Binding("right_square_bracket", "page(1)", "Page", key_display="]"), Binding("left_square_bracket", "page(-1)", show=False),
+                Binding("escape", "back", "Back")]
 
     def __init__(self, data: RunData):
         super().__init__()

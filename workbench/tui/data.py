@@ -74,8 +74,8 @@ class RunData:
     def refresh(self) -> bool:
         """Re-read run.json and (re)create views for tables whose first shard appeared; True if anything changed."""
         self.run = json.loads((self.folder / "run.json").read_text())
-        shards = sum(len(list((self.folder / name).glob("*.parquet"))) for name in TABLES)
-        changed, self.shards = shards != getattr(self, "shards", -1), shards
+        state = (self.run.get("status"), self.run.get("steps_done"), *(len(list((self.folder / t).glob("*.parquet"))) for t in TABLES))
+        changed, self.state = state != getattr(self, "state", None), state
         for name, schema in TABLES.items():
             if name in self._present:
                 continue
