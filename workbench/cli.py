@@ -196,6 +196,25 @@ def compare(selection: list[str] = typer.Argument(..., help="A sweep id, or run 
 
 
 @app.command()
+def inspect(run_id: Optional[str] = typer.Argument(None, help="A run id or a unique prefix; none lists the runs."),
+            root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
+            sweep: str = typer.Option("", help="List only the runs of this sweep id (or part of it)."),
+            poll: float = typer.Option(2.0, help="Seconds between re-reads of a live run.")):
+    """Browse runs in a terminal UI: overview plots, segments, gate decisions, requests, and every token of a segment."""
+    try:
+        from workbench.tui.app import InspectApp
+    except ImportError:
+        fail("molt-wb inspect needs Textual: pip install 'molt-wb[tui]'.")
+    from workbench.store.query import resolve_run
+
+    try:
+        run_id = run_id and resolve_run(run_id, root).name
+    except ValueError as error:
+        fail(str(error))
+    InspectApp(root, run_id, sweep, poll).run()
+
+
+@app.command()
 def doctor(root: str = typer.Option("runs", help="Folder of run folders (run.root).")):
     """What is installed (torch, ray, vllm, ...), whether a GPU is visible, where runs go."""
     from importlib import metadata
