@@ -54,7 +54,7 @@ def collect(rollout: Rollout, step: int, cfg, store, learner, workers, prompts) 
                 message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                 rows += [{"rollout_id": job.rollout_id, "group_id": job.group_id, "worker": index, "kind": kind,
                           "error": message, "traceback": str(error), "time": time.time()} for job in jobs]
-                ray.get(worker.load_weights.remote(learner.weights.remote()))  # the restart loaded the first weights
+                _push_when_back(worker, learner.weights.remote())  # the restart loaded the first weights
         if rows:
             store.write_failures.remote(step, rows)
             kinds = sorted({row["kind"] for row in rows})
@@ -65,3 +65,18 @@ def collect(rollout: Rollout, step: int, cfg, store, learner, workers, prompts) 
         rollout = submit(workers, prompts)
     raise RuntimeError(f"Step {step}: three rollout batches in a row lost every episode; the failed_episodes table "
                        f"holds each error: fix the agent, its data or the engine.")
+
+
+def _push_when_back(worker, weights, seconds: float = 300.0) -> None:
+    """Give a (restarting) worker the current weights, once Ray has it running again."""
+    import ray
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            ray.get(worker.load_weights.remote(weights))
+            return
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
