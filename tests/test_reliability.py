@@ -200,3 +200,17 @@ def test_bad_resumes_are_refused_with_one_sentence(tmp_path):
     (run / "run.json").write_text(json.dumps({"status": "running", "pid": os.getpid(), "host": socket.gethostname()}))
     with pytest.raises(ConfigError, match="still running"):
         resume_config("r", [f"run.root={tmp_path}", "trainer.steps=8"])
+
+
+def test_the_writer_flushes_on_a_schedule_without_being_asked(tmp_path):
+    import pyarrow as pa
+
+    from workbench.store.writer import RunWriter
+
+    writer = RunWriter(tmp_path / "r", {"run_id": "r", "created": 1.0, "status": "running"}, flush_seconds=0.2)
+    writer.flush_every(0.2)
+    writer.append("metrics", pa.table({"run_id": ["r"], "step": [0], "key": ["reward/mean"], "value": [0.5], "time": [1.0]}))
+    db = open_run("r", str(tmp_path))
+    wait_for(lambda: db.execute("select count(*) from metrics").fetchone()[0] == 1, seconds=60)  # no flush() call
+    writer.close("finished")
+    assert db.execute("select count(*) from metrics").fetchone()[0] == 1  # once, not again at close

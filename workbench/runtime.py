@@ -116,6 +116,8 @@ class StoreActor:
 
         self.run_id = cfg.run.id
         self.writer = RunWriter(run_dir, run_row, cfg.run.flush_rows, cfg.run.flush_seconds)
+        if cfg.run.flush_seconds > 0:
+            self.writer.flush_every(cfg.run.flush_seconds)
         self.sinks = make_sinks(cfg.tracking, run_dir, cfg.run.id, run_row["config"], group=cfg.run.sweep_id)
 
     def write_step(self, step: int, metrics: dict, rows: dict, *worker_segments) -> None:
