@@ -46,6 +46,10 @@ class EngineConfig:
 class RolloutConfig:
     partial: bool = False
     """Swap pushed weights into a running generation between token steps (one sequence, several versions)."""
+    timeout_s: float = 600.0
+    """A rollout batch not back within this many seconds is a hung engine or agent: its episodes are recorded as failed and the worker is restarted."""
+    max_restarts: int = 3
+    """Times Ray restarts a rollout worker whose process died (its episodes are recorded as failed)."""
 
 
 @dataclass
@@ -116,6 +120,10 @@ class TrainerConfig:
     """Gradient-norm clip."""
     async_depth: int = 0
     """Versions rollout may run ahead of the learner (0 = synchronous, on-policy)."""
+    checkpoint_every: int = 10
+    """Save a checkpoint (runs/<id>/checkpoints/step-NNNNNN) after every N rollout batches and at the last; 0 = never."""
+    keep_checkpoints: int = 2
+    """Keep the newest K checkpoints; older ones are deleted."""
 
 
 @dataclass
@@ -172,6 +180,8 @@ class RunConfig:
     """Set by `molt-wb train -m`: the sweep this run belongs to."""
     swept: dict[str, str] = field(default_factory=dict)
     """Set by `molt-wb train -m`: this run's values of the swept keys."""
+    resume: bool = False
+    """Set by `molt-wb resume RUN_ID`: continue run.id from its latest checkpoint instead of starting it."""
     progress: bool = True
     """Show progress: a rich bar on a terminal, one line per step otherwise; false = silent."""
 
@@ -283,6 +293,9 @@ def validate(cfg) -> None:
          f"gate.level={gate.level} is a rejection filter: set gate.mode=mask (clip and trunc are for gate.level=token).")
     need(len(gate.band) == 2 and 0 <= gate.band[0] <= gate.band[1],
          f"gate.band={list(gate.band)} must be [low, high] with 0 <= low <= high.")
+    need(cfg.trainer.checkpoint_every >= 0 and cfg.trainer.keep_checkpoints >= 1,
+         "trainer.checkpoint_every must be 0 (off) or more and trainer.keep_checkpoints at least 1.")
+    need(cfg.rollout.timeout_s > 0, "rollout.timeout_s must be a positive number of seconds.")
     need(cfg.trainer.async_depth >= 0, "trainer.async_depth must be 0 (synchronous) or more.")
     need(gate.level != "off" or (cfg.trainer.async_depth == 0 and not cfg.rollout.partial),
          "Asynchronous or partial rollout trains on tokens of older policies: set gate.level=token, seq or geo.")

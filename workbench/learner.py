@@ -89,6 +89,17 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.trainer.lr,
                                            weight_decay=cfg.trainer.weight_decay)
         self.version, self.moe, self.replay = 0, bool(find_routers(self.model)), cfg.algo.routing_replay
+        self.model_path = model_path
+
+    def save_checkpoint(self, folder: str, driver_state: dict) -> int:
+        from workbench.checkpoint import save_learner
+
+        return save_learner(self, folder, driver_state)
+
+    def load_checkpoint(self, folder: str) -> int:
+        from workbench.checkpoint import load_learner
+
+        return load_learner(self, folder)
 
     def weights(self) -> dict:
         """The current weights and their version, as the engines load them."""
