@@ -69,6 +69,20 @@ def policy_path(cfg) -> str:
     return str(path)
 
 
+def teacher_path(cfg) -> str:
+    """The frozen teacher of on-policy distillation: algo.teacher_path, or the tiny base model warm-started
+    `algo.teacher_warm_start_steps` steps on the plugin (it shares the policy's tokenizer)."""
+    from workbench.api import load_plugin
+    from workbench.models.tiny import tiny_model_path
+    from workbench.models.warm_start import warm_started_path
+
+    if cfg.algo.teacher_path:
+        return str(cfg.algo.teacher_path)
+    plugin = load_plugin(cfg.agent.plugin)
+    return str(warm_started_path(tiny_model_path(cfg.model.name), plugin, Path(plugin.__file__).read_text(),
+                                 cfg.algo.teacher_warm_start_steps, cfg.model.warm_start_lr, cfg.seed))
+
+
 def init_ray(cfg) -> None:
     import ray
 
