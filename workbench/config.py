@@ -132,6 +132,24 @@ class TrainerConfig:
 
 
 @dataclass
+class EvalConfig:
+    every: int = 0
+    """Score the held-out split every N training steps (0 = never); `molt-wb eval` scores a checkpoint."""
+    path: str | None = None
+    """Local .parquet/.jsonl of held-out samples; unset = the plugin's eval_dataset (or make_dataset on another seed)."""
+    size: int = 32
+    """Held-out prompts scored (at most)."""
+    samples: int = 1
+    """Samples per held-out prompt."""
+    temperature: float = 0.0
+    """Sampling temperature of evaluation (0 = greedy)."""
+    max_tokens: int | None = None
+    """Most new tokens per turn in evaluation (unset = engine.max_tokens)."""
+    threshold: float = 1.0
+    """An episode counts towards accuracy when its reward is at least this."""
+
+
+@dataclass
 class WandbConfig:
     mode: str = "offline"
     """offline (files under the run folder; `wandb sync` uploads later) | online | disabled."""
@@ -209,6 +227,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -296,6 +315,9 @@ def validate(cfg) -> None:
          f"gate.level={gate.level} is a rejection filter: set gate.mode=mask (clip and trunc are for gate.level=token).")
     need(len(gate.band) == 2 and 0 <= gate.band[0] <= gate.band[1],
          f"gate.band={list(gate.band)} must be [low, high] with 0 <= low <= high.")
+    need(cfg.eval.every >= 0 and cfg.eval.size >= 1 and cfg.eval.samples >= 1 and cfg.eval.temperature >= 0,
+         "eval.every must be 0 or more, eval.size and eval.samples at least 1, eval.temperature 0 or more.")
+    need(not cfg.eval.path or Path(cfg.eval.path).exists(), f"eval.path={cfg.eval.path} does not exist: give a local .parquet or .jsonl file.")
     need(cfg.trainer.async_depth >= 0, "trainer.async_depth must be 0 (synchronous) or more.")
     need(gate.level != "off" or (cfg.trainer.async_depth == 0 and not cfg.rollout.partial),
          "Asynchronous or partial rollout trains on tokens of older policies: set gate.level=token, seq or geo.")

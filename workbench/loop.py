@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from workbench import runtime
+from workbench import evaluate, runtime
 
 
 def train(cfg) -> str:
@@ -48,6 +48,8 @@ def train(cfg) -> str:
             metrics = clock.metrics(metrics)
             store.write_step.remote(step, metrics, rows, *segments)
             progress.update(metrics)
+            # ---- evaluate: every eval.every steps, the held-out split under its own sampling settings
+            evaluate.at_step(cfg, workers, store, step)
         status = "finished"
     except KeyboardInterrupt:
         status = "interrupted"

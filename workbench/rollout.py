@@ -13,7 +13,7 @@ import contextlib
 import inspect
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from workbench.api import ChatAgent, ChatContext, load_plugin
 from workbench.engines.base import SamplingParams
@@ -52,11 +52,18 @@ class RolloutWorker:
         self.engine.load_weights(weights["state_dict"], weights["version"])
         return weights["version"]
 
-    def rollout(self, jobs: list[Job]) -> list[Segment]:
-        """Run the episodes of `jobs` to the end. Without partial rollout, one weight version serves them all."""
+    def rollout(self, jobs: list[Job], params: SamplingParams | None = None) -> list[Segment]:
+        """Run the episodes of `jobs` to the end (with `params`, else the training sampling settings).
+        Without partial rollout, one weight version serves them all."""
         chat = isinstance(self.plugin.AgentRunner, type) and issubclass(self.plugin.AgentRunner, ChatAgent)
         with self.lock, (contextlib.nullcontext() if self.engine.partial else self.engine.hold()):
+            self.active = params or self.params
             return self._chat_rollout(jobs) if chat else self._env_rollout(jobs)
+
+    def evaluate(self, jobs: list[Job], max_tokens: int, temperature: float) -> list[float]:
+        """The reward of each held-out episode, sampled with evaluation settings; nothing of it is trained."""
+        segments = self.rollout(jobs, replace(self.params, max_tokens=max_tokens, temperature=temperature))
+        return list({s.rollout_id: s.reward for s in segments}.values())
 
     def server(self):
         """This worker's loopback server, started on first use."""
@@ -70,33 +77,36 @@ class RolloutWorker:
         """Every job's ChatAgent runs at once on its own session; their requests share engine calls."""
         server = self.server()
         sessions = [server.open_session(job.rollout_id) for job in jobs]
+        judges = [server.open_session(job.rollout_id) for job in jobs]  # judge calls: same engine, never trained
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-            results = list(pool.map(self._run_agent, jobs, sessions))
+            results = list(pool.map(self._run_agent, jobs, sessions, judges))
         segments = []
-        for job, session, result in zip(jobs, sessions, results):
+        for job, session, judge, result in zip(jobs, sessions, judges, results):
+            server.close_session(judge["session"])
             pieces, requests = server.close_session(session["session"])
-            episode = self._segments(job, pieces, result.reward, pieces[-1].finish if pieces else "")
+            episode = self._segments(job, pieces, result.reward, pieces[-1].finish if pieces else "", result.info)
             if episode:
                 episode[0].requests = requests
             segments += episode
         return segments
 
-    def _run_agent(self, job: Job, session: dict):
+    def _run_agent(self, job: Job, session: dict, judge: dict):
         ctx = ChatContext(session["openai_base_url"], session["anthropic_base_url"], session["api_key"], "policy",
                           job.sample.get("prompt", job.sample.get("problem", "")), job.sample.get("answer"), job.sample,
-                          self.params.max_tokens, self.params.temperature)
+                          self.active.max_tokens, self.active.temperature,
+                          {"base_url": judge["openai_base_url"], "api_key": judge["api_key"]})
         result = self.plugin.AgentRunner().run(ctx)
         return asyncio.run(result) if inspect.iscoroutine(result) else result
 
     def _env_rollout(self, jobs: list[Job]) -> list[Segment]:
         envs = [self.plugin.AgentRunner() for _ in jobs]
-        episodes, rewards, open_ = [], [0.0] * len(jobs), list(range(len(jobs)))
+        episodes, rewards, infos, open_ = [], [0.0] * len(jobs), [{} for _ in jobs], list(range(len(jobs)))
         for env, job in zip(envs, jobs):
             system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
             episodes.append(TokenAccumulator(self.tokenizer, system + [{"role": "user", "content": env.reset(job.sample)}],
                                              tools=env.tools, codec=self.engine.codec))
         for turn in range(self.max_turns):
-            generations = self.engine.generate([episodes[i].token_ids for i in open_], self.params,
+            generations = self.engine.generate([episodes[i].token_ids for i in open_], self.active,
                                                [episodes[i].open.images for i in open_])
             still_open, texts = [], [reply_text(self.tokenizer, g.token_ids, g.finish_reason) for g in generations]
             with ThreadPoolExecutor(max_workers=min(8, len(open_))) as pool:  # tools (a sandbox) run side by side
@@ -105,17 +115,17 @@ class RolloutWorker:
                 episodes[i].add_sampled(generation.token_ids, generation.logprobs, generation.versions,
                                         {"role": "assistant", "content": text}, generation.finish_reason,
                                         generation.extras.get("routed_experts"))
-                rewards[i] += result.reward
+                rewards[i], infos[i] = rewards[i] + result.reward, result.info
                 if not (result.terminated or result.truncated) and turn + 1 < self.max_turns:
                     episodes[i].add_messages([{"role": result.role, "content": result.observation or ""}])
                     still_open.append(i)
             open_ = still_open
             if not open_:
                 break
-        return [segment for job, episode, reward in zip(jobs, episodes, rewards)
-                for segment in self._segments(job, episode.finish(), reward, episode.last_finish)]
+        return [segment for job, episode, reward, info in zip(jobs, episodes, rewards, infos)
+                for segment in self._segments(job, episode.finish(), reward, episode.last_finish, info)]
 
-    def _segments(self, job: Job, pieces: list, reward: float, finish_reason: str) -> list[Segment]:
+    def _segments(self, job: Job, pieces: list, reward: float, finish_reason: str, info: dict | None = None) -> list[Segment]:
         """Segment records of one episode, each audited: sampled ids intact, and would text round-trip?"""
         segments = []
         for index, piece in enumerate(pieces):
@@ -125,6 +135,6 @@ class RolloutWorker:
             segments.append(Segment(self.run_id, job.rollout_id, index, job.group_id, **piece.arrays(), reward=reward,
                                     turn_spans=piece.turn_spans, finish_reason=finish_reason,
                                     seal_reason=piece.seal_reason, images=piece.images,
-                                    display={"prompt": piece.prompt_text, "response": response},
+                                    display={"prompt": piece.prompt_text, "response": response, "info": info or {}},
                                     audit={"identity": piece.identity_holds(), "retokenize_drift": drift}))
         return segments

@@ -132,6 +132,15 @@ class StoreActor:
         for sink in self.sinks:
             sink.log(metrics, step)
 
+    def write_eval(self, step: int, row: dict) -> None:
+        """One held-out evaluation: a row of the `eval` table and the metrics eval/reward, eval/accuracy."""
+        from workbench.evaluate import eval_tables
+
+        for name, table in eval_tables(self.run_id, step, row).items():
+            self.writer.append(name, table)
+        for sink in self.sinks:
+            sink.log({"eval/reward": row["mean_reward"], "eval/accuracy": row["accuracy"]}, step)
+
     def close(self, status: str) -> None:
         self.writer.close(status)
         for sink in self.sinks:

@@ -7,6 +7,8 @@ reader (DuckDB in another process, the TUI) never sees half a file.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
 
@@ -19,6 +21,7 @@ SEGMENTS = pa.schema([
     ("max_version", pa.int32()), ("learner_version", pa.int32()), ("finish_reason", pa.string()),
     ("seal_reason", pa.string()), ("turn_spans", pa.list_(pa.list_(pa.int32()))),
     ("prompt_text", pa.string()), ("response_text", pa.string()), ("images", pa.list_(pa.string())),
+    ("info", pa.string()),  # JSON: the episode's last `Result.info` (e.g. a judge's prompt and verdict)
 ])
 
 TOKENS = pa.schema([
@@ -49,9 +52,12 @@ ROUTING = pa.schema([
     ("layer", pa.int32()), ("tokens", pa.int32()), ("mismatched", pa.int32()), ("positions", pa.list_(pa.int32())),
 ])
 
+EVAL = pa.schema([("run_id", pa.string()), ("step", pa.int32()), ("checkpoint", pa.string()), ("split", pa.string()),
+                  ("n", pa.int32()), ("mean_reward", pa.float64()), ("accuracy", pa.float64()), ("time", pa.float64())])
+
 TABLES: dict[str, pa.Schema] = {"segments": SEGMENTS, "tokens": TOKENS, "metrics": METRICS,
                                 "gate_decisions": GATE_DECISIONS, "requests": REQUESTS,
-                                "routing": ROUTING}
+                                "routing": ROUTING, "eval": EVAL}
 
 
 def step_tables(run_id: str, step: int, learner_version: int, segments: list, train: dict) -> dict[str, pa.Table]:
@@ -75,6 +81,7 @@ def step_tables(run_id: str, step: int, learner_version: int, segments: list, tr
         "prompt_text": [s.display.get("prompt", "") for s in segments],
         "response_text": [s.display.get("response", "") for s in segments],
         "images": [[image_name(image) for image in s.images] for s in segments],  # files under images/
+        "info": [json.dumps(s.display.get("info") or {}, default=str) for s in segments],
     }
     total = int(lengths.sum())
     token_rows = {
