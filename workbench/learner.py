@@ -184,7 +184,7 @@ class Learner:
                 loss_type="cispo" if self.algo.policy_loss == "cispo" else "ppo")
             if reference is not None:
                 kl = approx_kl(logprob, reference[rows], loss_mask[rows], self.algo.kl_estimator)
-                loss, step_metrics["kl_ref"] = loss + self.algo.kl_coef * kl, float(kl)
+                loss, step_metrics["kl_ref"] = loss + self.algo.kl_coef * kl, float(kl.detach())
             self.optimizer.zero_grad()
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.trainer.max_grad_norm)
