@@ -212,6 +212,22 @@ def compare(selection: list[str] = typer.Argument(..., help="A sweep id, or run 
         typer.echo(f"wrote {plot_path}", err=True)
 
 
+@app.command("eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def eval_command(ctx: typer.Context, run_id: str = typer.Argument(..., help="Run id (a unique prefix is enough)."),
+                 checkpoint: Optional[str] = typer.Argument(None, help="A checkpoint folder or step number; default the latest, else the run's starting policy."),
+                 root: str = typer.Option("runs", help="Folder of run folders (run.root).")):
+    """Score a checkpoint on the run's held-out split without training; extra `eval.*` overrides set the sampling (eval.samples=4)."""
+    from workbench.config import ConfigError
+    from workbench.evaluate import from_checkpoint
+
+    try:
+        row = from_checkpoint(run_id, checkpoint, root, ctx.args)
+    except (ConfigError, ValueError) as error:
+        fail(str(error))
+    typer.echo(f"eval {row['split']} step {row['step']}: n={row['n']} mean_reward={row['mean_reward']:.4f} "
+               f"accuracy={row['accuracy']:.4f} ({row['checkpoint']})")
+
+
 @app.command()
 def inspect(run_id: Optional[str] = typer.Argument(None, help="A run id or a unique prefix; none lists the runs."),
             root: str = typer.Option("runs", help="Folder of run folders (run.root)."),

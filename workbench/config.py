@@ -71,7 +71,7 @@ class DataConfig:
 @dataclass
 class AlgoConfig:
     advantage: str = "grpo"
-    """Advantage estimator: reinforce | reinforce_baseline | rloo | grpo | dr_grpo."""
+    """Advantage estimator: reinforce | reinforce_baseline | rloo | grpo | dr_grpo | on_policy_distill (per token, no reward)."""
     clip_low: float = 0.2
     """PPO clip: ratios below 1 - clip_low stop contributing gradient for negative advantages."""
     clip_high: float = 0.2
@@ -83,7 +83,20 @@ class AlgoConfig:
     routing_replay: bool = False
     """MoE policies: force the rollout's recorded experts in the learner's forward (R3); measured either way."""
     policy_loss: str = "ppo"
-    """ppo (token ratio, PPO-clip) | gspo (sequence ratio: geometric mean of token ratios, clipped per sequence)."""
+    """ppo (token ratio, PPO-clip) | gspo (sequence ratio: geometric mean of token ratios, clipped per sequence)
+    | cispo (REINFORCE on log π weighted by the clipped token ratio, held constant)."""
+    kl_coef: float = 0.0
+    """Weight of KL(policy || reference) in the loss; the reference is a frozen copy of the starting policy (0 = none)."""
+    kl_estimator: str = "k3"
+    """Estimator of that KL from the policy's samples: k1 | k2 | k3 (Schulman)."""
+    filter_uniform_groups: bool = False
+    """Dynamic filtering: drop groups whose rewards are all equal (no relative signal) from the loss."""
+    distill_coef: float = 1.0
+    """on_policy_distill: advantage = -distill_coef * (log π_student - log π_teacher) per sampled token."""
+    teacher_path: str | None = None
+    """on_policy_distill: HF checkpoint folder of the frozen teacher; it must share the policy's tokenizer."""
+    teacher_warm_start_steps: int = 0
+    """on_policy_distill without teacher_path: the teacher is the tiny base model warm-started this many steps on the plugin."""
 
 
 @dataclass
@@ -124,6 +137,24 @@ class TrainerConfig:
     """Save a checkpoint (runs/<id>/checkpoints/step-NNNNNN) after every N rollout batches and at the last; 0 = never."""
     keep_checkpoints: int = 2
     """Keep the newest K checkpoints; older ones are deleted."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0
+    """Score the held-out split every N training steps (0 = never); `molt-wb eval` scores a checkpoint."""
+    path: str | None = None
+    """Local .parquet/.jsonl of held-out samples; unset = the plugin's eval_dataset (or make_dataset on another seed)."""
+    size: int = 32
+    """Held-out prompts scored (at most)."""
+    samples: int = 1
+    """Samples per held-out prompt."""
+    temperature: float = 0.0
+    """Sampling temperature of evaluation (0 = greedy)."""
+    max_tokens: int | None = None
+    """Most new tokens per turn in evaluation (unset = engine.max_tokens)."""
+    threshold: float = 1.0
+    """An episode counts towards accuracy when its reward is at least this."""
 
 
 @dataclass
@@ -206,6 +237,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -250,7 +282,7 @@ def expand_sweep(overrides: list[str]) -> list[tuple[list[str], dict[str, str]]]
     return [(job, {k: v for k, v in (o.lstrip("+~").split("=", 1) for o in job) if k in swept}) for job in jobs]
 
 
-ADVANTAGES = ("reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo")
+ADVANTAGES = ("reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "on_policy_distill")
 AGGREGATIONS = ("token_mean", "seq_mean", "constant")
 
 
@@ -277,7 +309,7 @@ def validate(cfg) -> None:
     need(cfg.algo.aggregation in AGGREGATIONS, f"algo.aggregation={cfg.algo.aggregation} is unknown: use one of {', '.join(AGGREGATIONS)}.")
     need(cfg.algo.aggregation != "constant" or cfg.algo.constant_denominator,
          "algo.aggregation=constant needs algo.constant_denominator (e.g. batch size x max tokens).")
-    need(cfg.trainer.group_size >= 2 or cfg.algo.advantage in ("reinforce", "reinforce_baseline"),
+    need(cfg.trainer.group_size >= 2 or cfg.algo.advantage in ("reinforce", "reinforce_baseline", "on_policy_distill"),
          f"algo.advantage={cfg.algo.advantage} compares samples of one prompt: set trainer.group_size to 2 or more.")
     need(cfg.sweep.parallel >= 1, "sweep.parallel must be at least 1.")
     need(cfg.trainer.steps >= 1 and cfg.trainer.prompts_per_step >= 1, "trainer.steps and trainer.prompts_per_step must be at least 1.")
@@ -296,6 +328,9 @@ def validate(cfg) -> None:
     need(cfg.trainer.checkpoint_every >= 0 and cfg.trainer.keep_checkpoints >= 1,
          "trainer.checkpoint_every must be 0 (off) or more and trainer.keep_checkpoints at least 1.")
     need(cfg.rollout.timeout_s > 0, "rollout.timeout_s must be a positive number of seconds.")
+    need(cfg.eval.every >= 0 and cfg.eval.size >= 1 and cfg.eval.samples >= 1 and cfg.eval.temperature >= 0,
+         "eval.every must be 0 or more, eval.size and eval.samples at least 1, eval.temperature 0 or more.")
+    need(not cfg.eval.path or Path(cfg.eval.path).exists(), f"eval.path={cfg.eval.path} does not exist: give a local .parquet or .jsonl file.")
     need(cfg.trainer.async_depth >= 0, "trainer.async_depth must be 0 (synchronous) or more.")
     need(gate.level != "off" or (cfg.trainer.async_depth == 0 and not cfg.rollout.partial),
          "Asynchronous or partial rollout trains on tokens of older policies: set gate.level=token, seq or geo.")
@@ -305,7 +340,12 @@ def validate(cfg) -> None:
     need(not cfg.algo.routing_replay or _is_moe(cfg.model),
          f"algo.routing_replay needs a mixture-of-experts policy and model {cfg.model.path or cfg.model.name} is dense: "
          f"use model=tiny-moe or set algo.routing_replay=false.")
-    need(cfg.algo.policy_loss in ("ppo", "gspo"), f"algo.policy_loss={cfg.algo.policy_loss} is unknown: use ppo or gspo.")
+    need(cfg.algo.policy_loss in ("ppo", "gspo", "cispo"), f"algo.policy_loss={cfg.algo.policy_loss} is unknown: use ppo, gspo or cispo.")
+    need(cfg.algo.kl_estimator in ("k1", "k2", "k3"), f"algo.kl_estimator={cfg.algo.kl_estimator} is unknown: use k1, k2 or k3.")
+    need(cfg.algo.advantage != "on_policy_distill" or cfg.algo.teacher_path or cfg.algo.teacher_warm_start_steps,
+         "algo.advantage=on_policy_distill needs a teacher: set algo.teacher_path or algo.teacher_warm_start_steps.")
+    need(not cfg.algo.teacher_path or Path(cfg.algo.teacher_path, "config.json").exists(),
+         f"algo.teacher_path={cfg.algo.teacher_path} is not a Hugging Face checkpoint folder (no config.json): fix the path.")
     need(cfg.tracking.wandb.mode in ("offline", "online", "disabled"), "tracking.wandb.mode must be offline, online or disabled.")
     need(not cfg.model.path or Path(cfg.model.path, "config.json").exists(),
          f"model.path={cfg.model.path} is not a Hugging Face checkpoint folder (no config.json): fix the path.")

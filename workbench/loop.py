@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from workbench import checkpoint, faults, runtime
+from workbench import checkpoint, evaluate, faults, runtime
 
 
 def train(cfg) -> str:
@@ -50,6 +50,8 @@ def train(cfg) -> str:
             store.write_step.remote(step, metrics, rows, *segments)
             checkpoint.maybe_save(cfg, run_dir, step, learner, store, in_flight[0].data_state if in_flight else prompts.state())
             progress.update(metrics)
+            # ---- evaluate: every eval.every steps, the held-out split under its own sampling settings
+            evaluate.at_step(cfg, workers, store, step)
         status = "finished"
     except KeyboardInterrupt:
         status = "interrupted"

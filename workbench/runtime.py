@@ -82,6 +82,18 @@ def policy_path(cfg) -> str:
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt  # SIGTERM stops a run like Ctrl-C: flushed, marked interrupted
+def teacher_path(cfg) -> str:
+    """The frozen teacher of on-policy distillation: algo.teacher_path, or the tiny base model warm-started
+    `algo.teacher_warm_start_steps` steps on the plugin (it shares the policy's tokenizer)."""
+    from workbench.api import load_plugin
+    from workbench.models.tiny import tiny_model_path
+    from workbench.models.warm_start import warm_started_path
+
+    if cfg.algo.teacher_path:
+        return str(cfg.algo.teacher_path)
+    plugin = load_plugin(cfg.agent.plugin)
+    return str(warm_started_path(tiny_model_path(cfg.model.name), plugin, Path(plugin.__file__).read_text(),
+                                 cfg.algo.teacher_warm_start_steps, cfg.model.warm_start_lr, cfg.seed))
 
 
 def init_ray(cfg) -> None:
@@ -152,6 +164,15 @@ class StoreActor:
                                                 "time": [now] * len(metrics)}))
         for sink in self.sinks:
             sink.log(metrics, step)
+
+    def write_eval(self, step: int, row: dict) -> None:
+        """One held-out evaluation: a row of the `eval` table and the metrics eval/reward, eval/accuracy."""
+        from workbench.evaluate import eval_tables
+
+        for name, table in eval_tables(self.run_id, step, row).items():
+            self.writer.append(name, table)
+        for sink in self.sinks:
+            sink.log({"eval/reward": row["mean_reward"], "eval/accuracy": row["accuracy"]}, step)
 
     def close(self, status: str) -> None:
         self.writer.close(status)
