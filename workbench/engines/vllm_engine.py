@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -60,8 +62,6 @@ class VllmEngine(TorchEngine):
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, partial: bool = False,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5, check_weight_sync: bool = False,
                  routed_experts: bool = True):
-        import threading
-
         from workbench.models.multimodal import is_vision_language
         from workbench.models.tiny import is_moe
 
@@ -75,13 +75,24 @@ class VllmEngine(TorchEngine):
 
         self.moe = is_moe(AutoConfig.from_pretrained(model_path).get_text_config())
         self.routes = self.moe and routed_experts and not cpu  # vLLM serves them with Model Runner V2 only (GPU)
-        self.llm = LLM(model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=tensor_parallel_size,
-                       gpu_memory_utilization=gpu_memory_utilization, enforce_eager=cpu, enable_prefix_caching=False,
-                       logprobs_mode="processed_logprobs", max_logprobs=0, async_scheduling=False,
-                       worker_extension_cls=f"{__name__}.WeightSync", enable_return_routed_experts=self.routes)
+        # vLLM's CPU kernels keep the OpenMP settings of the thread that started them: all calls run on that thread
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="vllm")
+        self.llm = self._call(LLM, model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=tensor_parallel_size,
+                              gpu_memory_utilization=gpu_memory_utilization, enforce_eager=cpu, enable_prefix_caching=False,
+                              logprobs_mode="processed_logprobs", max_logprobs=0, async_scheduling=False,
+                              worker_extension_cls=f"{__name__}.WeightSync", enable_return_routed_experts=self.routes)
         self.codec, self.seed, self.check = None, seed, check_weight_sync
         self.version, self.partial, self.ids = 0, partial, itertools.count()
         self._lock, self._pending, self._busy = threading.Lock(), None, 0
+
+    def _call(self, function, *args, **kwargs):
+        """`function(*args, **kwargs)` on the engine's own thread."""
+        if threading.current_thread().name.startswith("vllm"):
+            return function(*args, **kwargs)
+        return self.thread.submit(function, *args, **kwargs).result()
+
+    def _generate(self, prompts, params, images=None) -> list[Generation]:
+        return self._call(self._steps, prompts, params)
 
     def _swap(self) -> None:
         """Adopt pending weights, if any (the caller holds the lock); refuse a partial update when checking."""
@@ -90,14 +101,14 @@ class VllmEngine(TorchEngine):
         state_dict, version = self._pending
         self._pending = None
         weights = [(name, tensor.detach().cpu()) for name, tensor in state_dict.items()]
-        stale = self.llm.collective_rpc("load_policy_weights", args=(weights, self.check))
+        stale = self._call(self.llm.collective_rpc, "load_policy_weights", args=(weights, self.check))
         missed = sorted({name for worker in stale for name in worker})
         if missed:
             raise RuntimeError(f"Weight sync to version {version} left {len(missed)} vLLM parameter(s) not updated "
                                f"(e.g. {missed[0]}): the pushed state dict does not cover the engine's model.")
         self.version = version
 
-    def _generate(self, prompts: list[np.ndarray], params: SamplingParams, images=None) -> list[Generation]:
+    def _steps(self, prompts: list[np.ndarray], params: SamplingParams) -> list[Generation]:
         from vllm import SamplingParams as VllmParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
