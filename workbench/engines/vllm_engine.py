@@ -49,10 +49,10 @@ class WeightSync:
                 for parameter in model.parameters():
                     parameter.fill_(float("nan"))
         self.reload_weights(weights_iterator=iter(weights))
-        for module in model.modules():  # CPU MoE kernels read prepacked expert weights: pack the new ones
-            experts = getattr(getattr(module, "quant_method", None), "process_weights_after_loading", None)
-            if type(module).__name__ == "FusedMoE" and experts and module.w13_weight.device.type == "cpu":
-                experts(module)
+        for module in model.modules():  # CPU MoE kernels read prepacked experts, packed only at the first load
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            if kernel is not None and module.w13_weight.device.type == "cpu":
+                kernel.fused_experts.process_weights_after_loading(module)
         return [name for name, p in model.named_parameters() if check and bool(torch.isnan(p).any())]
 
 
