@@ -42,6 +42,7 @@ def test_group_options_select_presets():
     ("gate.band=[2.0,0.5]", "gate.band"),
     ("gate.level=tokens", "gate.level=tokens is unknown"),
     ("engine.name=sglang", "engine=sglang is unknown"),
+    ("engine=vllm +recipe=geo3k", "engine=vllm"),  # not installed, or no image prompts: one sentence either way
 ])
 def test_bad_config_is_one_sentence_naming_the_key(override, words):
     with pytest.raises(ConfigError) as error:

@@ -285,6 +285,17 @@ def _is_moe(model) -> bool:
     return any(k in TINY_SPECS.get(model.name, {}) for k in ("num_experts", "num_local_experts"))
 
 
+def _is_vision_language(model) -> bool:
+    import json
+
+    from workbench.models.tiny import TINY_SPECS
+
+    if model.path:
+        config = Path(model.path, "config.json")
+        return config.exists() and "vision_config" in json.loads(config.read_text())
+    return "vision" in TINY_SPECS.get(model.name, {})
+
+
 def _has_vllm() -> bool:
     import importlib.util
 
@@ -299,6 +310,8 @@ def validate(cfg) -> None:
 
     need(cfg.engine.name in ("torch", "vllm"), f"engine={cfg.engine.name} is unknown: use engine=torch or engine=vllm.")
     need(cfg.engine.name != "vllm" or _has_vllm(), "engine=vllm needs vLLM in this environment: pip install 'molt-wb[vllm]'.")
+    need(cfg.engine.name != "vllm" or not _is_vision_language(cfg.model),
+         "engine=vllm does not take image prompts yet (its vision models need a torchvision build that matches torch): use engine=torch for a vision-language policy such as +recipe=geo3k's.")
     need(cfg.engine.temperature > 0, "RL needs sampling: set engine.temperature above 0.")
     need(cfg.algo.advantage in ADVANTAGES, f"algo.advantage={cfg.algo.advantage} is unknown: use one of {', '.join(ADVANTAGES)}.")
     need(cfg.algo.aggregation in AGGREGATIONS, f"algo.aggregation={cfg.algo.aggregation} is unknown: use one of {', '.join(AGGREGATIONS)}.")
