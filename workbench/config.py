@@ -302,6 +302,14 @@ def _has_vllm() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def _imports(module: str) -> bool:
+    try:
+        __import__(module)
+        return True
+    except Exception:  # absent, or built for another torch
+        return False
+
+
 def validate(cfg) -> None:
     """Refuse unsafe or unsupported combinations before anything starts."""
     def need(ok: bool, message: str) -> None:
@@ -310,8 +318,9 @@ def validate(cfg) -> None:
 
     need(cfg.engine.name in ("torch", "vllm"), f"engine={cfg.engine.name} is unknown: use engine=torch or engine=vllm.")
     need(cfg.engine.name != "vllm" or _has_vllm(), "engine=vllm needs vLLM in this environment: pip install 'molt-wb[vllm]'.")
-    need(cfg.engine.name != "vllm" or not _is_vision_language(cfg.model),
-         "engine=vllm does not take image prompts yet (its vision models need a torchvision build that matches torch): use engine=torch for a vision-language policy such as +recipe=geo3k's.")
+    need(cfg.engine.name != "vllm" or not _is_vision_language(cfg.model) or _imports("torchvision"),
+         "engine=vllm with a vision-language policy needs torchvision built for this torch (vLLM's vision models import it): "
+         "install the matching torchvision or use engine=torch.")
     need(cfg.engine.temperature > 0, "RL needs sampling: set engine.temperature above 0.")
     need(cfg.algo.advantage in ADVANTAGES, f"algo.advantage={cfg.algo.advantage} is unknown: use one of {', '.join(ADVANTAGES)}.")
     need(cfg.algo.aggregation in AGGREGATIONS, f"algo.aggregation={cfg.algo.aggregation} is unknown: use one of {', '.join(AGGREGATIONS)}.")

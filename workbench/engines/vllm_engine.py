@@ -19,10 +19,16 @@ weights would otherwise serve new prompts.
 MoE routed experts (`enable_return_routed_experts`) need vLLM's Model Runner V2; on the CPU backend
 vLLM refuses them ("AuxOutput Connector requires Model Runner V2"), so there the engine asks for
 none and a MoE generation carries no routes; on GPUs they are decoded into the Segment record.
+
+Images (vision-language policies) go in as `multi_modal_data` beside ids whose placeholder runs the
+rollout has already expanded with the checkpoint's own image processor, as vLLM would. vLLM's vision
+models import torchvision, and no torchvision build for this machine's torch 2.13 CPU exists, so this
+path is not exercised here (config validation refuses it where torchvision does not import).
 """
 
 from __future__ import annotations
 
+import io
 import itertools
 import os
 import threading
@@ -62,11 +68,10 @@ class VllmEngine(TorchEngine):
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, partial: bool = False,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5, check_weight_sync: bool = False,
                  routed_experts: bool = True):
-        from workbench.models.multimodal import is_vision_language
+        from workbench.models.multimodal import ImageCodec, is_vision_language
         from workbench.models.tiny import is_moe
 
-        if is_vision_language(model_path):
-            raise ValueError("engine=vllm does not take image prompts yet: use engine=torch for vision-language policies.")
+        vision = is_vision_language(model_path)
         cpu = not torch.cuda.is_available()
         for key, value in CPU_DEFAULTS.items() if cpu else ():
             os.environ.setdefault(key, value)
@@ -80,8 +85,10 @@ class VllmEngine(TorchEngine):
         self.llm = self._call(LLM, model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=tensor_parallel_size,
                               gpu_memory_utilization=gpu_memory_utilization, enforce_eager=cpu, enable_prefix_caching=False,
                               logprobs_mode="processed_logprobs", max_logprobs=0, async_scheduling=False,
-                              worker_extension_cls=f"{__name__}.WeightSync", enable_return_routed_experts=self.routes)
-        self.codec, self.seed, self.check = None, seed, check_weight_sync
+                              worker_extension_cls=f"{__name__}.WeightSync", enable_return_routed_experts=self.routes,
+                              **({"limit_mm_per_prompt": {"image": 8}} if vision else {}))
+        self.codec = ImageCodec(model_path) if vision else None  # the rollout expands placeholders as vLLM does
+        self.seed, self.check = seed, check_weight_sync
         self.version, self.partial, self.ids = 0, partial, itertools.count()
         self._lock, self._pending, self._busy = threading.Lock(), None, 0
 
@@ -92,7 +99,7 @@ class VllmEngine(TorchEngine):
         return self.thread.submit(function, *args, **kwargs).result()
 
     def _generate(self, prompts, params, images=None) -> list[Generation]:
-        return self._call(self._steps, prompts, params)
+        return self._call(self._steps, prompts, params, images or [[] for _ in prompts])
 
     def _swap(self) -> None:
         """Adopt pending weights, if any (the caller holds the lock); refuse a partial update when checking."""
@@ -108,7 +115,8 @@ class VllmEngine(TorchEngine):
                                f"(e.g. {missed[0]}): the pushed state dict does not cover the engine's model.")
         self.version = version
 
-    def _steps(self, prompts: list[np.ndarray], params: SamplingParams) -> list[Generation]:
+    def _steps(self, prompts: list[np.ndarray], params: SamplingParams, images: list[list[bytes]]) -> list[Generation]:
+        from PIL import Image
         from vllm import SamplingParams as VllmParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -123,7 +131,10 @@ class VllmEngine(TorchEngine):
                 sampling = sampling.clone()
                 sampling.seed = self.seed * 1_000_003 + next(self.ids)
             request_id = f"r{next(self.ids)}"  # outputs carry this id (add_request returns an internal one)
-            engine.add_request(request_id, TokensPrompt(prompt_token_ids=[int(t) for t in prompt]), sampling)
+            inputs = TokensPrompt(prompt_token_ids=[int(t) for t in prompt])  # placeholders already expanded
+            if images[row]:
+                inputs["multi_modal_data"] = {"image": [Image.open(io.BytesIO(b)).convert("RGB") for b in images[row]]}
+            engine.add_request(request_id, inputs, sampling)
             rows[request_id] = row
         parts = {row: ([], [], []) for row in range(len(prompts))}  # ids, logprobs, versions
         finish, routes = {}, {}
