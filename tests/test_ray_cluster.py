@@ -22,7 +22,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cluster():
     """(address, processes) of a head (1 CPU) and a second node (1 CPU, resource rollout_node=2)."""
     ray_cli = str(Path(sys.executable).parent / "ray")
@@ -45,7 +45,7 @@ def cluster():
             os.killpg(node.pid, signal.SIGTERM)
         for node in reversed(nodes):
             try:
-                node.wait(timeout=10)
+                node.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 os.killpg(node.pid, signal.SIGKILL)
 
@@ -70,3 +70,26 @@ def test_rollout_workers_run_on_the_node_that_offers_their_resource(cluster, tmp
     assert len(placement["rollout_workers"]) == 2
     assert all(resources[node].get("rollout_node") == 2 for node in placement["rollout_workers"])
     assert "rollout_node" not in resources[placement["learner"]]  # the learner stayed on the head
+
+
+@pytest.mark.slow
+def test_colocated_placement_packs_learner_and_workers_onto_one_node(cluster):
+    import ray
+
+    from workbench import runtime
+    from workbench.config import compose_config
+
+    address, _ = cluster
+    cfg = compose_config([f"ray.address={address}", "ray.colocate=true", "ray.rollout_workers=2", "ray.learner_cpus=0.5",
+                          "ray.rollout_cpus=0.25", "run.id=packed"])
+    runtime.init_ray(cfg)
+    try:
+        learner, *workers = runtime.placement(cfg)
+        group = learner["scheduling_strategy"].placement_group
+        assert [w["scheduling_strategy"].placement_group_bundle_index for w in workers] == [1, 2]
+        table = ray.util.placement_group_table(group)
+        assert table["strategy"] == "STRICT_PACK" and table["bundles"][0] == {"CPU": 0.5}
+        assert len(set(table["bundles_to_node_id"].values())) == 1  # all three bundles on one node
+        ray.util.remove_placement_group(group)
+    finally:
+        ray.shutdown()
