@@ -45,7 +45,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.5
     """vllm: fraction of a GPU's memory the engine takes (leave room for a colocated learner)."""
     check_weight_sync: bool = False
-    """vllm: after every weight push, verify that each engine parameter was overwritten (names and values)."""
+    """vllm: verify every weight push overwrote each engine parameter (all are NaN-filled first; a leftover NaN stops the run)."""
     routed_experts: bool = True
     """vllm, MoE policies: ask vLLM for the routed experts of every token (enable_return_routed_experts)."""
 
