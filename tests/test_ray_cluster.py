@@ -6,6 +6,7 @@ them by process id (a plain `ray stop` would stop every Ray of this user on the 
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -48,6 +49,7 @@ def cluster():
                 node.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 os.killpg(node.pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.mark.slow
