@@ -84,7 +84,7 @@ def test_colocated_placement_packs_learner_and_workers_onto_one_node(cluster):
     address, _ = cluster
     cfg = compose_config([f"ray.address={address}", "ray.colocate=true", "ray.rollout_workers=2", "ray.learner_cpus=0.5",
                           "ray.rollout_cpus=0.25", "run.id=packed"])
-    runtime.init_ray(cfg)
+    ray.init(address=address, logging_level="ERROR")
     try:
         learner, *workers = runtime.placement(cfg)
         group = learner["scheduling_strategy"].placement_group
