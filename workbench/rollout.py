@@ -40,12 +40,12 @@ class RolloutWorker:
     def __init__(self, cfg, model_path: str, worker_index: int = 0):
         from transformers import AutoTokenizer
 
-        from workbench.engines.torch_engine import TorchEngine, set_threads
+        from workbench.engines import make_engine
+        from workbench.engines.torch_engine import set_threads
 
         set_threads(cfg)
         self.run_id, self.max_turns, self.worker_index = cfg.run.id, cfg.agent.max_turns, worker_index
-        self.engine = TorchEngine(model_path, cfg.model.dtype, seed=cfg.seed * 1000 + worker_index,
-                                  partial=cfg.rollout.partial)
+        self.engine = make_engine(cfg, model_path, seed=cfg.seed * 1000 + worker_index)
         self.lock = threading.Lock()  # one rollout at a time; weight pushes arrive on another thread
         self._server = None
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
