@@ -159,19 +159,20 @@ def test_sigterm_stops_a_run_cleanly_marked_interrupted(tmp_path, in_process):
     assert db.execute("select count(*) from segments where step = 0").fetchone()[0] == 4  # flushed at the stop
 
 
-@pytest.mark.parametrize("content, words", [
-    ("", "has no samples"),
-    ('{"question": "1 + 1?", "answer": 2}\n', "has no 'problem' column"),
-    ('{"problem": "1 + 1?"\n', "is not JSON lines"),
-    ('[1, 2]\n', "not objects"),
+@pytest.mark.parametrize("plugin, content, words", [
+    ("arith", "", "has no samples"),
+    ("arith", '{"question": "1 + 1?", "answer": 2}\n', "has no 'problem' column"),
+    ("arith", '{"problem": "1 + 1?"\n', "is not JSON lines"),
+    ("arith", '[1, 2]\n', "not objects"),
+    ("geo3k", '{"images": ["bm90IGFuIGltYWdl"], "problem": "x?", "answer": "1"}\n', "image 0 cannot be opened"),
 ])
-def test_bad_data_is_refused_before_anything_starts(tmp_path, content, words):
+def test_bad_data_is_refused_before_anything_starts(tmp_path, plugin, content, words):
     from workbench import loop
 
     path = tmp_path / "data.jsonl"
     path.write_text(content)
     with pytest.raises(ConfigError, match=words):
-        loop.train(compose_config([*FAST[:1], "agent.plugin=arith", f"data.path={path}", f"run.root={tmp_path}"]))
+        loop.train(compose_config([*FAST[:1], f"agent.plugin={plugin}", f"data.path={path}", f"run.root={tmp_path}"]))
     assert not list(tmp_path.glob("*/run.json"))  # no run was started
 
 
