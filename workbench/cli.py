@@ -86,7 +86,8 @@ def train(ctx: typer.Context):
         else:
             outcomes = [run(cfg) for cfg in configs]
     except KeyboardInterrupt:
-        typer.echo("interrupted; what was written is kept.", err=True)
+        hint = f" Continue it with: molt-wb resume {configs[0].run.id}" if len(configs) == 1 and configs[0].run.id else ""
+        typer.echo(f"interrupted; what was written is kept.{hint}", err=True)
         raise typer.Exit(130)
     if multirun:
         typer.echo(f"sweep {configs[0].run.sweep_id}: {sum(outcomes)}/{len(outcomes)} runs finished; "
