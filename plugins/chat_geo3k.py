@@ -41,4 +41,5 @@ class Geo3kChat(ChatAgent):
 
 
 AgentRunner = Geo3kChat
-make_dataset, load_dataset, warm_start = geo3k.make_dataset, geo3k.load_dataset, geo3k.warm_start
+make_dataset, load_dataset = geo3k.make_dataset, geo3k.load_dataset
+WARM_START_AS = geo3k  # the same demonstrations (the Env renders them token-exactly as this agent's traffic), one cached checkpoint

@@ -89,13 +89,16 @@ def program(sample: dict) -> str | None:
 
 
 def warm_start(sample: dict, rng: random.Random):
-    """A noisy teacher's episode: right half of the time, else a wrong choice; half of them use the tool first."""
+    """A noisy teacher's episode: reasoning, then the answer, right half of the time (else a wrong choice);
+    half of them compute it with the tool first and, when right, answer what the tool printed."""
     wrong = [c for c in sample.get("choices") or [] if c != sample["answer"]]
-    answer = sample["answer"] if rng.random() < 0.5 or not wrong else rng.choice(wrong)
+    right = rng.random() < 0.5 or not wrong
+    answer = sample["answer"] if right else rng.choice(wrong)
     code = program(sample)
     if code is None or rng.random() < 0.5:
-        return f"<answer>{answer}</answer>"
+        return f"I read the values off the diagram. <answer>{answer}</answer>"
     call = json.dumps({"name": "python_executor", "arguments": {"code": code}})
-    output = str(eval(code.removeprefix("print(")[:-1])) + "\n"  # our own arithmetic: what the sandbox would print
-    return [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"}, {"role": "tool", "content": output},
-            {"role": "assistant", "content": f"<answer>{answer}</answer>"}]
+    output = str(eval(code.removeprefix("print(")[:-1]))  # our own arithmetic: what the sandbox would print
+    final = output + "\\pi" * sample["answer"].endswith("\\pi") if right else answer  # circles: answers in units of π
+    return [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"}, {"role": "tool", "content": output + "\n"},
+            {"role": "assistant", "content": f"The program printed {output}. <answer>{final}</answer>"}]

@@ -11,7 +11,8 @@ A plugin (`plugins/NAME.py`, a dotted module, or a file path) exports `AgentRunn
 
 Optionally it exports `make_dataset(size, seed) -> list[dict]` (synthetic samples, used when no
 `data.path` is given) and `warm_start(sample, rng) -> str` (a completion to fine-tune on before
-RL when a tiny random model would otherwise never earn a reward).
+RL when a tiny random model would otherwise never earn a reward, or a list of turns); a ChatAgent
+plugin names the Env plugin whose demonstrations it shares as `WARM_START_AS`.
 """
 
 from __future__ import annotations

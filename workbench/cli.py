@@ -29,18 +29,25 @@ def fail(message: str) -> None:
 def train(ctx: typer.Context):
     """Train a policy. Arguments are Hydra overrides: `+recipe=arith trainer.steps=10 engine.temperature=0.9`.
 
-    `-m`/`--multirun` (anywhere on the line) runs every combination of comma-separated values as its own run, all tagged with one sweep id; `sweep.parallel=N` runs N at once. Config groups: model, engine, agent, algo, gate, trainer, tracking, ray; see conf/ and the README for every key.
+    `-m`/`--multirun` (anywhere on the line) runs every combination of comma-separated values as its own run, all tagged with one sweep id; `sweep.parallel=N` runs N at once. `resume=RUN_ID` continues a run from its latest checkpoint (see `molt-wb resume`). Config groups: model, engine, agent, algo, gate, trainer, tracking, ray; see conf/ and the README for every key.
     """
     from omegaconf import OmegaConf
 
+    from workbench.checkpoint import resume_config
     from workbench.config import ConfigError, compose_config, expand_sweep
 
     overrides = [a for a in ctx.args if a not in ("-m", "--multirun")]
     multirun = len(overrides) != len(ctx.args)
+    resume = [a.split("=", 1)[1] for a in overrides if a.startswith("resume=")]
     try:
-        jobs = expand_sweep(overrides) if multirun else [(overrides, {})]
-        sweep = ["run.sweep_id=" + datetime.datetime.now().strftime("sweep-%Y%m%d-%H%M%S-") + os.urandom(2).hex()] if multirun else []
-        configs = [compose_config(job + sweep) for job, _ in jobs]
+        if resume:
+            if multirun:
+                raise ConfigError("resume= continues one run: drop -m.")
+            configs, jobs = [resume_config(resume[0], [a for a in overrides if not a.startswith("resume=")])], []
+        else:
+            jobs = expand_sweep(overrides) if multirun else [(overrides, {})]
+            sweep = ["run.sweep_id=" + datetime.datetime.now().strftime("sweep-%Y%m%d-%H%M%S-") + os.urandom(2).hex()] if multirun else []
+            configs = [compose_config(job + sweep) for job, _ in jobs]
     except (ConfigError, ValueError) as error:
         fail(str(error))
     for cfg, (_, swept) in zip(configs, jobs):
@@ -86,6 +93,16 @@ def train(ctx: typer.Context):
                    f"molt-wb compare {configs[0].run.sweep_id}")
     if not all(outcomes):
         raise typer.Exit(1)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def resume(ctx: typer.Context, run_id: str = typer.Argument(..., help="The run (a unique prefix of its id).")):
+    """Continue a run from its latest checkpoint, with its saved config: same run id, versions and data continue.
+
+    Extra arguments are key=value overrides on the saved config (`trainer.steps=200` extends a run; `run.root=DIR` finds it). Rows written after that checkpoint are dropped and written again.
+    """
+    ctx.args = [f"resume={run_id}", *ctx.args]
+    train(ctx)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -203,12 +220,34 @@ def eval_command(ctx: typer.Context, run_id: str = typer.Argument(..., help="Run
     from workbench.config import ConfigError
     from workbench.evaluate import from_checkpoint
 
+    overrides = list(ctx.args)
+    if checkpoint and "=" in checkpoint:  # `molt-wb eval RUN eval.samples=4`: an override, not a checkpoint
+        checkpoint, overrides = None, [checkpoint, *overrides]
     try:
-        row = from_checkpoint(run_id, checkpoint, root, ctx.args)
+        row = from_checkpoint(run_id, checkpoint, root, overrides)
     except (ConfigError, ValueError) as error:
         fail(str(error))
     typer.echo(f"eval {row['split']} step {row['step']}: n={row['n']} mean_reward={row['mean_reward']:.4f} "
                f"accuracy={row['accuracy']:.4f} ({row['checkpoint']})")
+
+
+@app.command()
+def inspect(run_id: Optional[str] = typer.Argument(None, help="A run id or a unique prefix; none lists the runs."),
+            root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
+            sweep: str = typer.Option("", help="List only the runs of this sweep id (or part of it)."),
+            poll: float = typer.Option(2.0, help="Seconds between re-reads of a live run.")):
+    """Browse runs in a terminal UI: overview plots, segments, gate decisions, requests, and every token of a segment."""
+    try:
+        from workbench.tui.app import InspectApp
+    except ImportError:
+        fail("molt-wb inspect needs Textual: pip install 'molt-wb[tui]'.")
+    from workbench.store.query import resolve_run
+
+    try:
+        run_id = run_id and resolve_run(run_id, root).name
+    except ValueError as error:
+        fail(str(error))
+    InspectApp(root, run_id, sweep, poll).run()
 
 
 @app.command()

@@ -46,6 +46,10 @@ class EngineConfig:
 class RolloutConfig:
     partial: bool = False
     """Swap pushed weights into a running generation between token steps (one sequence, several versions)."""
+    timeout_s: float = 600.0
+    """A rollout batch not back within this many seconds is a hung engine or agent: its episodes are recorded as failed and the worker is restarted."""
+    max_restarts: int = 3
+    """Times Ray restarts a rollout worker whose process died (its episodes are recorded as failed)."""
 
 
 @dataclass
@@ -129,6 +133,10 @@ class TrainerConfig:
     """Gradient-norm clip."""
     async_depth: int = 0
     """Versions rollout may run ahead of the learner (0 = synchronous, on-policy)."""
+    checkpoint_every: int = 10
+    """Save a checkpoint (runs/<id>/checkpoints/step-NNNNNN) after every N rollout batches and at the last; 0 = never."""
+    keep_checkpoints: int = 2
+    """Keep the newest K checkpoints; older ones are deleted."""
 
 
 @dataclass
@@ -203,6 +211,8 @@ class RunConfig:
     """Set by `molt-wb train -m`: the sweep this run belongs to."""
     swept: dict[str, str] = field(default_factory=dict)
     """Set by `molt-wb train -m`: this run's values of the swept keys."""
+    resume: bool = False
+    """Set by `molt-wb resume RUN_ID`: continue run.id from its latest checkpoint instead of starting it."""
     progress: bool = True
     """Show progress: a rich bar on a terminal, one line per step otherwise; false = silent."""
 
@@ -318,6 +328,9 @@ def validate(cfg) -> None:
     need(cfg.eval.every >= 0 and cfg.eval.size >= 1 and cfg.eval.samples >= 1 and cfg.eval.temperature >= 0,
          "eval.every must be 0 or more, eval.size and eval.samples at least 1, eval.temperature 0 or more.")
     need(not cfg.eval.path or Path(cfg.eval.path).exists(), f"eval.path={cfg.eval.path} does not exist: give a local .parquet or .jsonl file.")
+    need(cfg.trainer.checkpoint_every >= 0 and cfg.trainer.keep_checkpoints >= 1,
+         "trainer.checkpoint_every must be 0 (off) or more and trainer.keep_checkpoints at least 1.")
+    need(cfg.rollout.timeout_s > 0, "rollout.timeout_s must be a positive number of seconds.")
     need(cfg.trainer.async_depth >= 0, "trainer.async_depth must be 0 (synchronous) or more.")
     need(gate.level != "off" or (cfg.trainer.async_depth == 0 and not cfg.rollout.partial),
          "Asynchronous or partial rollout trains on tokens of older policies: set gate.level=token, seq or geo.")
@@ -348,5 +361,5 @@ def validate(cfg) -> None:
         raise ConfigError(str(error)) from None
     need(cfg.data.path or hasattr(plugin, "make_dataset"),
          f"Plugin {cfg.agent.plugin} has no make_dataset(size, seed): set data.path to a local data file.")
-    need(not cfg.model.warm_start_steps or hasattr(plugin, "warm_start"),
+    need(not cfg.model.warm_start_steps or hasattr(getattr(plugin, "WARM_START_AS", plugin), "warm_start"),
          f"model.warm_start_steps is set but plugin {cfg.agent.plugin} has no warm_start(sample, rng): set it to 0.")

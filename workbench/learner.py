@@ -89,12 +89,23 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.trainer.lr,
                                            weight_decay=cfg.trainer.weight_decay)
         self.version, self.moe, self.replay = 0, bool(find_routers(self.model)), cfg.algo.routing_replay
+        self.model_path = model_path
         # frozen models: the KL reference (a copy of the starting policy) and the distillation teacher
         self.reference = load_causal_lm(model_path, cfg.model.dtype).eval() if cfg.algo.kl_coef > 0 else None
         if cfg.algo.advantage == "on_policy_distill":
             from workbench.runtime import teacher_path
 
             self.teacher = load_causal_lm(teacher_path(cfg), cfg.model.dtype).eval()
+
+    def save_checkpoint(self, folder: str, driver_state: dict) -> int:
+        from workbench.checkpoint import save_learner
+
+        return save_learner(self, folder, driver_state)
+
+    def load_checkpoint(self, folder: str) -> int:
+        from workbench.checkpoint import load_learner
+
+        return load_learner(self, folder)
 
     def weights(self) -> dict:
         """The current weights and their version, as the engines load them."""

@@ -4,33 +4,34 @@ Data flows one way (rollout -> learner -> store); only weights and their version
 With `trainer.async_depth=d`, up to d+1 rollout batches are in flight (a bounded window of Ray
 futures), so rollout runs up to d versions ahead of the learner and the version gate corrects
 for it; d=0 is strictly on-policy. All mechanics live in runtime.py, rollout.py, learner.py and
-store/; this file is the list of calls.
+store/; this file is the list of calls. Faults (failed episodes, dead or hung workers) are handled
+in faults.py, checkpoints and resume in checkpoint.py.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from workbench import evaluate, runtime
+from workbench import checkpoint, evaluate, faults, runtime
 
 
 def train(cfg) -> str:
     """Run one training run to the end; return its run id."""
     import ray
 
-    run_dir, run_row = runtime.start_run(cfg)
+    prompts = runtime.Prompts(cfg)  # a bad data set is refused before anything starts
+    run_dir, run_row = runtime.start_run(cfg)  # or, resuming, the run cut back to its latest checkpoint
     model_path = runtime.policy_path(cfg)
     runtime.init_ray(cfg)
     store, learner, workers = runtime.start_actors(cfg, model_path, run_dir, run_row)
-    prompts, progress, status = runtime.Prompts(cfg), runtime.Progress(cfg), "failed"
-    batches = cfg.trainer.steps // cfg.trainer.minibatches
-    in_flight = deque(runtime.submit_rollout(workers, prompts) for _ in range(min(cfg.trainer.async_depth + 1, batches)))
+    progress, status = runtime.Progress(cfg), "failed"
+    start, batches = checkpoint.restore(cfg, run_dir, learner, workers, prompts), cfg.trainer.steps // cfg.trainer.minibatches
+    in_flight = deque(faults.submit(workers, prompts) for _ in range(min(cfg.trainer.async_depth + 1, batches - start)))
     try:
-        for step in range(batches):
+        for step in range(start, batches):
             clock = runtime.StepClock()
             # ---- generate and score: the oldest batch in flight, sampled by up to async_depth older versions
-            segments = in_flight.popleft()
-            ray.wait(segments, num_returns=len(segments))
+            segments = faults.collect(in_flight.popleft(), step, cfg, store, learner, workers, prompts)
             clock.lap("rollout")
             # ---- gate and train: recompute log-probs, version gate, advantages, PPO steps (version += minibatches)
             metrics, rows = learner.train.options(num_returns=2).remote(*segments)
@@ -42,11 +43,12 @@ def train(cfg) -> str:
             if cfg.trainer.async_depth == 0:
                 ray.get(pushes)  # on-policy: the next batch starts from the new weights
             if step + len(in_flight) + 1 < batches:
-                in_flight.append(runtime.submit_rollout(workers, prompts))
+                in_flight.append(faults.submit(workers, prompts))
             clock.lap("sync")
             # ---- log: the single writer stores segments, tokens, gate decisions and metrics
             metrics = clock.metrics(metrics)
             store.write_step.remote(step, metrics, rows, *segments)
+            checkpoint.maybe_save(cfg, run_dir, step, learner, store, in_flight[0].data_state if in_flight else prompts.state())
             progress.update(metrics)
             # ---- evaluate: every eval.every steps, the held-out split under its own sampling settings
             evaluate.at_step(cfg, workers, store, step)

@@ -4,6 +4,10 @@ Episodes of one call advance together, one batched `generate` per turn, so a wor
 always sees a full batch. Weight pushes may arrive (on another thread) while a call runs: with
 `rollout.partial` they take effect between token steps, otherwise after the call. Rewards are summed over an episode's turns; every segment of an episode
 carries the episode's reward.
+
+An exception in a plugin's code (Env.reset / Env.step, ChatAgent.run, its reward) fails that episode
+only: it comes back as a `failed_episodes` row with its traceback, and none of its segments reach
+the batch.
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ import asyncio
 import contextlib
 import inspect
 import threading
+import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from workbench.api import ChatAgent, ChatContext, load_plugin
+from workbench.api import ChatAgent, ChatContext, Result, load_plugin
 from workbench.engines.base import SamplingParams
 from workbench.invariants.token_identity import TokenAccumulator, reply_text
 from workbench.segment import Segment
@@ -37,7 +43,7 @@ class RolloutWorker:
         from workbench.engines.torch_engine import TorchEngine, set_threads
 
         set_threads(cfg)
-        self.run_id, self.max_turns = cfg.run.id, cfg.agent.max_turns
+        self.run_id, self.max_turns, self.worker_index = cfg.run.id, cfg.agent.max_turns, worker_index
         self.engine = TorchEngine(model_path, cfg.model.dtype, seed=cfg.seed * 1000 + worker_index,
                                   partial=cfg.rollout.partial)
         self.lock = threading.Lock()  # one rollout at a time; weight pushes arrive on another thread
@@ -52,18 +58,29 @@ class RolloutWorker:
         self.engine.load_weights(weights["state_dict"], weights["version"])
         return weights["version"]
 
-    def rollout(self, jobs: list[Job], params: SamplingParams | None = None) -> list[Segment]:
-        """Run the episodes of `jobs` to the end (with `params`, else the training sampling settings).
-        Without partial rollout, one weight version serves them all."""
-        chat = isinstance(self.plugin.AgentRunner, type) and issubclass(self.plugin.AgentRunner, ChatAgent)
-        with self.lock, (contextlib.nullcontext() if self.engine.partial else self.engine.hold()):
-            self.active = params or self.params
-            return self._chat_rollout(jobs) if chat else self._env_rollout(jobs)
+    def rollout(self, jobs: list[Job]) -> list[Segment]:
+        """Run the episodes of `jobs` to the end. Without partial rollout, one weight version serves them all."""
+        return self.rollout_with_failures(jobs)[0]
 
     def evaluate(self, jobs: list[Job], max_tokens: int, temperature: float) -> list[float]:
         """The reward of each held-out episode, sampled with evaluation settings; nothing of it is trained."""
-        segments = self.rollout(jobs, replace(self.params, max_tokens=max_tokens, temperature=temperature))
+        segments, _ = self.rollout_with_failures(jobs, replace(self.params, max_tokens=max_tokens, temperature=temperature))
         return list({s.rollout_id: s.reward for s in segments}.values())
+
+    def rollout_with_failures(self, jobs: list[Job], params: SamplingParams | None = None) -> tuple[list[Segment], list[dict]]:
+        """(segments of the episodes that ended, a failure row for each one whose plugin code raised), sampled with
+        `params` (default: the training settings)."""
+        chat = isinstance(self.plugin.AgentRunner, type) and issubclass(self.plugin.AgentRunner, ChatAgent)
+        failures: dict[int, dict] = {}
+        with self.lock, (contextlib.nullcontext() if self.engine.partial else self.engine.hold()):
+            self.active = params or self.params
+            segments = self._chat_rollout(jobs, failures) if chat else self._env_rollout(jobs, failures)
+        return segments, list(failures.values())
+
+    def _failed(self, job: Job, kind: str, error: BaseException) -> dict:
+        return {"rollout_id": job.rollout_id, "group_id": job.group_id, "worker": self.worker_index, "kind": kind,
+                "error": f"{type(error).__name__}: {error}", "traceback": "".join(traceback.format_exception(error)),
+                "time": time.time()}
 
     def server(self):
         """This worker's loopback server, started on first use."""
@@ -73,17 +90,22 @@ class RolloutWorker:
             self._server = LoopbackServer(self.engine, self.tokenizer, self.params)
         return self._server
 
-    def _chat_rollout(self, jobs: list[Job]) -> list[Segment]:
+    def _chat_rollout(self, jobs: list[Job], failures: dict) -> list[Segment]:
         """Every job's ChatAgent runs at once on its own session; their requests share engine calls."""
         server = self.server()
         sessions = [server.open_session(job.rollout_id) for job in jobs]
         judges = [server.open_session(job.rollout_id) for job in jobs]  # judge calls: same engine, never trained
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-            results = list(pool.map(self._run_agent, jobs, sessions, judges))
+            results = list(pool.map(lambda *args: _caught(self._run_agent, *args), jobs, sessions, judges))
         segments = []
-        for job, session, judge, result in zip(jobs, sessions, judges, results):
+        for index, (job, session, judge, result) in enumerate(zip(jobs, sessions, judges, results)):
             server.close_session(judge["session"])
             pieces, requests = server.close_session(session["session"])
+            if not isinstance(result, Result):
+                error = result if isinstance(result, BaseException) else TypeError(
+                    f"{self.plugin.AgentRunner.__name__}.run returned {type(result).__name__}, not a Result")
+                failures[index] = self._failed(job, "agent_error", error)
+                continue
             episode = self._segments(job, pieces, result.reward, pieces[-1].finish if pieces else "", result.info)
             if episode:
                 episode[0].requests = requests
@@ -98,20 +120,34 @@ class RolloutWorker:
         result = self.plugin.AgentRunner().run(ctx)
         return asyncio.run(result) if inspect.iscoroutine(result) else result
 
-    def _env_rollout(self, jobs: list[Job]) -> list[Segment]:
-        envs = [self.plugin.AgentRunner() for _ in jobs]
-        episodes, rewards, infos, open_ = [], [0.0] * len(jobs), [{} for _ in jobs], list(range(len(jobs)))
-        for env, job in zip(envs, jobs):
-            system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
-            episodes.append(TokenAccumulator(self.tokenizer, system + [{"role": "user", "content": env.reset(job.sample)}],
-                                             tools=env.tools, codec=self.engine.codec))
+    def _start_env(self, job: Job):
+        env = self.plugin.AgentRunner()
+        system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
+        return env, TokenAccumulator(self.tokenizer, system + [{"role": "user", "content": env.reset(job.sample)}],
+                                     tools=env.tools, codec=self.engine.codec)
+
+    def _env_rollout(self, jobs: list[Job], failures: dict) -> list[Segment]:
+        envs, episodes, rewards, infos = [None] * len(jobs), [None] * len(jobs), [0.0] * len(jobs), [{}] * len(jobs)
+        for index, job in enumerate(jobs):
+            started = _caught(self._start_env, job)
+            if isinstance(started, BaseException):
+                failures[index] = self._failed(job, "env_error", started)
+            else:
+                envs[index], episodes[index] = started
+        open_ = [index for index in range(len(jobs)) if index not in failures]
         for turn in range(self.max_turns):
+            if not open_:
+                break
             generations = self.engine.generate([episodes[i].token_ids for i in open_], self.active,
                                                [episodes[i].open.images for i in open_])
             still_open, texts = [], [reply_text(self.tokenizer, g.token_ids, g.finish_reason) for g in generations]
             with ThreadPoolExecutor(max_workers=min(8, len(open_))) as pool:  # tools (a sandbox) run side by side
-                results = list(pool.map(lambda i, text: envs[i].step(text), open_, texts))
+                results = list(pool.map(lambda i, text: _caught(envs[i].step, text), open_, texts))
             for i, generation, text, result in zip(open_, generations, texts, results):
+                if not isinstance(result, Result):
+                    failures[i] = self._failed(jobs[i], "env_error", result if isinstance(result, BaseException) else
+                                               TypeError(f"Env.step returned {type(result).__name__}, not a Result"))
+                    continue
                 episodes[i].add_sampled(generation.token_ids, generation.logprobs, generation.versions,
                                         {"role": "assistant", "content": text}, generation.finish_reason,
                                         generation.extras.get("routed_experts"))
@@ -120,10 +156,8 @@ class RolloutWorker:
                     episodes[i].add_messages([{"role": result.role, "content": result.observation or ""}])
                     still_open.append(i)
             open_ = still_open
-            if not open_:
-                break
-        return [segment for job, episode, reward, info in zip(jobs, episodes, rewards, infos)
-                for segment in self._segments(job, episode.finish(), reward, episode.last_finish, info)]
+        return [segment for index, (job, episode, reward, info) in enumerate(zip(jobs, episodes, rewards, infos))
+                if index not in failures for segment in self._segments(job, episode.finish(), reward, episode.last_finish, info)]
 
     def _segments(self, job: Job, pieces: list, reward: float, finish_reason: str, info: dict | None = None) -> list[Segment]:
         """Segment records of one episode, each audited: sampled ids intact, and would text round-trip?"""
@@ -138,3 +172,11 @@ class RolloutWorker:
                                     display={"prompt": piece.prompt_text, "response": response, "info": info or {}},
                                     audit={"identity": piece.identity_holds(), "retokenize_drift": drift}))
         return segments
+
+
+def _caught(function, *args):
+    """`function(*args)`, or the exception a plugin's code raised in it (one episode fails, not the worker)."""
+    try:
+        return function(*args)
+    except Exception as error:
+        return error

@@ -11,8 +11,10 @@ import logging
 import os
 import random
 import secrets
+import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -39,6 +41,10 @@ def start_run(cfg) -> tuple[Path, dict]:
     """Give the run an id, create its folder, save the resolved config; return (folder, runs row)."""
     from omegaconf import OmegaConf, open_dict
 
+    if cfg.run.resume:
+        from workbench.checkpoint import reopen
+
+        return reopen(cfg)
     with open_dict(cfg):
         cfg.run.id = cfg.run.id or new_run_id()
     run_dir = Path(cfg.run.root) / cfg.run.id
@@ -59,11 +65,16 @@ def policy_path(cfg) -> str:
     from workbench.models.tiny import tiny_model_path
     from workbench.models.warm_start import warm_started_path
 
+    if cfg.run.resume:
+        from workbench.checkpoint import latest
+
+        return str(latest(Path(cfg.run.root) / cfg.run.id) / "policy")
     if cfg.model.path:
         return str(cfg.model.path)
     path = tiny_model_path(cfg.model.name)
     if cfg.model.warm_start_steps:
         plugin = load_plugin(cfg.agent.plugin)
+        plugin = getattr(plugin, "WARM_START_AS", plugin)  # a ChatAgent plugin names the Env plugin it shares demos with
         path = warm_started_path(path, plugin, Path(plugin.__file__).read_text(), cfg.model.warm_start_steps,
                                  cfg.model.warm_start_lr, cfg.seed)
     return str(path)
@@ -83,13 +94,24 @@ def teacher_path(cfg) -> str:
                                  cfg.algo.teacher_warm_start_steps, cfg.model.warm_start_lr, cfg.seed))
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM stops a run like Ctrl-C: flushed, marked interrupted
+
+
 def init_ray(cfg) -> None:
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if ray.is_initialized():
-        return
+    if not ray.is_initialized():
+        _start_ray(cfg)
+    if threading.current_thread() is threading.main_thread():  # after ray.init, which sets its own handler
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _start_ray(cfg) -> None:
+    import ray
+
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, log_to_driver=False, logging_level=logging.WARNING)
         return
@@ -109,6 +131,8 @@ class StoreActor:
 
         self.run_id = cfg.run.id
         self.writer = RunWriter(run_dir, run_row, cfg.run.flush_rows, cfg.run.flush_seconds)
+        if cfg.run.flush_seconds > 0:
+            self.writer.flush_every(cfg.run.flush_seconds)
         self.sinks = make_sinks(cfg.tracking, run_dir, cfg.run.id, run_row["config"], group=cfg.run.sweep_id)
 
     def write_step(self, step: int, metrics: dict, rows: dict, *worker_segments) -> None:
@@ -121,6 +145,17 @@ class StoreActor:
         self.log(step, metrics)
         self.writer.update_run(steps_done=int(metrics["train/version"]), reward_mean=metrics.get("reward/mean"))
         self.writer.maybe_flush()
+
+    def write_failures(self, step: int, rows: list[dict]) -> None:
+        from workbench.store.schema import FAILED_EPISODES, rows_table
+
+        self.writer.append("failed_episodes", rows_table(FAILED_EPISODES, self.run_id, step, rows))
+        self.writer.maybe_flush()
+
+    def checkpoint(self) -> dict[str, int]:
+        """Flush, then the shards per table: a resume from this checkpoint deletes every shard past them."""
+        self.writer.flush()
+        return dict(self.writer.next_shard)
 
     def log(self, step: int, metrics: dict) -> None:
         import pyarrow as pa
@@ -156,7 +191,8 @@ def start_actors(cfg, model_path: str, run_dir: Path, run_row: dict):
 
     store = ray.remote(num_cpus=0)(StoreActor).remote(cfg, str(run_dir), run_row)
     learner = ray.remote(num_cpus=1)(Learner).remote(cfg, model_path)
-    worker_cls = ray.remote(num_cpus=1, max_concurrency=cfg.trainer.async_depth + 2)(RolloutWorker)  # + weight pushes
+    worker_cls = ray.remote(num_cpus=1, max_concurrency=cfg.trainer.async_depth + 2,
+                            max_restarts=cfg.rollout.max_restarts)(RolloutWorker)  # + weight pushes
     workers = [worker_cls.remote(cfg, model_path, i) for i in range(cfg.ray.rollout_workers)]
     ray.get([actor.__ray_ready__.remote() for actor in (store, learner, *workers)])  # start-up is not step time
     return store, learner, workers
@@ -174,16 +210,21 @@ def stop_actors(status: str, store, learner, workers) -> None:
 
 
 class Prompts:
-    """Epochs over the data in a seeded order; each step gets `prompts_per_step` groups of jobs."""
+    """Epochs over the data in a seeded order; each step gets `prompts_per_step` groups of jobs.
+    A data set that is empty or that the plugin cannot read is refused here, before anything starts."""
 
     def __init__(self, cfg):
         from workbench.api import load_plugin
 
         plugin = load_plugin(cfg.agent.plugin)
-        if cfg.data.path:  # the plugin's own reader when it has one (images, real-set layouts), else plain rows
-            self.samples = plugin.load_dataset(cfg.data.path) if hasattr(plugin, "load_dataset") else load_samples(cfg.data.path)
-        else:
-            self.samples = plugin.make_dataset(cfg.data.size, cfg.seed)
+        try:
+            if cfg.data.path:  # the plugin's own reader when it has one (images, real-set layouts), else plain rows
+                self.samples = plugin.load_dataset(cfg.data.path) if hasattr(plugin, "load_dataset") else load_samples(cfg.data.path)
+            else:
+                self.samples = plugin.make_dataset(cfg.data.size, cfg.seed)
+        except ValueError as error:  # the plugin's readers and load_samples name the problem
+            raise ConfigError(str(error)) from None
+        check_samples(self.samples, plugin, cfg.data.path or f"{cfg.agent.plugin}.make_dataset")
         self.rng, self.order, self.cursor = random.Random(cfg.seed), [], 0
         self.per_step, self.group_size = cfg.trainer.prompts_per_step, cfg.trainer.group_size
         self.next_group = self.next_rollout = 0
@@ -193,25 +234,57 @@ class Prompts:
         groups = []
         for _ in range(self.per_step):
             if self.cursor == len(self.order):
-                self.order, self.cursor = self.rng.sample(self.samples, len(self.samples)), 0
-            sample, self.cursor = self.order[self.cursor], self.cursor + 1
+                self.order, self.cursor = self.rng.sample(range(len(self.samples)), len(self.samples)), 0
+            sample, self.cursor = self.samples[self.order[self.cursor]], self.cursor + 1
             groups.append([Job(sample, self.next_group, self.next_rollout + k) for k in range(self.group_size)])
             self.next_group, self.next_rollout = self.next_group + 1, self.next_rollout + self.group_size
         return [[job for group in groups[w::workers] for job in group] for w in range(workers)]
 
+    def state(self) -> dict:
+        """The data position (what a checkpoint saves): order of sample indices, cursor, next ids, RNG."""
+        return {"rng": self.rng.getstate(), "order": list(self.order), "cursor": self.cursor,
+                "next_group": self.next_group, "next_rollout": self.next_rollout}
+
+    def restore(self, state: dict) -> None:
+        self.rng.setstate(state["rng"])
+        self.order, self.cursor = list(state["order"]), state["cursor"]
+        self.next_group, self.next_rollout = state["next_group"], state["next_rollout"]
+
+
+def check_samples(samples: list, plugin, where: str) -> None:
+    """Refuse an empty data set, or one whose first row the plugin cannot start an episode on."""
+    from workbench.api import ChatAgent
+
+    if not samples:
+        raise ConfigError(f"Data set {where} has no samples: give a file with at least one row.")
+    if not all(isinstance(sample, dict) for sample in samples):
+        raise ConfigError(f"Data set {where} holds rows that are not objects: give one JSON object (or table row) per sample.")
+    runner = plugin.AgentRunner
+    if isinstance(runner, type) and issubclass(runner, ChatAgent):
+        if not any(key in samples[0] for key in ("prompt", "problem")):
+            raise ConfigError(f"Data set {where} has no prompt or problem column that a ChatAgent reads: add one.")
+        return
+    try:
+        runner().reset(samples[0])
+    except KeyError as error:
+        raise ConfigError(f"Data set {where} has no {error} column, which plugin {plugin.__name__} reads: "
+                          f"add it to every row or choose the matching agent.plugin.") from None
+
 
 def load_samples(path: str) -> list[dict]:
-    """Rows of a local .parquet or .jsonl file (validate() has checked it exists)."""
+    """Rows of a local .parquet or .jsonl file (validate() has checked it exists); ValueError names a bad file."""
     if path.endswith(".parquet"):
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def submit_rollout(workers, prompts: Prompts) -> list:
-    """Start the next step's episodes, shared among the workers; returns one future per worker."""
-    return [w.rollout.remote(jobs) for w, jobs in zip(workers, prompts.next_jobs(len(workers)))]
+        try:
+            return pq.read_table(path).to_pylist()
+        except (OSError, pa.ArrowException) as error:
+            raise ValueError(f"Data set {path} is not a readable Parquet file ({error}): rewrite it.") from None
+    try:
+        return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"Data set {path} is not JSON lines ({error}): write one JSON object per line.") from None
 
 
 class StepClock:

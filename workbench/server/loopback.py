@@ -7,12 +7,18 @@ generation continues from the exact accumulated ids; otherwise the segment is se
 one starts. A turn is committed only after generation succeeds; an identical retry gets the
 cached reply and records nothing twice. Concurrent requests of all sessions are batched into one
 engine call.
+
+Hostile input (fuzzed in tests/server/test_fuzz.py) gets a 4xx in the wire's error shape and
+changes nothing: bodies over MAX_BODY, prompt + max_tokens over the token limit, malformed or
+deeply nested JSON, wrong types, unknown routes. Keys are compared in constant time; nothing a
+request says is read from or written to a file.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import secrets
 import threading
@@ -71,8 +77,10 @@ class Batcher:
 
 
 class LoopbackServer:
-    def __init__(self, engine, tokenizer, params: SamplingParams, model_name: str = "policy"):
+    def __init__(self, engine, tokenizer, params: SamplingParams, model_name: str = "policy", max_total_tokens: int | None = None):
         self.engine, self.tokenizer, self.params, self.model_name = engine, tokenizer, params, model_name
+        context = getattr(getattr(getattr(engine, "model", None), "config", None), "max_position_embeddings", None)
+        self.max_total_tokens = max_total_tokens or context or 32768  # prompt + max_tokens of one request
         self.codec = getattr(engine, "codec", None)  # a vision-language policy's image codec
         self.sessions: dict[str, Session] = {}
         self.loop = asyncio.new_event_loop()
@@ -83,7 +91,7 @@ class LoopbackServer:
     async def _start(self) -> int:
         from aiohttp import web
 
-        app = web.Application(client_max_size=MAX_BODY)
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[web.middleware(_route_errors)])
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/s/{session}/v1/models", self._models)
         app.router.add_post("/s/{session}/v1/chat/completions", lambda r: self._handle(r, "openai"))
@@ -140,7 +148,7 @@ class LoopbackServer:
             if session is None:
                 raise wires.WireError(404, "Unknown session: use the base URL handed to this episode.", "not_found_error")
             given = request.headers.get("x-api-key") or request.headers.get("Authorization", "").removeprefix("Bearer ")
-            if not secrets.compare_digest(given, session.api_key):
+            if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), session.api_key.encode()):
                 raise wires.WireError(401, "Invalid API key for this session.", "authentication_error")
             try:
                 raw = await request.read()
@@ -150,9 +158,12 @@ class LoopbackServer:
             try:
                 body = json.loads(raw)
                 assert isinstance(body, dict)
-            except (ValueError, AssertionError):
-                raise wires.WireError(400, "Malformed JSON: the body must be one JSON object.") from None
-            chat = decode(body)
+            except (ValueError, AssertionError, RecursionError):
+                raise wires.WireError(400, "Malformed JSON: the body must be one JSON object (UTF-8, not nested too deep).") from None
+            try:
+                chat = decode(body)
+            except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as error:  # a field of the wrong type
+                raise wires.WireError(400, f"Malformed request ({type(error).__name__}: {error}): check the fields' types.") from None
             fingerprint = hashlib.sha256(wire.encode() + json.dumps(body, sort_keys=True).encode()).hexdigest()
             async with session.lock:
                 if fingerprint != session.last_request:
@@ -189,9 +200,16 @@ class LoopbackServer:
                 reused = reused if action == "extend" else 0
         except ValueError as error:  # e.g. an image sent to a text-only policy
             raise wires.WireError(400, str(error)) from None
+        except Exception as error:  # the chat template refused these messages (a role order, a tool call, ...)
+            raise wires.WireError(400, f"The policy's chat template cannot render these messages "
+                                       f"({type(error).__name__}: {error}).") from None
         prompt = episode.token_ids
         params = replace(self.params, max_tokens=chat.max_tokens or self.params.max_tokens,
                          temperature=self.params.temperature if chat.temperature is None else chat.temperature)
+        if len(prompt) + params.max_tokens > self.max_total_tokens:
+            raise wires.WireError(400, f"The prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds this "
+                                       f"server's limit of {self.max_total_tokens} tokens: shorten the conversation or "
+                                       f"lower max_tokens.")
         generation = await self.batcher.generate(prompt, params, episode.open.images)
         ids, logprobs, versions, finish = generation.token_ids, generation.logprobs, generation.versions, generation.finish_reason
         text = reply_text(self.tokenizer, ids, finish)
@@ -220,3 +238,18 @@ class LoopbackServer:
             pieces.append(text[len(previous):])
             previous = text
         return pieces
+
+
+async def _route_errors(request, handler):
+    """No such route or method: still the wire's error shape (Anthropic's under /v1/messages)."""
+    from aiohttp import web
+
+    try:
+        return await handler(request)
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        shape = wires.anthropic_error if request.path.endswith("/messages") else wires.openai_error
+        kind = "not_found_error" if error.status == 404 else "invalid_request_error"
+        return web.json_response(shape(wires.WireError(error.status, f"{error.reason}: {request.method} is not served at this "
+                                                                     f"path.", kind)), status=error.status)

@@ -120,6 +120,25 @@ def _number(body: dict, key: str, kind=float):
     return None if value is None else kind(value)
 
 
+def _strings(value, key: str) -> list[str]:
+    values = [value] if isinstance(value, str) else (value or [])
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise WireError(400, f"'{key}' must be a string or a list of strings.")
+    return values
+
+
+def _objects(value, key: str) -> list[dict]:
+    if value is not None and not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
+        raise WireError(400, f"'{key}' must be a list of objects.")
+    return value or []
+
+
+def _arguments(value, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise WireError(400, f"{where}: tool call arguments must be a JSON object.")
+    return value
+
+
 def _refuse_unknown(body: dict, allowed: set[str]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
@@ -153,17 +172,19 @@ def openai_request(body: dict) -> ChatRequest:
         entry = {"role": "system" if role == "developer" else role, "content": read(message.get("content"), f"messages[{index}]")}
         if role == "assistant" and message.get("tool_calls"):
             try:
-                entry["tool_calls"] = [{"id": c["id"], "name": c["function"]["name"],
-                                        "arguments": json.loads(c["function"]["arguments"] or "{}")} for c in message["tool_calls"]]
-            except (KeyError, TypeError, ValueError):
+                entry["tool_calls"] = [{"id": str(c["id"]), "name": str(c["function"]["name"]),
+                                        "arguments": _arguments(json.loads(c["function"]["arguments"] or "{}"), f"messages[{index}]")}
+                                       for c in message["tool_calls"]]
+            except (KeyError, TypeError, ValueError, RecursionError):
                 raise WireError(400, f"messages[{index}].tool_calls must be function calls with JSON arguments.") from None
         if role == "tool":
-            entry["tool_call_id"] = message.get("tool_call_id", "")
+            entry["tool_call_id"] = str(message.get("tool_call_id", ""))
         messages.append(entry)
-    stop = body.get("stop") or []
-    tools = None if body.get("tool_choice") == "none" else body.get("tools")
+    tools = None if body.get("tool_choice") == "none" else _objects(body.get("tools"), "tools")
+    if not isinstance(body.get("stream_options") or {}, dict):
+        raise WireError(400, "'stream_options' must be an object.")
     return ChatRequest(messages, tools or None, _number(body, "max_completion_tokens", int) or _number(body, "max_tokens", int),
-                       _number(body, "temperature"), [stop] if isinstance(stop, str) else list(stop), bool(body.get("stream")),
+                       _number(body, "temperature"), _strings(body.get("stop"), "stop"), bool(body.get("stream")),
                        bool((body.get("stream_options") or {}).get("include_usage")))
 
 
@@ -246,24 +267,28 @@ def anthropic_request(body: dict) -> ChatRequest:
             elif kind == "image" and role == "user":
                 parts.append(block)
             elif kind == "tool_use" and role == "assistant":
-                calls.append({"id": block.get("id", ""), "name": block.get("name", ""), "arguments": block.get("input") or {}})
+                calls.append({"id": str(block.get("id", "")), "name": str(block.get("name", "")),
+                              "arguments": _arguments(block.get("input") or {}, f"messages.{index}.content")})
             elif kind == "tool_result" and role == "user":
                 messages.append({"role": "tool", "content": _text(block.get("content"), f"messages.{index}.tool_result"),
-                                 "tool_call_id": block.get("tool_use_id", "")})
+                                 "tool_call_id": str(block.get("tool_use_id", ""))})
             else:
                 raise WireError(400, f"messages.{index}.content: block type {kind!r} is not supported for role {role}.")
         if role == "assistant":
             messages.append(dict({"role": "assistant", "content": "".join(text)}, **({"tool_calls": calls} if calls else {})))
         elif parts:
             messages.append({"role": "user", "content": _content(parts, f"messages.{index}.content")})
-    tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
-                                                "parameters": t.get("input_schema", {})}} for t in body.get("tools") or []]
+    tools = [{"type": "function", "function": {"name": str(t.get("name")), "description": str(t.get("description", "")),
+                                                "parameters": _arguments(t.get("input_schema", {}), "tools")}}
+             for t in _objects(body.get("tools"), "tools")]
+    if not isinstance(body.get("tool_choice") or {}, dict):
+        raise WireError(400, "tool_choice: must be an object such as {\"type\": \"auto\"}.")
     if (body.get("tool_choice") or {}).get("type", "auto") not in ("auto", "none"):
         raise WireError(400, "tool_choice: only auto or none is supported.")
     if (body.get("tool_choice") or {}).get("type") == "none":
         tools = []
     return ChatRequest(messages, tools or None, body["max_tokens"], _number(body, "temperature"),
-                       list(body.get("stop_sequences") or []), bool(body.get("stream")))
+                       _strings(body.get("stop_sequences"), "stop_sequences"), bool(body.get("stream")))
 
 
 def _anthropic_stop(reply: ChatReply) -> str:

@@ -65,7 +65,7 @@ def open_run(run_id: str, root: str = "runs"):
 
     folder = resolve_run(run_id, root).resolve()
     connection = duckdb.connect()
-    for name in TABLES:
+    for name in (name for name in TABLES if (folder / name).is_dir()):  # a run older than a table lacks it
         connection.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet('{folder / name}/*.parquet', union_by_name = true)")
     connection.execute(f"CREATE VIEW runs AS SELECT * FROM read_json_auto('{folder / 'run.json'}')")
     return connection

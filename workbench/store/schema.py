@@ -52,12 +52,18 @@ ROUTING = pa.schema([
     ("layer", pa.int32()), ("tokens", pa.int32()), ("mismatched", pa.int32()), ("positions", pa.list_(pa.int32())),
 ])
 
+FAILED_EPISODES = pa.schema([  # an episode that never reached a batch: kind env_error | agent_error | worker_died | timeout
+    ("run_id", pa.string()), ("step", pa.int32()), ("rollout_id", pa.int64()), ("group_id", pa.int64()),
+    ("worker", pa.int32()), ("kind", pa.string()), ("error", pa.string()), ("traceback", pa.string()), ("time", pa.float64()),
+])
+
 EVAL = pa.schema([("run_id", pa.string()), ("step", pa.int32()), ("checkpoint", pa.string()), ("split", pa.string()),
                   ("n", pa.int32()), ("mean_reward", pa.float64()), ("accuracy", pa.float64()), ("time", pa.float64())])
 
 TABLES: dict[str, pa.Schema] = {"segments": SEGMENTS, "tokens": TOKENS, "metrics": METRICS,
                                 "gate_decisions": GATE_DECISIONS, "requests": REQUESTS,
-                                "routing": ROUTING, "eval": EVAL}
+                                "routing": ROUTING, "failed_episodes": FAILED_EPISODES,
+                                "eval": EVAL}
 
 
 def step_tables(run_id: str, step: int, learner_version: int, segments: list, train: dict) -> dict[str, pa.Table]:
@@ -108,14 +114,14 @@ def step_tables(run_id: str, step: int, learner_version: int, segments: list, tr
     return {"segments": pa.table(segment_rows, schema=SEGMENTS), "tokens": pa.table(token_rows, schema=TOKENS),
             "gate_decisions": pa.table(gate_rows, schema=GATE_DECISIONS),
             "requests": request_table(run_id, step, [r for s in segments for r in s.requests]),
-            "routing": _rows_table(ROUTING, run_id, step, train.get("routing") or [])}
+            "routing": rows_table(ROUTING, run_id, step, train.get("routing") or [])}
 
 
-def _rows_table(schema: pa.Schema, run_id: str, step: int, rows: list[dict]) -> pa.Table:
+def rows_table(schema: pa.Schema, run_id: str, step: int, rows: list[dict]) -> pa.Table:
     columns = {name: [row[name] for row in rows] for name in schema.names if name not in ("run_id", "step")}
     return pa.table(dict(run_id=[run_id] * len(rows), step=[step] * len(rows), **columns), schema=schema)
 
 
 def request_table(run_id: str, step: int, rows: list[dict]) -> pa.Table:
     """Loopback request rows (see workbench.server.loopback) as the `requests` table."""
-    return _rows_table(REQUESTS, run_id, step, rows)
+    return rows_table(REQUESTS, run_id, step, rows)

@@ -2,13 +2,15 @@
 
 Invariant: every shard a reader can see is complete. A shard is written under a hidden temporary
 name and renamed into place, so a crash loses at most the rows buffered since the last flush and
-never leaves half a file behind.
+never leaves half a file behind. `flush_every` adds a timer, so rows reach disk within
+`flush_seconds` even while a long step is running.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +31,7 @@ class RunWriter:
         self.run_dir = Path(run_dir)
         self.flush_rows, self.flush_seconds = flush_rows, flush_seconds
         self.buffers: dict[str, list[pa.Table]] = {name: [] for name in TABLES}
+        self.lock, self.closed = threading.RLock(), False  # the flush timer runs on its own thread
         self.next_shard: dict[str, int] = {}
         for name, schema in TABLES.items():
             folder = self.run_dir / name
@@ -41,24 +44,37 @@ class RunWriter:
         write_json_atomic(self.run_dir / "run.json", self.run_row)
 
     def append(self, table: str, rows: pa.Table) -> None:
-        self.buffers[table].append(rows.cast(TABLES[table]))
+        rows = rows.cast(TABLES[table])
+        with self.lock:
+            self.buffers[table].append(rows)
+
+    def flush_every(self, seconds: float) -> None:
+        """Flush buffered rows every `seconds` on a daemon thread, until close."""
+        def run():
+            while not self.closed:
+                time.sleep(seconds)
+                self.maybe_flush()
+
+        threading.Thread(target=run, daemon=True, name="flush-timer").start()
 
     def buffered_rows(self) -> int:
         return sum(t.num_rows for tables in self.buffers.values() for t in tables)
 
     def maybe_flush(self) -> bool:
-        due = time.monotonic() - self.last_flush >= self.flush_seconds
-        if self.buffered_rows() and (due or self.buffered_rows() >= self.flush_rows):
-            self.flush()
-            return True
-        return False
+        with self.lock:
+            due = time.monotonic() - self.last_flush >= self.flush_seconds
+            if self.buffered_rows() and (due or self.buffered_rows() >= self.flush_rows):
+                self.flush()
+                return True
+            return False
 
     def flush(self) -> None:
-        for name, tables in self.buffers.items():
-            if tables:
-                self._write_shard(name, pa.concat_tables(tables))
-                tables.clear()
-        self.last_flush = time.monotonic()
+        with self.lock:
+            for name, tables in self.buffers.items():
+                if tables:
+                    self._write_shard(name, pa.concat_tables(tables))
+                    tables.clear()
+            self.last_flush = time.monotonic()
 
     def save_images(self, images: list[bytes]) -> None:
         """Keep each encoded image once, by content hash, under images/ (atomically, like the shards)."""
@@ -73,12 +89,15 @@ class RunWriter:
 
     def update_run(self, **fields) -> None:
         """Rewrite the `runs` row (status, steps done, last reward, ...) atomically."""
-        self.run_row.update(fields, updated=time.time())
-        write_json_atomic(self.run_dir / "run.json", self.run_row)
+        with self.lock:
+            self.run_row.update(fields, updated=time.time())
+            write_json_atomic(self.run_dir / "run.json", self.run_row)
 
     def close(self, status: str = "finished") -> None:
-        self.flush()
-        self.update_run(status=status)
+        with self.lock:
+            self.closed = True
+            self.flush()
+            self.update_run(status=status)
 
     def _write_shard(self, name: str, table: pa.Table) -> None:
         folder = self.run_dir / name

@@ -1,0 +1,162 @@
+"""Checkpoints and resume: a resumed run holds each row of its checkpointed prefix exactly once.
+
+A checkpoint is written whole under `step-NNNNNN.tmp` and renamed into place, so the latest one is
+never half-written. At a checkpoint the writer flushes and records how many shards each table
+holds (its high-water marks); a resume deletes every shard past those marks before the writer
+reopens the run, so rows written after the checkpoint are dropped and written again by the resumed
+steps, with the same data, rollout ids and weight versions.
+
+    runs/<id>/checkpoints/step-NNNNNN/      NNNNNN = optimizer steps done (the learner version)
+      policy/       save_pretrained of the policy + its tokenizer / processor files (loads like model.path)
+      trainer.pt    optimizer state, learner version, loop step, data position, RNG states (python, numpy, torch)
+      writer.json   Parquet shards per table at the checkpoint
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import socket
+from pathlib import Path
+
+from workbench.config import ConfigError
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def latest(run_dir) -> Path | None:
+    """The newest complete checkpoint of a run (a `.tmp` folder never counts), or None."""
+    done = sorted(Path(run_dir, "checkpoints").glob("step-" + "[0-9]" * 6))
+    return done[-1] if done else None
+
+
+# ---- save: the learner writes the policy and trainer.pt; the driver names, publishes and prunes
+
+
+def save_learner(learner, folder: str, driver_state: dict) -> int:
+    """Runs in the learner actor: the policy (with its tokenizer files) and trainer.pt into `folder`."""
+    import torch
+
+    policy = Path(folder, "policy")
+    learner.model.save_pretrained(policy)
+    for file in Path(learner.model_path).iterdir():  # tokenizer, chat template, image processor
+        if file.is_file() and not (policy / file.name).exists() and not file.name.endswith(WEIGHT_SUFFIXES + (".index.json",)):
+            shutil.copy2(file, policy / file.name)
+    torch.save(dict(driver_state, version=learner.version, optimizer=learner.optimizer.state_dict(),
+                    torch_rng=torch.get_rng_state()), Path(folder, "trainer.pt"))
+    return learner.version
+
+
+def load_learner(learner, folder: str) -> int:
+    """Runs in the learner actor (built from the checkpoint's policy/): optimizer, version, torch RNG."""
+    import torch
+
+    state = torch.load(Path(folder, "trainer.pt"), weights_only=False)
+    learner.optimizer.load_state_dict(state["optimizer"])
+    learner.version = state["version"]
+    torch.set_rng_state(state["torch_rng"])
+    return learner.version
+
+
+def maybe_save(cfg, run_dir: Path, step: int, learner, store, data_state: dict) -> Path | None:
+    """After loop step `step`: every `trainer.checkpoint_every` rollout batches and at the last one."""
+    import numpy as np
+    import ray
+
+    every, batches = cfg.trainer.checkpoint_every, cfg.trainer.steps // cfg.trainer.minibatches
+    if not every or ((step + 1) % every and step + 1 != batches):
+        return None
+    folder = Path(run_dir, "checkpoints")
+    temporary = folder / f"step-{step:06d}.tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir(parents=True)
+    marks = store.checkpoint.remote()  # after this step's rows: the store runs its calls in order
+    driver = {"step": step, "data": data_state, "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}
+    version = ray.get(learner.save_checkpoint.remote(str(temporary), driver))
+    (temporary / "writer.json").write_text(json.dumps(ray.get(marks)))
+    final = folder / f"step-{version:06d}"
+    if final.exists():  # written before a crash and now again by the resumed run
+        shutil.rmtree(final)
+    os.replace(temporary, final)
+    for old in sorted(folder.glob("step-" + "[0-9]" * 6))[:-cfg.trainer.keep_checkpoints]:
+        shutil.rmtree(old)
+    return final
+
+
+# ---- resume
+
+
+def resume_config(run_id: str, overrides: list[str]):
+    """The saved config of run `run_id` with `overrides` on top, set to resume; ConfigError says why not."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from workbench.config import Config, validate
+    from workbench.store.query import _alive, resolve_run
+
+    root = next((o.split("=", 1)[1] for o in overrides if o.startswith("run.root=")), "runs")
+    try:
+        run_dir = resolve_run(run_id, root)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    checkpoint = latest(run_dir)
+    if checkpoint is None:
+        raise ConfigError(f"Run {run_dir.name} has no checkpoint in {run_dir}/checkpoints, so it cannot be resumed: "
+                          f"start a new run with trainer.checkpoint_every=N.")
+    row = json.loads((run_dir / "run.json").read_text())
+    if row.get("status") == "running" and row.get("host") == socket.gethostname() and _alive(row.get("pid")):
+        raise ConfigError(f"Run {run_dir.name} is still running (pid {row.get('pid')}): stop it before resuming it.")
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml"),
+                              OmegaConf.from_dotlist(list(overrides)))
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"Bad override for a resume ({str(error).splitlines()[0]}): give key=value pairs of the "
+                          f"run's config.") from None
+    cfg.run.id, cfg.run.root, cfg.run.resume = run_dir.name, root, True
+    done = int(checkpoint.name.split("-")[1])
+    if cfg.trainer.steps <= done:
+        raise ConfigError(f"Run {run_dir.name} already has {done} of trainer.steps={cfg.trainer.steps} steps "
+                          f"checkpointed: resume it with a larger trainer.steps.")
+    validate(cfg)
+    return cfg
+
+
+def reopen(cfg) -> tuple[Path, dict]:
+    """The run folder cut back to its latest checkpoint (shards past the writer's marks deleted) and its runs row."""
+    from omegaconf import OmegaConf
+
+    run_dir = Path(cfg.run.root) / cfg.run.id
+    checkpoint = latest(run_dir)
+    marks = json.loads((checkpoint / "writer.json").read_text())
+    for table, count in marks.items():
+        for shard in Path(run_dir, table).glob("*part-*"):
+            if shard.name.startswith(".") or int(shard.name[5:11]) >= count:
+                shard.unlink()
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    row = json.loads((run_dir / "run.json").read_text())
+    row.update(status="running", pid=os.getpid(), host=socket.gethostname(), steps=cfg.trainer.steps,
+               steps_done=int(checkpoint.name.split("-")[1]), resumes=row.get("resumes", 0) + 1,
+               config=OmegaConf.to_container(cfg, resolve=True))
+    return run_dir, row
+
+
+def restore(cfg, run_dir: Path, learner, workers, prompts) -> int:
+    """The first loop step to run: 0 for a new run; for a resumed one, the step after its checkpoint, with the
+    learner's optimizer, version and RNG, the engines' weights and version, and the data position restored."""
+    import numpy as np
+    import ray
+    import torch
+
+    if not cfg.run.resume:
+        return 0
+    checkpoint = latest(run_dir)
+    state = torch.load(checkpoint / "trainer.pt", weights_only=False, mmap=True)
+    ray.get(learner.load_checkpoint.remote(str(checkpoint)))
+    weights = learner.weights.remote()
+    ray.get([worker.load_weights.remote(weights) for worker in workers])
+    prompts.restore(state["data"])
+    random.setstate(state["python_rng"])
+    np.random.set_state(state["numpy_rng"])
+    return state["step"] + 1
