@@ -33,13 +33,21 @@ class ModelConfig:
 @dataclass
 class EngineConfig:
     name: str = "torch"
-    """Rollout engine: torch (CPU, transformers)."""
+    """Rollout engine: torch (CPU, transformers) | vllm (pip install 'molt-wb[vllm]')."""
     max_tokens: int = 16
     """Most new tokens per turn."""
     temperature: float = 1.0
     """Sampling temperature; learner log-probs use the same one."""
     top_p: float = 1.0
     """Nucleus sampling; below 1 the learner cannot reproduce behavior log-probs (refused with a gate)."""
+    tensor_parallel_size: int = 1
+    """vllm: GPUs one engine shards the model over (give each rollout worker as many: ray.rollout_gpus)."""
+    gpu_memory_utilization: float = 0.5
+    """vllm: fraction of a GPU's memory the engine takes (leave room for a colocated learner)."""
+    check_weight_sync: bool = False
+    """vllm: verify every weight push overwrote each engine parameter (all are NaN-filled first; a leftover NaN stops the run)."""
+    routed_experts: bool = True
+    """vllm, MoE policies: ask vLLM for the routed experts of every token (enable_return_routed_experts)."""
 
 
 @dataclass
@@ -192,7 +200,19 @@ class RayConfig:
     object_store_mb: int = 256
     """Object store of a local Ray, MiB."""
     rollout_workers: int = 1
-    """Number of rollout worker actors."""
+    """Number of rollout worker actors (data parallelism: one engine each)."""
+    rollout_cpus: float = 1
+    """CPUs per rollout worker actor."""
+    rollout_gpus: float = 0
+    """GPUs per rollout worker actor (vllm: engine.tensor_parallel_size; a fraction when colocated)."""
+    rollout_resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources each rollout worker needs, e.g. {rollout_node: 1} to pin workers to such nodes."""
+    learner_cpus: float = 1
+    """CPUs of the learner actor."""
+    learner_gpus: float = 0
+    """GPUs of the learner actor."""
+    colocate: bool = False
+    """Pack the learner and every rollout worker onto one node (a STRICT_PACK placement group), sharing its GPUs."""
     torch_threads: int = 0
     """torch threads per actor (0 = the machine's cores split between rollout and learner)."""
 
@@ -297,13 +317,42 @@ def _is_moe(model) -> bool:
     return any(k in TINY_SPECS.get(model.name, {}) for k in ("num_experts", "num_local_experts"))
 
 
+def _is_vision_language(model) -> bool:
+    import json
+
+    from workbench.models.tiny import TINY_SPECS
+
+    if model.path:
+        config = Path(model.path, "config.json")
+        return config.exists() and "vision_config" in json.loads(config.read_text())
+    return "vision" in TINY_SPECS.get(model.name, {})
+
+
+def _has_vllm() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _imports(module: str) -> bool:
+    try:
+        __import__(module)
+        return True
+    except Exception:  # absent, or built for another torch
+        return False
+
+
 def validate(cfg) -> None:
     """Refuse unsafe or unsupported combinations before anything starts."""
     def need(ok: bool, message: str) -> None:
         if not ok:
             raise ConfigError(message)
 
-    need(cfg.engine.name == "torch", f"engine={cfg.engine.name} is not available yet: use engine=torch.")
+    need(cfg.engine.name in ("torch", "vllm"), f"engine={cfg.engine.name} is unknown: use engine=torch or engine=vllm.")
+    need(cfg.engine.name != "vllm" or _has_vllm(), "engine=vllm needs vLLM in this environment: pip install 'molt-wb[vllm]'.")
+    need(cfg.engine.name != "vllm" or not _is_vision_language(cfg.model) or _imports("torchvision"),
+         "engine=vllm with a vision-language policy needs torchvision built for this torch (vLLM's vision models import it): "
+         "install the matching torchvision or use engine=torch.")
     need(cfg.engine.temperature > 0, "RL needs sampling: set engine.temperature above 0.")
     need(cfg.algo.advantage in ADVANTAGES, f"algo.advantage={cfg.algo.advantage} is unknown: use one of {', '.join(ADVANTAGES)}.")
     need(cfg.algo.aggregation in AGGREGATIONS, f"algo.aggregation={cfg.algo.aggregation} is unknown: use one of {', '.join(AGGREGATIONS)}.")
@@ -325,12 +374,12 @@ def validate(cfg) -> None:
          f"gate.level={gate.level} is a rejection filter: set gate.mode=mask (clip and trunc are for gate.level=token).")
     need(len(gate.band) == 2 and 0 <= gate.band[0] <= gate.band[1],
          f"gate.band={list(gate.band)} must be [low, high] with 0 <= low <= high.")
-    need(cfg.eval.every >= 0 and cfg.eval.size >= 1 and cfg.eval.samples >= 1 and cfg.eval.temperature >= 0,
-         "eval.every must be 0 or more, eval.size and eval.samples at least 1, eval.temperature 0 or more.")
-    need(not cfg.eval.path or Path(cfg.eval.path).exists(), f"eval.path={cfg.eval.path} does not exist: give a local .parquet or .jsonl file.")
     need(cfg.trainer.checkpoint_every >= 0 and cfg.trainer.keep_checkpoints >= 1,
          "trainer.checkpoint_every must be 0 (off) or more and trainer.keep_checkpoints at least 1.")
     need(cfg.rollout.timeout_s > 0, "rollout.timeout_s must be a positive number of seconds.")
+    need(cfg.eval.every >= 0 and cfg.eval.size >= 1 and cfg.eval.samples >= 1 and cfg.eval.temperature >= 0,
+         "eval.every must be 0 or more, eval.size and eval.samples at least 1, eval.temperature 0 or more.")
+    need(not cfg.eval.path or Path(cfg.eval.path).exists(), f"eval.path={cfg.eval.path} does not exist: give a local .parquet or .jsonl file.")
     need(cfg.trainer.async_depth >= 0, "trainer.async_depth must be 0 (synchronous) or more.")
     need(gate.level != "off" or (cfg.trainer.async_depth == 0 and not cfg.rollout.partial),
          "Asynchronous or partial rollout trains on tokens of older policies: set gate.level=token, seq or geo.")

@@ -40,12 +40,12 @@ class RolloutWorker:
     def __init__(self, cfg, model_path: str, worker_index: int = 0):
         from transformers import AutoTokenizer
 
-        from workbench.engines.torch_engine import TorchEngine, set_threads
+        from workbench.engines import make_engine
+        from workbench.engines.torch_engine import set_threads
 
         set_threads(cfg)
         self.run_id, self.max_turns, self.worker_index = cfg.run.id, cfg.agent.max_turns, worker_index
-        self.engine = TorchEngine(model_path, cfg.model.dtype, seed=cfg.seed * 1000 + worker_index,
-                                  partial=cfg.rollout.partial)
+        self.engine = make_engine(cfg, model_path, seed=cfg.seed * 1000 + worker_index)
         self.lock = threading.Lock()  # one rollout at a time; weight pushes arrive on another thread
         self._server = None
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -58,18 +58,18 @@ class RolloutWorker:
         self.engine.load_weights(weights["state_dict"], weights["version"])
         return weights["version"]
 
-    def rollout(self, jobs: list[Job]) -> list[Segment]:
-        """Run the episodes of `jobs` to the end. Without partial rollout, one weight version serves them all."""
-        return self.rollout_with_failures(jobs)[0]
+    def rollout(self, jobs: list[Job], params: SamplingParams | None = None) -> list[Segment]:
+        """Run the episodes of `jobs` to the end (with `params`, else the training sampling settings).
+        Without partial rollout, one weight version serves them all."""
+        return self.rollout_with_failures(jobs, params)[0]
 
     def evaluate(self, jobs: list[Job], max_tokens: int, temperature: float) -> list[float]:
         """The reward of each held-out episode, sampled with evaluation settings; nothing of it is trained."""
-        segments, _ = self.rollout_with_failures(jobs, replace(self.params, max_tokens=max_tokens, temperature=temperature))
+        segments = self.rollout(jobs, replace(self.params, max_tokens=max_tokens, temperature=temperature))
         return list({s.rollout_id: s.reward for s in segments}.values())
 
     def rollout_with_failures(self, jobs: list[Job], params: SamplingParams | None = None) -> tuple[list[Segment], list[dict]]:
-        """(segments of the episodes that ended, a failure row for each one whose plugin code raised), sampled with
-        `params` (default: the training settings)."""
+        """(segments of the episodes that ended, a failure row for each one whose plugin code raised)."""
         chat = isinstance(self.plugin.AgentRunner, type) and issubclass(self.plugin.AgentRunner, ChatAgent)
         failures: dict[int, dict] = {}
         with self.lock, (contextlib.nullcontext() if self.engine.partial else self.engine.hold()):
@@ -127,7 +127,7 @@ class RolloutWorker:
                                      tools=env.tools, codec=self.engine.codec)
 
     def _env_rollout(self, jobs: list[Job], failures: dict) -> list[Segment]:
-        envs, episodes, rewards, infos = [None] * len(jobs), [None] * len(jobs), [0.0] * len(jobs), [{}] * len(jobs)
+        envs, episodes, rewards, infos = [None] * len(jobs), [None] * len(jobs), [0.0] * len(jobs), [{} for _ in jobs]
         for index, job in enumerate(jobs):
             started = _caught(self._start_env, job)
             if isinstance(started, BaseException):

@@ -62,8 +62,7 @@ EVAL = pa.schema([("run_id", pa.string()), ("step", pa.int32()), ("checkpoint", 
 
 TABLES: dict[str, pa.Schema] = {"segments": SEGMENTS, "tokens": TOKENS, "metrics": METRICS,
                                 "gate_decisions": GATE_DECISIONS, "requests": REQUESTS,
-                                "routing": ROUTING, "failed_episodes": FAILED_EPISODES,
-                                "eval": EVAL}
+                                "routing": ROUTING, "failed_episodes": FAILED_EPISODES, "eval": EVAL}
 
 
 def step_tables(run_id: str, step: int, learner_version: int, segments: list, train: dict) -> dict[str, pa.Table]:
