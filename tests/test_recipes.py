@@ -5,7 +5,6 @@ server, sandbox, judge, learner, store) and the recipe-specific records.
 """
 
 import json
-import shutil
 
 import pytest
 from omegaconf import OmegaConf
@@ -49,13 +48,13 @@ def test_math_grades_boxed_answers_by_numeric_equivalence():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe, extra", [
-    ("math", ["eval.every=1", "eval.size=2", "eval.samples=2"]),
+    ("math", ["eval.every=1", "eval.size=2", "eval.samples=2", "trainer.checkpoint_every=2"]),
     ("tool_use", []),
     ("code", []),
     ("judge", []),
     ("distill", []),
 ])
-def test_recipe_runs_end_to_end(ray_session, tmp_path, tiny_path, recipe, extra):
+def test_recipe_runs_end_to_end(ray_session, tmp_path, recipe, extra):
     from workbench import loop
 
     cfg = compose_config([f"+recipe={recipe}", *TINY, f"run.root={tmp_path}", *extra])
@@ -75,14 +74,14 @@ def test_recipe_runs_end_to_end(ray_session, tmp_path, tiny_path, recipe, extra)
     if recipe == "math":
         assert db.execute("select count(*), min(n) from eval").fetchone() == (2, 4)
         assert db.execute("select count(*) from metrics where key = 'eval/reward'").fetchone()[0] == 2
-        # molt-wb eval: a step number names a saved checkpoint; the score joins the run's eval table
+        # molt-wb eval: a step number must name a saved checkpoint; by default the latest one is scored
         from typer.testing import CliRunner
 
         from workbench.cli import app
 
         missing = CliRunner().invoke(app, ["eval", "math", "7", "--root", str(tmp_path)])
-        assert missing.exit_code == 2 and "no checkpoint at step 7 (saved steps: none)" in missing.output
-        shutil.copytree(tiny_path, tmp_path / "math" / "checkpoints" / "step-000002" / "policy")
-        result = CliRunner().invoke(app, ["eval", "math", "2", "--root", str(tmp_path), "eval.samples=3"])
+        assert missing.exit_code == 2 and "no checkpoint at step 7 (saved steps: 2)" in missing.output, missing.output
+        result = CliRunner().invoke(app, ["eval", "math", "--root", str(tmp_path), "eval.samples=3"])
         assert result.exit_code == 0 and "n=6" in result.output, result.output
-        assert db.execute("select step, n from eval where checkpoint like '%step-000002%'").fetchall() == [(2, 6)]
+        # version 2 = the weights after loop step 1, where the in-training eval of step 1 also scored
+        assert db.execute("select step, n from eval where checkpoint like '%step-000002%'").fetchall() == [(1, 6)]

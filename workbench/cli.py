@@ -221,8 +221,11 @@ def eval_command(ctx: typer.Context, run_id: str = typer.Argument(..., help="Run
     from workbench.config import ConfigError
     from workbench.evaluate import from_checkpoint
 
+    overrides = list(ctx.args)
+    if checkpoint and "=" in checkpoint:  # `molt-wb eval RUN eval.samples=4`: an override, not a checkpoint
+        checkpoint, overrides = None, [checkpoint, *overrides]
     try:
-        row = from_checkpoint(run_id, checkpoint, root, ctx.args)
+        row = from_checkpoint(run_id, checkpoint, root, overrides)
     except (ConfigError, ValueError) as error:
         fail(str(error))
     typer.echo(f"eval {row['split']} step {row['step']}: n={row['n']} mean_reward={row['mean_reward']:.4f} "

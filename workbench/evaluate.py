@@ -71,17 +71,20 @@ def at_step(cfg, workers, store, step: int) -> None:
 
 
 def resolve_checkpoint(run_dir: Path, checkpoint: str | None) -> tuple[Path | None, int]:
-    """(policy folder, step) of a checkpoint given as a folder, a step number or nothing (the latest one);
-    (None, -1) when the run has no checkpoint and none was asked for (the run's starting policy is scored)."""
-    saved = sorted(run_dir.glob("checkpoints/step-*/policy"))
+    """(policy folder, learner version) of a checkpoint given as a folder, a version number (step-NNNNNN) or nothing
+    (the latest one); (None, 0) when the run has no checkpoint and none was asked for (the starting policy)."""
+    from workbench.checkpoint import latest
+
+    saved = sorted(run_dir.glob("checkpoints/step-" + "[0-9]" * 6))
     if checkpoint is None:
-        if not saved:
-            return None, -1
-        path = saved[-1]
+        found = latest(run_dir)
+        if found is None:
+            return None, 0
+        path = found / "policy"
     elif checkpoint.isdigit():
         path = run_dir / "checkpoints" / f"step-{int(checkpoint):06d}" / "policy"
         if not path.exists():
-            steps = ", ".join(str(int(p.parent.name[5:])) for p in saved) or "none"
+            steps = ", ".join(str(int(p.name[5:])) for p in saved) or "none"
             raise ValueError(f"Run {run_dir.name} has no checkpoint at step {checkpoint} (saved steps: {steps}); give one of those.")
     else:
         path = Path(checkpoint)
@@ -90,8 +93,8 @@ def resolve_checkpoint(run_dir: Path, checkpoint: str | None) -> tuple[Path | No
         if not (path / "config.json").exists():
             raise ValueError(f"Checkpoint {checkpoint} is not a Hugging Face checkpoint folder (no config.json): give a "
                              f"checkpoints/step-NNNNNN/policy folder or a step number.")
-    match = re.search(r"step-(\d+)", str(path))
-    return path, int(match.group(1)) if match else -1
+    match = re.search(r"step-(\d{6})", str(path))
+    return path, int(match.group(1)) if match else 0
 
 
 def from_checkpoint(run_id: str, checkpoint: str | None = None, root: str = "runs", overrides: list[str] = ()) -> dict:
@@ -108,14 +111,15 @@ def from_checkpoint(run_id: str, checkpoint: str | None = None, root: str = "run
     cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml"),
                           OmegaConf.from_dotlist(list(overrides)))
     validate(cfg)
-    path, step = resolve_checkpoint(run_dir, checkpoint)
+    path, version = resolve_checkpoint(run_dir, checkpoint)
+    step = version // cfg.trainer.minibatches - 1  # the loop step whose weights these are; -1 = the starting policy
     model_path = str(path) if path else runtime.policy_path(cfg)
     split, samples = eval_samples(cfg)
     worker = RolloutWorker(cfg, model_path)
     rewards = worker.evaluate(eval_jobs(cfg, samples, 1)[0], cfg.eval.max_tokens or cfg.engine.max_tokens, cfg.eval.temperature)
     row = dict(score(rewards, cfg.eval.threshold), checkpoint=model_path, split=split, step=step)
     for name, table in eval_tables(run_dir.name, step, row).items():  # a shard of its own, written whole
-        final = run_dir / name / f"part-eval-{time.time_ns()}.parquet"
+        final = run_dir / name / f"eval-{time.time_ns()}.parquet"  # not part-*: the writer and resume leave it be
         final.parent.mkdir(exist_ok=True)
         pq.write_table(table, final.with_name(f".{final.name}.tmp"))
         os.replace(final.with_name(f".{final.name}.tmp"), final)
