@@ -64,7 +64,7 @@ def audit_identity(segments: list[Segment], batch: dict) -> dict[str, float]:
 
 def routing_table_rows(segments: list[Segment], routing: dict) -> list[dict]:
     """One row per (segment, MoE layer): tokens with a recorded route, how many the live router
-    routed differently, and their positions."""
+    routed differently, their positions and, at each, the rollout's and the learner's experts."""
     rows = []
     for row, s in enumerate(segments):
         n = len(s.token_ids)
@@ -72,7 +72,9 @@ def routing_table_rows(segments: list[Segment], routing: dict) -> list[dict]:
             positions = torch.nonzero(routing["mismatch"][row, :n, layer]).flatten().tolist()
             rows.append({"rollout_id": s.rollout_id, "segment_idx": s.segment_idx, "layer": layer,
                          "tokens": int(routing["known"][row, :n, layer].sum()), "mismatched": len(positions),
-                         "positions": positions})
+                         "positions": positions,
+                         "rollout_experts": [s.routed_experts[p, layer].tolist() for p in positions],
+                         "learner_experts": [routing["live"][row, p, layer].tolist() for p in positions]})
     return rows
 
 

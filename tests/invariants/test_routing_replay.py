@@ -105,6 +105,11 @@ def test_gradients_flow_through_the_router_under_replay(moe):
     assert metrics["routing/mismatch_token_frac"] > 0 and rows["routing"]
     layers = {row["layer"] for row in rows["routing"]}
     assert layers == set(range(len(after))) and all(len(r["positions"]) == r["mismatched"] for r in rows["routing"])
+    by_segment = {(s.rollout_id, s.segment_idx): s for s in segments}
+    for row in rows["routing"]:  # at each mismatch, the rollout's experts as recorded and the learner's, a different set
+        recorded = by_segment[row["rollout_id"], row["segment_idx"]].routed_experts[row["positions"], row["layer"]]
+        assert row["rollout_experts"] == recorded.tolist()
+        assert all(sorted(r) != sorted(l) for r, l in zip(row["rollout_experts"], row["learner_experts"]))
 
 
 def test_vllm_routed_experts_decode_from_lists_and_base64_npy():

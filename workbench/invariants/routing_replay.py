@@ -59,7 +59,8 @@ def replay_routes(model, routed_experts: torch.Tensor, enabled: bool = True):
 
     routed_experts: int [batch, seq, layers, top_k] for the batch about to be run (-1 = unknown).
     Yields a dict filled with `mismatch`: bool [batch, seq, layers] (live top-k set ≠ recorded set,
-    where recorded) and `known`: bool [batch, seq, layers].
+    where recorded), `known`: bool [batch, seq, layers] and `live`: int16 [batch, seq, layers, top_k], the
+    experts the live router chose.
     """
     routers = find_routers(model)
     batch, seq = routed_experts.shape[:2]
@@ -74,6 +75,8 @@ def replay_routes(model, routed_experts: torch.Tensor, enabled: bool = True):
             stats.setdefault("mismatch", torch.zeros(batch, seq, len(routers), dtype=torch.bool))[:, :, layer] = \
                 (known & ~same).view(batch, seq)
             stats.setdefault("known", torch.zeros(batch, seq, len(routers), dtype=torch.bool))[:, :, layer] = known.view(batch, seq)
+            stats.setdefault("live", torch.full((batch, seq, len(routers), live.shape[-1]), -1, dtype=torch.int16))[:, :, layer] = \
+                live.view(batch, seq, -1)
             if not enabled:
                 return output
             chosen = torch.where(known[:, None], recorded, live)  # [tokens, k]

@@ -50,6 +50,7 @@ REQUESTS = pa.schema([
 ROUTING = pa.schema([
     ("run_id", pa.string()), ("step", pa.int32()), ("rollout_id", pa.int64()), ("segment_idx", pa.int32()),
     ("layer", pa.int32()), ("tokens", pa.int32()), ("mismatched", pa.int32()), ("positions", pa.list_(pa.int32())),
+    ("rollout_experts", pa.list_(pa.list_(pa.int16()))), ("learner_experts", pa.list_(pa.list_(pa.int16()))),  # at positions
 ])
 
 FAILED_EPISODES = pa.schema([  # an episode that never reached a batch: kind env_error | agent_error | worker_died | timeout

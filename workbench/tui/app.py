@@ -257,7 +257,8 @@ class TokenScreen(Screen):
         for token in self.tokens:
             token["text"] = self.data.piece(token["token_id"])
             token["staleness"] = self.segment["learner_version"] - token["behavior_version"]
-            token["mismatched_layers"] = [layer for layer in self.route_layers if token["position"] in routing[layer]]
+            token["mismatched_layers"] = {layer: routing[layer][token["position"]] for layer in self.route_layers
+                                          if token["position"] in routing[layer]}
         self.cursor = min(self.cursor, max(len(self.tokens) - 1, 0))
 
     def compose(self) -> ComposeResult:
@@ -333,6 +334,8 @@ class TokenScreen(Screen):
             lines.append(f"train     {t['train_logprob']:.4f}")
         if self.route_layers:
             lines.append("routing   " + " ".join(f"L{layer}{'✗' if layer in t['mismatched_layers'] else '✓'}" for layer in self.route_layers))
+            lines += [f"  L{layer} rollout {_experts(rollout)} learner {_experts(learner)}"
+                      for layer, (rollout, learner) in t["mismatched_layers"].items()]
         self.query_one("#side", Static).update("\n".join(lines))
 
     def action_move(self, delta: float) -> None:
@@ -379,3 +382,7 @@ class InspectApp(App):
 
     def action_help(self) -> None:
         self.push_screen(Help())
+
+
+def _experts(ids) -> str:
+    return ",".join(str(i) for i in ids) if ids is not None else "?"

@@ -144,11 +144,11 @@ class RunData:
                          "from tokens where step = ? and rollout_id = ? and segment_idx = ? order by position",
                          step, rollout_id, segment_idx)
 
-    def routing(self, step: int, rollout_id: int, segment_idx: int) -> dict[int, set[int]]:
-        """Layer -> positions where the learner's live routing disagreed with the rollout's."""
-        return {layer: set(positions or []) for layer, positions in self.rows(
-            "select layer, positions from routing where step = ? and rollout_id = ? and segment_idx = ? order by layer",
-            step, rollout_id, segment_idx)}
+    def routing(self, step: int, rollout_id: int, segment_idx: int) -> dict[int, dict[int, tuple]]:
+        """Layer -> {position: (rollout experts, learner experts)} where the learner's live routing disagreed."""
+        return {layer: dict(zip(positions or [], zip(rollout or [], learner or []))) for layer, positions, rollout, learner in self.rows(
+            "select layer, positions, rollout_experts, learner_experts from routing "
+            "where step = ? and rollout_id = ? and segment_idx = ? order by layer", step, rollout_id, segment_idx)}
 
     # ---- other tables
     def page(self, table: str, offset: int = 0) -> tuple[list[str], list[tuple]]:
