@@ -192,7 +192,7 @@ def test_real_shape_file_trains_through_the_plugin_reader(tmp_path, samples):
 def test_geo3k_recipe_runs_end_to_end(tmp_path, plugin):
     """Both agent forms, a few steps from the warm-started tiny VL policy: segments hold images, tool turns, rewards."""
     run = subprocess.run([sys.executable, "-m", "workbench.cli", "train", "+recipe=geo3k", f"agent.plugin={plugin}",
-                          "trainer.steps=2", "trainer.prompts_per_step=2", "trainer.group_size=4", "model.warm_start_steps=150",
+                          "trainer.steps=2", "trainer.prompts_per_step=2", "trainer.group_size=4", "model.warm_start_steps=120",
                           f"run.root={tmp_path}", "run.id=geo", "tracking.wandb.mode=disabled"],
                          capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -28,6 +28,8 @@ class ModelConfig:
     """Supervised steps on the recipe's warm-start completions before RL (0 = none); cached on disk."""
     warm_start_lr: float = 3e-3
     """Learning rate of the warm start."""
+    warm_start_batch: int = 64
+    """Demonstrations per warm-start step."""
 
 
 @dataclass
@@ -362,6 +364,8 @@ def validate(cfg) -> None:
          f"algo.advantage={cfg.algo.advantage} compares samples of one prompt: set trainer.group_size to 2 or more.")
     need(cfg.sweep.parallel >= 1, "sweep.parallel must be at least 1.")
     need(cfg.trainer.steps >= 1 and cfg.trainer.prompts_per_step >= 1, "trainer.steps and trainer.prompts_per_step must be at least 1.")
+    need(cfg.model.warm_start_steps >= 0 and cfg.model.warm_start_batch >= 1,
+         "model.warm_start_steps must be 0 (none) or more and model.warm_start_batch at least 1.")
     need(cfg.trainer.minibatches >= 1 and cfg.trainer.steps % cfg.trainer.minibatches == 0,
          "trainer.steps must be a multiple of trainer.minibatches (each rollout batch gives that many optimizer steps).")
     from workbench.invariants.version_gate import DENOMINATORS, LEVELS, MODES

@@ -77,12 +77,14 @@ def policy_path(cfg) -> str:
         plugin = load_plugin(cfg.agent.plugin)
         plugin = getattr(plugin, "WARM_START_AS", plugin)  # a ChatAgent plugin names the Env plugin it shares demos with
         path = warm_started_path(path, plugin, Path(plugin.__file__).read_text(), cfg.model.warm_start_steps,
-                                 cfg.model.warm_start_lr, cfg.seed)
+                                 cfg.model.warm_start_lr, cfg.seed, cfg.model.warm_start_batch)
     return str(path)
 
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt  # SIGTERM stops a run like Ctrl-C: flushed, marked interrupted
+
+
 def teacher_path(cfg) -> str:
     """The frozen teacher of on-policy distillation: algo.teacher_path, or the tiny base model warm-started
     `algo.teacher_warm_start_steps` steps on the plugin (it shares the policy's tokenizer)."""

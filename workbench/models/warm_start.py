@@ -34,8 +34,8 @@ def demonstration(tokenizer, codec, env, sample: dict, completion) -> tuple[list
     return piece.token_ids, piece.loss_mask, piece.images
 
 
-def warm_started_path(base: Path, plugin, plugin_source: str, steps: int, lr: float, seed: int) -> Path:
-    key = hashlib.sha256(f"{base.resolve()}|{plugin_source}|{steps}|{lr}|{seed}".encode()).hexdigest()[:12]
+def warm_started_path(base: Path, plugin, plugin_source: str, steps: int, lr: float, seed: int, batch: int = 64) -> Path:
+    key = hashlib.sha256(f"{base.resolve()}|{plugin_source}|{steps}|{lr}|{seed}|{batch}".encode()).hexdigest()[:12]
     target = base.parent / f"{base.name}-warm-{key}"
     if (target / "config.json").exists():
         return target
@@ -55,7 +55,7 @@ def warm_started_path(base: Path, plugin, plugin_source: str, steps: int, lr: fl
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     for _ in range(steps):
         rows = []
-        for index in rng.sample(range(len(samples)), 64):
+        for index in rng.sample(range(len(samples)), batch):
             completion = plugin.warm_start(samples[index], rng)
             key = (index, repr(completion))
             if key not in cache:
