@@ -246,7 +246,7 @@ def test_text_snapshots_of_key_screens_at_80x24(made_run):
 
     overview, segments, tokens = drive(InspectApp(root, run_id), script, size=(80, 24))
     assert overview[0].strip() == f"⭘                     run {run_id} — arith".strip()
-    assert overview[1].rstrip() == " 1 Overview  2 Segments  3 Gate  4 Requests"
+    assert overview[1].rstrip() == " 1 Overview  2 Segments  3 Gate  4 Requests  5 Failures"
     assert overview[3].startswith("status finished  steps 3/3  segments 24  tokens ")
     assert segments[5].rstrip() == " step  rollout_id  segment_idx  reward  num_tokens  versions  decision  seal_r"
     assert segments[6].split()[:3] == ["0", "0", "0"] and segments[-1].startswith(" 1 Overview  2 Segments  3 Gate")
@@ -305,3 +305,32 @@ def test_inspect_command_errors_are_one_sentence(made_run, monkeypatch):
 ])
 def test_filter_words_parse(line, expected):
     assert Filter.parse(line) == expected
+
+
+def test_failed_episodes_tab_lists_failures_and_shows_the_highlighted_ones_traceback(made_run, tmp_path):
+    """Issue 10: a user's exception is shown with its traceback in the TUI, not lost in a worker log."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from workbench.store.schema import FAILED_EPISODES
+
+    root, run_id = made_run
+    shutil.copytree(Path(root) / run_id, tmp_path / run_id)
+    rows = [{"run_id": run_id, "step": 1, "rollout_id": 40 + i, "group_id": 10, "worker": 0, "kind": "env_error",
+             "error": f"ZeroDivisionError: episode {i}", "traceback": f"Traceback (most recent call last):\n  marker-{i}\n",
+             "time": 1.0 + i} for i in range(2)]
+    (tmp_path / run_id / "failed_episodes").mkdir(exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=FAILED_EPISODES), tmp_path / run_id / "failed_episodes" / "part-000000.parquet")
+
+    async def script(pilot):
+        await pilot.press("5")
+        await pilot.pause()
+        table = pilot.app.screen.query_one("#failures-table")
+        await pilot.press("down")
+        await pilot.pause()
+        return table.row_count, [str(c.label) for c in table.columns.values()], str(pilot.app.screen.query_one("#failures-traceback").render())
+
+    count, columns, traceback = drive(InspectApp(str(tmp_path), run_id), script)
+    assert count == 2 and "traceback" not in columns and {"kind", "error", "rollout_id"} <= set(columns)
+    assert "marker-1" in traceback and "marker-0" not in traceback
+

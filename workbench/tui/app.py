@@ -1,6 +1,6 @@
 """`molt-wb inspect`: a Textual app over one run folder (or all of them), read-only and live.
 
-Screens: runs (filterable by sweep) → run (overview · segments · gate · requests tabs) → token
+Screens: runs (filterable by sweep) → run (overview · segments · gate · requests · failures tabs) → token
 view of one segment, where every sampled token is coloured by a chosen channel.
 """
 
@@ -33,7 +33,7 @@ CHANNELS = {
 TOKEN_FIELDS = ("position", "token_id", "loss_mask", "behavior_logprob", "train_logprob", "behavior_version", "is_weight")
 HELP = """[b]molt-wb inspect[/b] — keys
 runs:     enter open · s sweep filter · q quit
-run:      1 overview · 2 segments · 3 gate · 4 requests · esc back
+run:      1 overview · 2 segments · 3 gate · 4 requests · 5 failures · esc back
 segments: enter token view · / filter · d only dropped · m only mismatches
           o or a click on a header: sort · ] [ next/previous page
           filter words: dropped  mismatch  reward>=0.5  reward<1  any text
@@ -105,7 +105,7 @@ class RunsScreen(Screen):
 class RunScreen(Screen):
     BINDINGS = [Binding("1", "tab('overview')", "Overview"), Binding("2", "tab('segments')", "Segments"),
                 Binding("3", "tab('gate')", "Gate"), Binding("4", "tab('requests')", "Requests"),
-                Binding("slash", "filter", "Filter", key_display="/"), Binding("d", "toggle('dropped')", "Dropped"),
+                Binding("5", "tab('failures')", "Failures"), Binding("slash", "filter", "Filter", key_display="/"), Binding("d", "toggle('dropped')", "Dropped"),
                 Binding("m", "toggle('mismatch')", "Mismatch"), Binding("o", "next_sort", "Sort"),
                 Binding("right_square_bracket", "page(1)", "Page", key_display="]"), Binding("left_square_bracket", "page(-1)", show=False),
                 Binding("escape", "back", "Back")]
@@ -113,7 +113,7 @@ class RunScreen(Screen):
     def __init__(self, data: RunData):
         super().__init__()
         self.data, self.filter, self.sort, self.descending = data, Filter(), "step", False
-        self.offsets = {"segments": 0, "gate": 0, "requests": 0}
+        self.offsets = {"segments": 0, "gate": 0, "requests": 0, "failures": 0}
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -128,10 +128,12 @@ class RunScreen(Screen):
                 yield Input(placeholder="filter: dropped mismatch reward>=0.5 text (/)", id="filter")
                 yield Static(id="segments-status", classes="status")
                 yield DataTable(id="segments-table", cursor_type="row", zebra_stripes=True)
-            for name, title in (("gate", "3 Gate"), ("requests", "4 Requests")):
+            for name, title in (("gate", "3 Gate"), ("requests", "4 Requests"), ("failures", "5 Failures")):
                 with TabPane(title, id=name):
                     yield Static(id=f"{name}-status", classes="status")
                     yield DataTable(id=f"{name}-table", cursor_type="row", zebra_stripes=True)
+                    if name == "failures":
+                        yield Static(id="failures-traceback")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -158,10 +160,11 @@ class RunScreen(Screen):
                 plot.plt.plot([p[0] for p in points], [p[1] for p in points], marker="braille")
             plot.refresh()
         self.load_segments()
-        for name, table in (("gate", "gate_decisions"), ("requests", "requests")):
+        for name, table in (("gate", "gate_decisions"), ("requests", "requests"), ("failures", "failed_episodes")):
             columns, rows = self.data.page(table, self.offsets[name])
             self.fill(self.query_one(f"#{name}-table", DataTable), columns, rows)
-            self.query_one(f"#{name}-status", Static).update(f"rows {self.offsets[name] + bool(rows)}-{self.offsets[name] + len(rows)} · enter opens the segment · ] [ page")
+            hint = "the highlighted episode's traceback below" if name == "failures" else "enter opens the segment"
+            self.query_one(f"#{name}-status", Static).update(f"rows {self.offsets[name] + bool(rows)}-{self.offsets[name] + len(rows)} · {hint} · ] [ page")
 
     def load_segments(self) -> None:
         count = self.data.segment_count(self.filter)
@@ -230,8 +233,15 @@ class RunScreen(Screen):
         self.sort, self.offsets["segments"] = column, 0
         self.load_segments()
 
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        if event.data_table.id == "failures-table" and event.data_table.row_count:
+            row = dict(zip([str(c.label) for c in event.data_table.columns.values()], event.data_table.get_row(event.row_key)))
+            self.query_one("#failures-traceback", Static).update(self.data.traceback(int(row["step"]), int(row["rollout_id"])))
+
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         table = event.data_table
+        if table.id == "failures-table":  # a failed episode has no segment; its traceback is shown below
+            return
         row = dict(zip([str(c.label) for c in table.columns.values()], table.get_row(event.row_key)))
         step, rollout = int(row["step"]), int(row["rollout_id"])
         step, segment = (step, int(row["segment_idx"])) if "segment_idx" in row else self.data.siblings(rollout)[0]  # a request: its rollout's first
@@ -365,6 +375,7 @@ class InspectApp(App):
     .status { height: 1; color: $text-muted; }
     .plot { height: 12; }
     #legend { height: auto; max-height: 3; }
+    #failures-traceback { height: auto; max-height: 12; border-top: solid $accent; }
     #side { width: 30; border-left: solid $accent; padding: 0 1; }
     #help { width: 80; height: auto; border: thick $accent; background: $surface; padding: 1 2; }
     Help { align: center middle; }

@@ -153,8 +153,13 @@ class RunData:
     # ---- other tables
     def page(self, table: str, offset: int = 0) -> tuple[list[str], list[tuple]]:
         order = "step, rollout_id, segment_idx" if table == "gate_decisions" else "time"
-        result = self.db.execute(f"select * exclude (run_id) from {table} order by {order} limit {PAGE} offset {int(offset)}")
+        exclude = "run_id, traceback" if table == "failed_episodes" else "run_id"  # the traceback: below the table
+        result = self.db.execute(f"select * exclude ({exclude}) from {table} order by {order} limit {PAGE} offset {int(offset)}")
         return [d[0] for d in result.description], result.fetchall()
+
+    def traceback(self, step: int, rollout_id: int) -> str:
+        found = self.rows("select traceback from failed_episodes where step = ? and rollout_id = ? limit 1", step, rollout_id)
+        return found[0][0] if found else ""
 
     # ---- token text
     def piece(self, token_id: int) -> str:
