@@ -206,3 +206,20 @@ def test_geo3k_recipe_runs_end_to_end(tmp_path, plugin):
     assert max(len(spans) for _, spans, _, _ in rows) >= 2  # some episode called the tool and answered after it
     assert all(0.0 <= reward <= 1.0 for *_, reward, _ in rows)
     assert db.execute("select max(reward) from segments").fetchone()[0] > 0
+
+
+def test_vision_markers_get_no_probability_in_any_forward(tmp_path):
+    """A sampled image placeholder would have no image behind it: the policy's logits for the vision markers
+    are -inf in every forward (engine, learner, warm start), so they are never sampled or trained."""
+    from workbench.models.multimodal import load_policy
+    from workbench.models.tiny import tiny_model_path
+
+    model = load_policy(str(tiny_model_path("tiny-vl")))
+    config = model.config
+    ids = torch.tensor([[config.vision_start_token_id, config.image_token_id, 9, 10, 11]])
+    logits = model(input_ids=ids[:, 2:]).logits  # text only
+    banned = [config.image_token_id, config.vision_start_token_id, config.vision_end_token_id]
+    assert torch.isneginf(logits[..., banned]).all() and torch.isfinite(logits[..., 12]).all()
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 3:])
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -28,8 +28,16 @@ def load_policy(path: str, dtype: str = "float32"):
 
     logging.disable_progress_bar()
     logging.set_verbosity_error()
-    auto = AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
-    return auto.from_pretrained(path, dtype=getattr(torch, dtype))
+    if not is_vision_language(path):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=getattr(torch, dtype))
+    # The vision markers are input only: a sampled image placeholder has no image behind it. Their logits
+    # are -inf in every forward (engine, learner, warm start), so no distribution ever gives them mass.
+    config, vocab = model.config, model.config.get_text_config().vocab_size
+    banned = torch.tensor([i for i in (getattr(config, k, None) for k in ("image_token_id", "video_token_id",
+                           "vision_start_token_id", "vision_end_token_id")) if i is not None and i < vocab])
+    model.get_output_embeddings().register_forward_hook(lambda module, inputs, logits: logits.index_fill(-1, banned, float("-inf")))
+    return model
 
 
 class ImageCodec:
