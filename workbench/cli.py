@@ -70,6 +70,7 @@ def train(ctx: typer.Context):
         except ConfigError as error:
             if not multirun:
                 fail(str(error))
+            runtime.record_refused(cfg, str(error))
             typer.secho(f"run {cfg.run.id} refused: {error}", fg="red", err=True)
         except Exception as error:  # a failed job of a sweep is recorded as failed and the sweep goes on
             if not multirun:

@@ -60,6 +60,15 @@ def start_run(cfg) -> tuple[Path, dict]:
     return run_dir, row
 
 
+def record_refused(cfg, error: str) -> None:
+    """A sweep job refused before it started still gets its run row (status failed, with the sentence)."""
+    from workbench.store.writer import write_json_atomic
+
+    with contextlib.suppress(ConfigError, OSError):  # a run that started has its row already
+        run_dir, row = start_run(cfg)
+        write_json_atomic(run_dir / "run.json", row | {"status": "failed", "error": error})
+
+
 def policy_path(cfg) -> str:
     """The checkpoint every actor loads: model.path, or the tiny model (warm-started if the recipe says so)."""
     from workbench.api import load_plugin
