@@ -7,6 +7,7 @@ version) to every rollout engine. The maths is in workbench.algo; this module on
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy as np
 import torch
@@ -140,8 +141,10 @@ class Learner:
         advantages = compute_advantages(batch["rewards"], batch["group_ids"], self.algo.advantage,
                                         rollout_ids=batch["rollout_ids"])  # [batch]
         routing: dict = {}
+        start = time.perf_counter()
         with torch.no_grad():
             old_logprob = self.logprobs(batch, routing=routing)  # π_old: the learner's log-probs of the sampled ids
+        compute = time.perf_counter() - start  # model compute: forwards, backward, optimizer (perf/learner_compute_s)
         mask = batch["loss_mask"]
         gate = version_gate(batch["behavior_logprob"], old_logprob, mask, batch["behavior_version"], consumed_at,
                             level=self.gate.level, mode=self.gate.mode, band=tuple(self.gate.band),
@@ -163,6 +166,7 @@ class Learner:
         for rows in torch.arange(len(segments)).chunk(self.trainer.minibatches):
             minibatch = {key: value[rows] if torch.is_tensor(value) else [value[i] for i in rows.tolist()]
                          for key, value in batch.items()}
+            start = time.perf_counter()
             logprob = self.logprobs(minibatch)  # under replay when on: router logits and gradient stay live
             if self.algo.policy_loss == "gspo":
                 logprob = sequence_ratio_logprob(logprob, old_logprob[rows], mask[rows])
@@ -174,12 +178,15 @@ class Learner:
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.trainer.max_grad_norm)
             self.optimizer.step()
+            compute += time.perf_counter() - start
             self.version += 1
             steps.append(dict(step_metrics, policy=float(loss.detach()), grad_norm=float(grad_norm)))
         for key in steps[0]:
             metrics[f"loss/{key}"] = float(np.mean([s[key] for s in steps]))
         metrics["loss/advantage_abs_mean"] = float(advantages.abs().mean())
         metrics["train/version"] = float(self.version)
+        metrics["perf/learner_compute_s"] = compute
+        metrics["perf/generate_s"] = max((sum(s.audit.get("generate_s", 0.0) for s in w) for w in worker_segments), default=0.0)
         rows = {"train_logprob": [old_logprob[i, :n].numpy() for i, n in enumerate(lengths.tolist())],
                 "is_weight": [gate.token_weight[i, :n].numpy() for i, n in enumerate(lengths.tolist())],
                 "advantage": advantages.tolist(), "learner_version": consumed_at,

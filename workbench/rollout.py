@@ -67,7 +67,10 @@ class RolloutWorker:
         chat = isinstance(self.plugin.AgentRunner, type) and issubclass(self.plugin.AgentRunner, ChatAgent)
         failures: dict[int, dict] = {}
         with self.lock, (contextlib.nullcontext() if self.engine.partial else self.engine.hold()):
+            generated = getattr(self.engine, "compute_s", None)
             segments = self._chat_rollout(jobs, failures) if chat else self._env_rollout(jobs, failures)
+        if segments and generated is not None:  # this call's generation seconds, for the learner's perf/generate_s
+            segments[0].audit["generate_s"] = self.engine.compute_s - generated
         return segments, list(failures.values())
 
     def _failed(self, job: Job, kind: str, error: BaseException) -> dict:
