@@ -105,7 +105,9 @@ def _start_ray(cfg) -> None:
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
              _node_ip_address="127.0.0.1",
              object_store_memory=cfg.ray.object_store_mb * 2**20,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "MOLT_WB_CACHE": os.environ.get("MOLT_WB_CACHE", "")}})
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "MOLT_WB_CACHE": os.environ.get("MOLT_WB_CACHE", ""),
+                                       # idle OpenMP threads sleep instead of spinning: actors share the cores (bench/README.md)
+                                       "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}})
 
 
 class StoreActor:
