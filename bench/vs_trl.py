@@ -9,7 +9,8 @@ length, learning rate (constant), clip, temperature and number of steps, GRPO ad
 and a token-mean loss, no KL term, on the CPU: molt-wb through `loop.train` (Ray actors, run store,
 gate), TRL through `GRPOTrainer` (no vLLM, no hub, report_to none). Each side runs in its own child
 process, so peak memory is the RSS of that process tree (Ray's processes included), sampled by the
-parent. Step times exclude start-up and the first (warm-up) step; generated tokens are sampled
+parent. TRL runs twice: as shipped, and with OMP_WAIT_POLICY=PASSIVE (what molt-wb sets for its Ray
+actors), so the ratio shows what is framework and what is that setting. Step times exclude start-up and the first (warm-up) step; generated tokens are sampled
 completion tokens (stop token included) on both sides. Prints each side and the ratios molt-wb / TRL.
 """
 
@@ -108,13 +109,13 @@ def run_trl(steps: int, extra: list[str], model_path: str) -> dict:
             "tokens": [log["completions/mean_length"] * group * prompts for log in clock.logs]}
 
 
-def measure(side: str, steps: int, extra: list[str], model_path: str) -> dict:
+def measure(side: str, steps: int, extra: list[str], model_path: str, env: dict) -> dict:
     """Run one side in a child process; add the peak RSS of its process tree (sampled every 0.1 s)."""
     import psutil
 
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         child = subprocess.Popen([sys.executable, __file__, "--side", side, "--json", out.name, "--model", model_path,
-                                  "--steps", str(steps), *extra], env={**os.environ, **OFFLINE})
+                                  "--steps", str(steps), *extra], env={**os.environ, **OFFLINE, **env})
         peak, parent = 0, psutil.Process(child.pid)
         while child.poll() is None:
             try:
@@ -155,18 +156,24 @@ def main() -> None:
     from workbench import runtime
 
     model_path = runtime.policy_path(config(steps, args.overrides))  # the warm start, built (once) before either side
-    results = {side: measure(side, steps, args.overrides, model_path) for side in ("molt", "trl")}
-    molt, trl = summary(results["molt"]), summary(results["trl"])
+    sides = {"molt-wb": ("molt", {}), "TRL": ("trl", {}), "TRL+passive": ("trl", {"OMP_WAIT_POLICY": "PASSIVE"})}
+    if args.quick:
+        sides.pop("TRL+passive")
+    results = {name: measure(side, steps, args.overrides, model_path, env) for name, (side, env) in sides.items()}
+    summaries = {name: summary(r) for name, r in results.items()}
+    molt = summaries["molt-wb"]
     print(f"{steps} steps of {config(steps, args.overrides).trainer.prompts_per_step} prompts x "
           f"{config(steps, args.overrides).trainer.group_size} samples, {os.cpu_count()} CPU cores")
-    print(f"{'':>8} {'step_s':>7} {'tokens/s':>9} {'wall_s':>7} {'peak_MB':>8} {'reward first':>12} {'reward last':>11}")
-    for name, s in (("molt-wb", molt), ("TRL", trl)):
-        print(f"{name:>8} {s['step_s']:7.3f} {s['tokens_per_s']:9.0f} {s['wall_s']:7.1f} {s['peak_rss_mb']:8.0f} "
+    print(f"{'':>16} {'step_s':>7} {'tokens/s':>9} {'wall_s':>7} {'peak_MB':>8} {'reward first':>12} {'reward last':>11}")
+    for name, s in summaries.items():
+        print(f"{name:>16} {s['step_s']:7.3f} {s['tokens_per_s']:9.0f} {s['wall_s']:7.1f} {s['peak_rss_mb']:8.0f} "
               f"{s['reward_first']:12.3f} {s['reward_last']:11.3f}")
-    print(f"{'ratio':>8} {molt['step_s'] / trl['step_s']:7.2f} {molt['tokens_per_s'] / trl['tokens_per_s']:9.2f} "
-          f"{molt['wall_s'] / trl['wall_s']:7.2f} {molt['peak_rss_mb'] / trl['peak_rss_mb']:8.2f}   (molt-wb / TRL)")
+    for name, trl in list(summaries.items())[1:]:
+        print(f"{'molt-wb / ' + name:>16} {molt['step_s'] / trl['step_s']:7.2f} {molt['tokens_per_s'] / trl['tokens_per_s']:9.2f} "
+              f"{molt['wall_s'] / trl['wall_s']:7.2f} {molt['peak_rss_mb'] / trl['peak_rss_mb']:8.2f}")
+    print("reward first / last: mean over the first / last fifth of the steps")
     for name, r in results.items():
-        print(f"reward curve {name:>5}: " + " ".join(f"{x:.2f}" for x in r["reward"]))
+        print(f"reward curve {name:>11}: " + " ".join(f"{x:.2f}" for x in r["reward"]))
 
 
 if __name__ == "__main__":

@@ -142,8 +142,10 @@ class Learner:
                                         rollout_ids=batch["rollout_ids"])  # [batch]
         routing: dict = {}
         start = time.perf_counter()
-        with torch.no_grad():
-            old_logprob = self.logprobs(batch, routing=routing)  # π_old: the learner's log-probs of the sampled ids
+        # one optimizer step on a dense policy: π_old is the value of the training forward itself, so it runs once
+        live = self.logprobs(batch) if self.trainer.minibatches == 1 and not self.moe else None
+        with torch.no_grad():  # π_old: the learner's log-probs of the sampled ids
+            old_logprob = live.detach() if live is not None else self.logprobs(batch, routing=routing)
         compute = time.perf_counter() - start  # model compute: forwards, backward, optimizer (perf/learner_compute_s)
         mask = batch["loss_mask"]
         gate = version_gate(batch["behavior_logprob"], old_logprob, mask, batch["behavior_version"], consumed_at,
@@ -167,7 +169,7 @@ class Learner:
             minibatch = {key: value[rows] if torch.is_tensor(value) else [value[i] for i in rows.tolist()]
                          for key, value in batch.items()}
             start = time.perf_counter()
-            logprob = self.logprobs(minibatch)  # under replay when on: router logits and gradient stay live
+            logprob = live if live is not None else self.logprobs(minibatch)  # under replay when on: router logits and gradient stay live
             if self.algo.policy_loss == "gspo":
                 logprob = sequence_ratio_logprob(logprob, old_logprob[rows], mask[rows])
             loss, step_metrics = policy_gradient_loss(

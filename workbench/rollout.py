@@ -113,16 +113,19 @@ class RolloutWorker:
         result = self.plugin.AgentRunner().run(ctx)
         return asyncio.run(result) if inspect.iscoroutine(result) else result
 
-    def _start_env(self, job: Job):
+    def _start_env(self, job: Job, openings: dict):
         env = self.plugin.AgentRunner()
         system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
-        return env, TokenAccumulator(self.tokenizer, system + [{"role": "user", "content": env.reset(job.sample)}],
-                                     tools=env.tools, codec=self.engine.codec)
+        messages = system + [{"role": "user", "content": env.reset(job.sample)}]
+        key = repr((messages, env.tools))
+        if key not in openings:  # a group's episodes open on the same prompt: render and encode it once
+            openings[key] = TokenAccumulator(self.tokenizer, messages, tools=env.tools, codec=self.engine.codec)
+        return env, openings[key].fork()
 
     def _env_rollout(self, jobs: list[Job], failures: dict) -> list[Segment]:
-        envs, episodes, rewards = [None] * len(jobs), [None] * len(jobs), [0.0] * len(jobs)
+        envs, episodes, rewards, openings = [None] * len(jobs), [None] * len(jobs), [0.0] * len(jobs), {}
         for index, job in enumerate(jobs):
-            started = _caught(self._start_env, job)
+            started = _caught(self._start_env, job, openings)
             if isinstance(started, BaseException):
                 failures[index] = self._failed(job, "env_error", started)
             else:
