@@ -79,6 +79,9 @@ def main() -> None:
             "tokens x2": [*base, "engine.max_tokens=64"], "workers x2": [*base, "ray.rollout_workers=2"]}
     if args.quick:
         runs = dict(list(runs.items())[:2])
+    from workbench import runtime
+
+    runtime.init_ray(compose_config(["ray.rollout_workers=2"]))  # one Ray for every run, with a slot per actor of the largest
     with tempfile.TemporaryDirectory() as root:
         results = {name: measure(root, f"run{i}", steps, [*overrides, *args.overrides])
                    for i, (name, overrides) in enumerate(runs.items())}
