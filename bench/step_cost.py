@@ -69,11 +69,11 @@ def measure(root: str, name: str, steps: int, overrides: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="3 steps per run, arith and base only")
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--quick", action="store_true", help="arith and base only, 3 steps each unless --steps")
+    parser.add_argument("--steps", type=int, help="steps per run (default 12)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
-    steps = 3 if args.quick else args.steps
+    steps = args.steps or (3 if args.quick else 12)
     base = ["model.warm_start_steps=0", "engine.max_tokens=32", "trainer.group_size=8", "ray.rollout_workers=1"]
     runs = {"arith recipe": [], "base": base, "group x2": [*base, "trainer.group_size=16"],
             "tokens x2": [*base, "engine.max_tokens=64"], "workers x2": [*base, "ray.rollout_workers=2"]}
