@@ -41,7 +41,8 @@ def test_group_options_select_presets():
     ("gate.level=geo gate.mode=clip", "gate.mode=mask"),
     ("gate.band=[2.0,0.5]", "gate.band"),
     ("gate.level=tokens", "gate.level=tokens is unknown"),
-    ("engine.name=vllm", "engine=vllm"),
+    ("engine.name=sglang", "engine=sglang is unknown"),
+    ("engine=vllm +recipe=geo3k", "engine=vllm"),  # not installed, or no image prompts: one sentence either way
 ])
 def test_bad_config_is_one_sentence_naming_the_key(override, words):
     with pytest.raises(ConfigError) as error:

@@ -141,37 +141,38 @@ def test_a_chat_agent_that_raises_or_returns_no_result_fails_only_its_episode(ti
 
 
 @pytest.mark.slow
-def test_sigterm_stops_a_run_cleanly_marked_interrupted(tmp_path):
+def test_sigterm_stops_a_run_cleanly_marked_interrupted(tmp_path, in_process):
+    import os
+    import threading
+
     data = data_file(tmp_path / "d.jsonl", rows(4, hang_at=5))  # the 2nd step never ends
-    process = subprocess.Popen([sys.executable, "-m", "workbench.cli", "train", *FAST, "trainer.steps=3", "run.id=term",
-                                f"run.root={tmp_path}", f"data.path={data}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
-    try:
-        wait_for(lambda: run_json(tmp_path, "term").get("steps_done") == 1 or process.poll() is not None)
-        process.send_signal(signal.SIGTERM)
-        _, err = process.communicate(timeout=120)
-    finally:
-        process.kill()
-    assert process.returncode == 130, err[-2000:]
-    assert "interrupted" in err
+
+    def terminate_after_step_one():
+        wait_for(lambda: run_json(tmp_path, "term").get("steps_done") == 1)
+        os.kill(os.getpid(), signal.SIGTERM)  # to this process, the run's driver
+
+    threading.Thread(target=terminate_after_step_one, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        in_process(tmp_path, "trainer.steps=3", "run.id=term", f"data.path={data}")
     db = open_run("term", str(tmp_path))
     assert db.execute("select status, steps_done from runs").fetchone() == ("interrupted", 1)
     assert db.execute("select count(*) from segments where step = 0").fetchone()[0] == 4  # flushed at the stop
 
 
-@pytest.mark.parametrize("content, words", [
-    ("", "has no samples"),
-    ('{"question": "1 + 1?", "answer": 2}\n', "has no 'problem' column"),
-    ('{"problem": "1 + 1?"\n', "is not JSON lines"),
-    ('[1, 2]\n', "not objects"),
+@pytest.mark.parametrize("plugin, content, words", [
+    ("arith", "", "has no samples"),
+    ("arith", '{"question": "1 + 1?", "answer": 2}\n', "has no 'problem' column"),
+    ("arith", '{"problem": "1 + 1?"\n', "is not JSON lines"),
+    ("arith", '[1, 2]\n', "not objects"),
+    ("geo3k", '{"images": ["bm90IGFuIGltYWdl"], "problem": "x?", "answer": "1"}\n', "image 0 cannot be opened"),
 ])
-def test_bad_data_is_refused_before_anything_starts(tmp_path, content, words):
+def test_bad_data_is_refused_before_anything_starts(tmp_path, plugin, content, words):
     from workbench import loop
 
     path = tmp_path / "data.jsonl"
     path.write_text(content)
     with pytest.raises(ConfigError, match=words):
-        loop.train(compose_config([*FAST[:1], "agent.plugin=arith", f"data.path={path}", f"run.root={tmp_path}"]))
+        loop.train(compose_config([*FAST[:1], f"agent.plugin={plugin}", f"data.path={path}", f"run.root={tmp_path}"]))
     assert not list(tmp_path.glob("*/run.json"))  # no run was started
 
 

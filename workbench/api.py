@@ -68,6 +68,7 @@ class ChatContext:
     sample: dict
     max_tokens: int
     temperature: float
+    judge: dict | None = None  # LLM-as-judge: {"base_url", "api_key"} of a session on the same engine that is never trained
 
 
 class ChatAgent:

@@ -86,7 +86,8 @@ def train(ctx: typer.Context):
         else:
             outcomes = [run(cfg) for cfg in configs]
     except KeyboardInterrupt:
-        typer.echo("interrupted; what was written is kept.", err=True)
+        hint = f" Continue it with: molt-wb resume {configs[0].run.id}" if len(configs) == 1 and configs[0].run.id else ""
+        typer.echo(f"interrupted; what was written is kept.{hint}", err=True)
         raise typer.Exit(130)
     if multirun:
         typer.echo(f"sweep {configs[0].run.sweep_id}: {sum(outcomes)}/{len(outcomes)} runs finished; "
@@ -210,6 +211,25 @@ def compare(selection: list[str] = typer.Argument(..., help="A sweep id, or run 
         except ImportError:
             fail("compare --plot needs matplotlib: pip install 'molt-wb[plot]'.")
         typer.echo(f"wrote {plot_path}", err=True)
+
+
+@app.command("eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def eval_command(ctx: typer.Context, run_id: str = typer.Argument(..., help="Run id (a unique prefix is enough)."),
+                 checkpoint: Optional[str] = typer.Argument(None, help="A checkpoint folder or step number; default the latest, else the run's starting policy."),
+                 root: str = typer.Option("runs", help="Folder of run folders (run.root).")):
+    """Score a checkpoint on the run's held-out split without training; extra `eval.*` overrides set the sampling (eval.samples=4)."""
+    from workbench.config import ConfigError
+    from workbench.evaluate import from_checkpoint
+
+    overrides = list(ctx.args)
+    if checkpoint and "=" in checkpoint:  # `molt-wb eval RUN eval.samples=4`: an override, not a checkpoint
+        checkpoint, overrides = None, [checkpoint, *overrides]
+    try:
+        row = from_checkpoint(run_id, checkpoint, root, overrides)
+    except (ConfigError, ValueError) as error:
+        fail(str(error))
+    typer.echo(f"eval {row['split']} step {row['step']}: n={row['n']} mean_reward={row['mean_reward']:.4f} "
+               f"accuracy={row['accuracy']:.4f} ({row['checkpoint']})")
 
 
 @app.command()

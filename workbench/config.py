@@ -33,13 +33,21 @@ class ModelConfig:
 @dataclass
 class EngineConfig:
     name: str = "torch"
-    """Rollout engine: torch (CPU, transformers)."""
+    """Rollout engine: torch (CPU, transformers) | vllm (pip install 'molt-wb[vllm]')."""
     max_tokens: int = 16
     """Most new tokens per turn."""
     temperature: float = 1.0
     """Sampling temperature; learner log-probs use the same one."""
     top_p: float = 1.0
     """Nucleus sampling; below 1 the learner cannot reproduce behavior log-probs (refused with a gate)."""
+    tensor_parallel_size: int = 1
+    """vllm: GPUs one engine shards the model over (give each rollout worker as many: ray.rollout_gpus)."""
+    gpu_memory_utilization: float = 0.5
+    """vllm: fraction of a GPU's memory the engine takes (leave room for a colocated learner)."""
+    check_weight_sync: bool = False
+    """vllm: verify every weight push overwrote each engine parameter (all are NaN-filled first; a leftover NaN stops the run)."""
+    routed_experts: bool = True
+    """vllm, MoE policies: ask vLLM for the routed experts of every token (enable_return_routed_experts)."""
 
 
 @dataclass
@@ -71,7 +79,7 @@ class DataConfig:
 @dataclass
 class AlgoConfig:
     advantage: str = "grpo"
-    """Advantage estimator: reinforce | reinforce_baseline | rloo | grpo | dr_grpo."""
+    """Advantage estimator: reinforce | reinforce_baseline | rloo | grpo | dr_grpo | on_policy_distill (per token, no reward)."""
     clip_low: float = 0.2
     """PPO clip: ratios below 1 - clip_low stop contributing gradient for negative advantages."""
     clip_high: float = 0.2
@@ -83,7 +91,20 @@ class AlgoConfig:
     routing_replay: bool = False
     """MoE policies: force the rollout's recorded experts in the learner's forward (R3); measured either way."""
     policy_loss: str = "ppo"
-    """ppo (token ratio, PPO-clip) | gspo (sequence ratio: geometric mean of token ratios, clipped per sequence)."""
+    """ppo (token ratio, PPO-clip) | gspo (sequence ratio: geometric mean of token ratios, clipped per sequence)
+    | cispo (REINFORCE on log π weighted by the clipped token ratio, held constant)."""
+    kl_coef: float = 0.0
+    """Weight of KL(policy || reference) in the loss; the reference is a frozen copy of the starting policy (0 = none)."""
+    kl_estimator: str = "k3"
+    """Estimator of that KL from the policy's samples: k1 | k2 | k3 (Schulman)."""
+    filter_uniform_groups: bool = False
+    """Dynamic filtering: drop groups whose rewards are all equal (no relative signal) from the loss."""
+    distill_coef: float = 1.0
+    """on_policy_distill: advantage = -distill_coef * (log π_student - log π_teacher) per sampled token."""
+    teacher_path: str | None = None
+    """on_policy_distill: HF checkpoint folder of the frozen teacher; it must share the policy's tokenizer."""
+    teacher_warm_start_steps: int = 0
+    """on_policy_distill without teacher_path: the teacher is the tiny base model warm-started this many steps on the plugin."""
 
 
 @dataclass
@@ -127,6 +148,24 @@ class TrainerConfig:
 
 
 @dataclass
+class EvalConfig:
+    every: int = 0
+    """Score the held-out split every N training steps (0 = never); `molt-wb eval` scores a checkpoint."""
+    path: str | None = None
+    """Local .parquet/.jsonl of held-out samples; unset = the plugin's eval_dataset (or make_dataset on another seed)."""
+    size: int = 32
+    """Held-out prompts scored (at most)."""
+    samples: int = 1
+    """Samples per held-out prompt."""
+    temperature: float = 0.0
+    """Sampling temperature of evaluation (0 = greedy)."""
+    max_tokens: int | None = None
+    """Most new tokens per turn in evaluation (unset = engine.max_tokens)."""
+    threshold: float = 1.0
+    """An episode counts towards accuracy when its reward is at least this."""
+
+
+@dataclass
 class WandbConfig:
     mode: str = "offline"
     """offline (files under the run folder; `wandb sync` uploads later) | online | disabled."""
@@ -161,7 +200,19 @@ class RayConfig:
     object_store_mb: int = 256
     """Object store of a local Ray, MiB."""
     rollout_workers: int = 1
-    """Number of rollout worker actors."""
+    """Number of rollout worker actors (data parallelism: one engine each)."""
+    rollout_cpus: float = 1
+    """CPUs per rollout worker actor."""
+    rollout_gpus: float = 0
+    """GPUs per rollout worker actor (vllm: engine.tensor_parallel_size; a fraction when colocated)."""
+    rollout_resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources each rollout worker needs, e.g. {rollout_node: 1} to pin workers to such nodes."""
+    learner_cpus: float = 1
+    """CPUs of the learner actor."""
+    learner_gpus: float = 0
+    """GPUs of the learner actor."""
+    colocate: bool = False
+    """Pack the learner and every rollout worker onto one node (a STRICT_PACK placement group), sharing its GPUs."""
     torch_threads: int = 0
     """torch threads per actor (0 = the machine's cores split between rollout and learner)."""
 
@@ -206,6 +257,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -250,7 +302,7 @@ def expand_sweep(overrides: list[str]) -> list[tuple[list[str], dict[str, str]]]
     return [(job, {k: v for k, v in (o.lstrip("+~").split("=", 1) for o in job) if k in swept}) for job in jobs]
 
 
-ADVANTAGES = ("reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo")
+ADVANTAGES = ("reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "on_policy_distill")
 AGGREGATIONS = ("token_mean", "seq_mean", "constant")
 
 
@@ -265,19 +317,48 @@ def _is_moe(model) -> bool:
     return any(k in TINY_SPECS.get(model.name, {}) for k in ("num_experts", "num_local_experts"))
 
 
+def _is_vision_language(model) -> bool:
+    import json
+
+    from workbench.models.tiny import TINY_SPECS
+
+    if model.path:
+        config = Path(model.path, "config.json")
+        return config.exists() and "vision_config" in json.loads(config.read_text())
+    return "vision" in TINY_SPECS.get(model.name, {})
+
+
+def _has_vllm() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _imports(module: str) -> bool:
+    try:
+        __import__(module)
+        return True
+    except Exception:  # absent, or built for another torch
+        return False
+
+
 def validate(cfg) -> None:
     """Refuse unsafe or unsupported combinations before anything starts."""
     def need(ok: bool, message: str) -> None:
         if not ok:
             raise ConfigError(message)
 
-    need(cfg.engine.name == "torch", f"engine={cfg.engine.name} is not available yet: use engine=torch.")
+    need(cfg.engine.name in ("torch", "vllm"), f"engine={cfg.engine.name} is unknown: use engine=torch or engine=vllm.")
+    need(cfg.engine.name != "vllm" or _has_vllm(), "engine=vllm needs vLLM in this environment: pip install 'molt-wb[vllm]'.")
+    need(cfg.engine.name != "vllm" or not _is_vision_language(cfg.model) or _imports("torchvision"),
+         "engine=vllm with a vision-language policy needs torchvision built for this torch (vLLM's vision models import it): "
+         "install the matching torchvision or use engine=torch.")
     need(cfg.engine.temperature > 0, "RL needs sampling: set engine.temperature above 0.")
     need(cfg.algo.advantage in ADVANTAGES, f"algo.advantage={cfg.algo.advantage} is unknown: use one of {', '.join(ADVANTAGES)}.")
     need(cfg.algo.aggregation in AGGREGATIONS, f"algo.aggregation={cfg.algo.aggregation} is unknown: use one of {', '.join(AGGREGATIONS)}.")
     need(cfg.algo.aggregation != "constant" or cfg.algo.constant_denominator,
          "algo.aggregation=constant needs algo.constant_denominator (e.g. batch size x max tokens).")
-    need(cfg.trainer.group_size >= 2 or cfg.algo.advantage in ("reinforce", "reinforce_baseline"),
+    need(cfg.trainer.group_size >= 2 or cfg.algo.advantage in ("reinforce", "reinforce_baseline", "on_policy_distill"),
          f"algo.advantage={cfg.algo.advantage} compares samples of one prompt: set trainer.group_size to 2 or more.")
     need(cfg.sweep.parallel >= 1, "sweep.parallel must be at least 1.")
     need(cfg.trainer.steps >= 1 and cfg.trainer.prompts_per_step >= 1, "trainer.steps and trainer.prompts_per_step must be at least 1.")
@@ -296,6 +377,9 @@ def validate(cfg) -> None:
     need(cfg.trainer.checkpoint_every >= 0 and cfg.trainer.keep_checkpoints >= 1,
          "trainer.checkpoint_every must be 0 (off) or more and trainer.keep_checkpoints at least 1.")
     need(cfg.rollout.timeout_s > 0, "rollout.timeout_s must be a positive number of seconds.")
+    need(cfg.eval.every >= 0 and cfg.eval.size >= 1 and cfg.eval.samples >= 1 and cfg.eval.temperature >= 0,
+         "eval.every must be 0 or more, eval.size and eval.samples at least 1, eval.temperature 0 or more.")
+    need(not cfg.eval.path or Path(cfg.eval.path).exists(), f"eval.path={cfg.eval.path} does not exist: give a local .parquet or .jsonl file.")
     need(cfg.trainer.async_depth >= 0, "trainer.async_depth must be 0 (synchronous) or more.")
     need(gate.level != "off" or (cfg.trainer.async_depth == 0 and not cfg.rollout.partial),
          "Asynchronous or partial rollout trains on tokens of older policies: set gate.level=token, seq or geo.")
@@ -305,7 +389,12 @@ def validate(cfg) -> None:
     need(not cfg.algo.routing_replay or _is_moe(cfg.model),
          f"algo.routing_replay needs a mixture-of-experts policy and model {cfg.model.path or cfg.model.name} is dense: "
          f"use model=tiny-moe or set algo.routing_replay=false.")
-    need(cfg.algo.policy_loss in ("ppo", "gspo"), f"algo.policy_loss={cfg.algo.policy_loss} is unknown: use ppo or gspo.")
+    need(cfg.algo.policy_loss in ("ppo", "gspo", "cispo"), f"algo.policy_loss={cfg.algo.policy_loss} is unknown: use ppo, gspo or cispo.")
+    need(cfg.algo.kl_estimator in ("k1", "k2", "k3"), f"algo.kl_estimator={cfg.algo.kl_estimator} is unknown: use k1, k2 or k3.")
+    need(cfg.algo.advantage != "on_policy_distill" or cfg.algo.teacher_path or cfg.algo.teacher_warm_start_steps,
+         "algo.advantage=on_policy_distill needs a teacher: set algo.teacher_path or algo.teacher_warm_start_steps.")
+    need(not cfg.algo.teacher_path or Path(cfg.algo.teacher_path, "config.json").exists(),
+         f"algo.teacher_path={cfg.algo.teacher_path} is not a Hugging Face checkpoint folder (no config.json): fix the path.")
     need(cfg.tracking.wandb.mode in ("offline", "online", "disabled"), "tracking.wandb.mode must be offline, online or disabled.")
     need(not cfg.model.path or Path(cfg.model.path, "config.json").exists(),
          f"model.path={cfg.model.path} is not a Hugging Face checkpoint folder (no config.json): fix the path.")

@@ -12,8 +12,8 @@ import time
 import numpy as np
 import torch
 
-from workbench.algo.advantages import compute_advantages
-from workbench.algo.losses import approx_kl, policy_gradient_loss, sequence_ratio_logprob, token_logprobs
+from workbench.algo.advantages import compute_advantages, distill_advantages, uniform_groups
+from workbench.algo.losses import approx_kl, masked_mean, policy_gradient_loss, sequence_ratio_logprob, token_logprobs
 from workbench.invariants.routing_replay import find_routers, replay_routes
 from workbench.invariants.version_gate import gate_metrics, version_gate
 from workbench.models.multimodal import forward_inputs
@@ -91,6 +91,12 @@ class Learner:
                                            weight_decay=cfg.trainer.weight_decay)
         self.version, self.moe, self.replay = 0, bool(find_routers(self.model)), cfg.algo.routing_replay
         self.model_path = model_path
+        # frozen models: the KL reference (a copy of the starting policy) and the distillation teacher
+        self.reference = load_causal_lm(model_path, cfg.model.dtype).eval() if cfg.algo.kl_coef > 0 else None
+        if cfg.algo.advantage == "on_policy_distill":
+            from workbench.runtime import teacher_path
+
+            self.teacher = load_causal_lm(teacher_path(cfg), cfg.model.dtype).eval()
 
     def save_checkpoint(self, folder: str, driver_state: dict) -> int:
         from workbench.checkpoint import save_learner
@@ -119,6 +125,12 @@ class Learner:
             routing.update(stats)
         return token_logprobs(logits, batch["token_ids"], self.temperature)  # [batch, seq]
 
+    @torch.no_grad()
+    def frozen_logprobs(self, model, batch: dict) -> torch.Tensor:
+        """Log-probs of the batch's ids under a frozen model (reference or teacher); no routing replay."""
+        inputs = forward_inputs(model, batch["token_ids"], batch["attention_mask"], batch.get("images"), self.codec)
+        return token_logprobs(model(**inputs).logits, batch["token_ids"], self.temperature)  # [batch, seq]
+
     def routing_metrics(self, batch: dict, routing: dict, old_logprob: torch.Tensor) -> dict[str, float]:
         """Live vs rollout routes, and the rollout-learner KL with replay and without (one extra forward)."""
         real = batch["attention_mask"].bool()[:, :, None] & routing["known"]  # [batch, seq, layers]
@@ -138,8 +150,6 @@ class Learner:
         consumed_at = self.version
         batch = collate(segments)
         identity = audit_identity(segments, batch)
-        advantages = compute_advantages(batch["rewards"], batch["group_ids"], self.algo.advantage,
-                                        rollout_ids=batch["rollout_ids"])  # [batch]
         routing: dict = {}
         start = time.perf_counter()
         # one optimizer step on a dense policy: π_old is the value of the training forward itself, so it runs once
@@ -160,6 +170,19 @@ class Learner:
                    "mismatch/kl": float(approx_kl(batch["behavior_logprob"], old_logprob, mask, "k3")),
                    "mismatch/max_abs_logprob_diff": float(((old_logprob - batch["behavior_logprob"]).abs() * mask).max()),
                    **gate_metrics(gate, mask), **identity}
+        if self.algo.advantage == "on_policy_distill":  # per token, from the frozen teacher; no reward
+            teacher = self.frozen_logprobs(self.teacher, batch)
+            advantages = distill_advantages(old_logprob, teacher, mask, self.algo.distill_coef)  # [batch, seq]
+            metrics["distill/kl"] = float(masked_mean(old_logprob - teacher, mask))  # k1 of KL(student || teacher)
+        else:
+            advantages = compute_advantages(batch["rewards"], batch["group_ids"], self.algo.advantage,
+                                            rollout_ids=batch["rollout_ids"])  # [batch]
+        loss_mask = gate.loss_mask  # [batch, seq]
+        if self.algo.filter_uniform_groups:
+            dropped = uniform_groups(batch["rewards"], batch["group_ids"])  # [batch]
+            loss_mask = loss_mask & ~dropped[:, None]
+            metrics["filter/dropped_frac"] = float(dropped.float().mean())
+        reference = self.frozen_logprobs(self.reference, batch) if self.reference is not None else None
         routing_rows = []
         if routing:
             metrics.update(self.routing_metrics(batch, routing, old_logprob))
@@ -170,12 +193,15 @@ class Learner:
                          for key, value in batch.items()}
             start = time.perf_counter()
             logprob = live if live is not None else self.logprobs(minibatch)  # under replay when on: router logits and gradient stay live
-            if self.algo.policy_loss == "gspo":
-                logprob = sequence_ratio_logprob(logprob, old_logprob[rows], mask[rows])
+            ratio_logprob = sequence_ratio_logprob(logprob, old_logprob[rows], mask[rows]) if self.algo.policy_loss == "gspo" else logprob
             loss, step_metrics = policy_gradient_loss(
-                logprob, old_logprob[rows], advantages[rows], gate.loss_mask[rows],
+                ratio_logprob, old_logprob[rows], advantages[rows], loss_mask[rows],
                 clip_low=self.algo.clip_low, clip_high=self.algo.clip_high, aggregation=self.algo.aggregation,
-                constant_denominator=self.algo.constant_denominator, is_weight=gate.token_weight[rows])
+                constant_denominator=self.algo.constant_denominator, is_weight=gate.token_weight[rows],
+                loss_type="cispo" if self.algo.policy_loss == "cispo" else "ppo")
+            if reference is not None:
+                kl = approx_kl(logprob, reference[rows], loss_mask[rows], self.algo.kl_estimator)
+                loss, step_metrics["kl_ref"] = loss + self.algo.kl_coef * kl, float(kl.detach())
             self.optimizer.zero_grad()
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.trainer.max_grad_norm)
@@ -191,7 +217,8 @@ class Learner:
         metrics["perf/generate_s"] = max((sum(s.audit.get("generate_s", 0.0) for s in w) for w in worker_segments), default=0.0)
         rows = {"train_logprob": [old_logprob[i, :n].numpy() for i, n in enumerate(lengths.tolist())],
                 "is_weight": [gate.token_weight[i, :n].numpy() for i, n in enumerate(lengths.tolist())],
-                "advantage": advantages.tolist(), "learner_version": consumed_at,
+                "advantage": (masked_mean(advantages, mask, dim=-1) if advantages.dim() == 2 else advantages).tolist(),
+                "learner_version": consumed_at,
                 "routing": routing_rows,
                 "gate": {"staleness": gate.staleness.tolist(), "seq_log_ratio": gate.seq_log_ratio.tolist(),
                          "geo_ratio": gate.geo_ratio.tolist(), "kept": gate.kept.tolist(), "reason": gate.reason,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from workbench import checkpoint, faults, runtime
+from workbench import checkpoint, evaluate, faults, runtime
 
 
 def train(cfg) -> str:
@@ -39,9 +39,10 @@ def train(cfg) -> str:
             clock.lap("train")
             # ---- sync: push the new weights and version; rollouts in flight adopt them as they can
             weights = learner.weights.remote()
-            pushes = [w.load_weights.remote(weights) for w in workers]
-            if cfg.trainer.async_depth == 0:
-                ray.get(pushes)  # on-policy: the next batch starts from the new weights
+            # delivered before the next batch is submitted (a push waits on the weights, a rollout call does not,
+            # so Ray could start the batch first): a worker adopts them when its current batch ends, and
+            # staleness stays within async_depth; with async_depth=0 the next batch starts from them
+            ray.get([w.load_weights.remote(weights) for w in workers])
             if step + len(in_flight) + 1 < batches:
                 in_flight.append(faults.submit(workers, prompts))
             clock.lap("sync")
@@ -50,6 +51,8 @@ def train(cfg) -> str:
             store.write_step.remote(step, metrics, rows, *segments)
             checkpoint.maybe_save(cfg, run_dir, step, learner, store, in_flight[0].data_state if in_flight else prompts.state())
             progress.update(metrics)
+            # ---- evaluate: every eval.every steps, the held-out split under its own sampling settings
+            evaluate.at_step(cfg, workers, store, step)
         status = "finished"
     except KeyboardInterrupt:
         status = "interrupted"

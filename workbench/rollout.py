@@ -19,7 +19,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from workbench.api import ChatAgent, ChatContext, Result, load_plugin
 from workbench.engines.base import SamplingParams
@@ -40,12 +40,12 @@ class RolloutWorker:
     def __init__(self, cfg, model_path: str, worker_index: int = 0):
         from transformers import AutoTokenizer
 
-        from workbench.engines.torch_engine import TorchEngine, set_threads
+        from workbench.engines import make_engine
+        from workbench.engines.torch_engine import set_threads
 
         set_threads(cfg)
         self.run_id, self.max_turns, self.worker_index = cfg.run.id, cfg.agent.max_turns, worker_index
-        self.engine = TorchEngine(model_path, cfg.model.dtype, seed=cfg.seed * 1000 + worker_index,
-                                  partial=cfg.rollout.partial)
+        self.engine = make_engine(cfg, model_path, seed=cfg.seed * 1000 + worker_index)
         self.lock = threading.Lock()  # one rollout at a time; weight pushes arrive on another thread
         self._server = None
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -58,16 +58,23 @@ class RolloutWorker:
         self.engine.load_weights(weights["state_dict"], weights["version"])
         return weights["version"]
 
-    def rollout(self, jobs: list[Job]) -> list[Segment]:
-        """Run the episodes of `jobs` to the end. Without partial rollout, one weight version serves them all."""
-        return self.rollout_with_failures(jobs)[0]
+    def rollout(self, jobs: list[Job], params: SamplingParams | None = None) -> list[Segment]:
+        """Run the episodes of `jobs` to the end (with `params`, else the training sampling settings).
+        Without partial rollout, one weight version serves them all."""
+        return self.rollout_with_failures(jobs, params)[0]
 
-    def rollout_with_failures(self, jobs: list[Job]) -> tuple[list[Segment], list[dict]]:
+    def evaluate(self, jobs: list[Job], max_tokens: int, temperature: float) -> list[float]:
+        """The reward of each held-out episode, sampled with evaluation settings; nothing of it is trained."""
+        segments = self.rollout(jobs, replace(self.params, max_tokens=max_tokens, temperature=temperature))
+        return list({s.rollout_id: s.reward for s in segments}.values())
+
+    def rollout_with_failures(self, jobs: list[Job], params: SamplingParams | None = None) -> tuple[list[Segment], list[dict]]:
         """(segments of the episodes that ended, a failure row for each one whose plugin code raised)."""
         chat = isinstance(self.plugin.AgentRunner, type) and issubclass(self.plugin.AgentRunner, ChatAgent)
         failures: dict[int, dict] = {}
         with self.lock, (contextlib.nullcontext() if self.engine.partial else self.engine.hold()):
             generated = getattr(self.engine, "compute_s", None)
+            self.active = params or self.params
             segments = self._chat_rollout(jobs, failures) if chat else self._env_rollout(jobs, failures)
         if segments and generated is not None:  # this call's generation seconds, for the learner's perf/generate_s
             segments[0].audit["generate_s"] = self.engine.compute_s - generated
@@ -90,26 +97,29 @@ class RolloutWorker:
         """Every job's ChatAgent runs at once on its own session; their requests share engine calls."""
         server = self.server()
         sessions = [server.open_session(job.rollout_id) for job in jobs]
+        judges = [server.open_session(job.rollout_id) for job in jobs]  # judge calls: same engine, never trained
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-            results = list(pool.map(lambda job, session: _caught(self._run_agent, job, session), jobs, sessions))
+            results = list(pool.map(lambda *args: _caught(self._run_agent, *args), jobs, sessions, judges))
         segments = []
-        for index, (job, session, result) in enumerate(zip(jobs, sessions, results)):
+        for index, (job, session, judge, result) in enumerate(zip(jobs, sessions, judges, results)):
+            server.close_session(judge["session"])
             pieces, requests = server.close_session(session["session"])
             if not isinstance(result, Result):
                 error = result if isinstance(result, BaseException) else TypeError(
                     f"{self.plugin.AgentRunner.__name__}.run returned {type(result).__name__}, not a Result")
                 failures[index] = self._failed(job, "agent_error", error)
                 continue
-            episode = self._segments(job, pieces, result.reward, pieces[-1].finish if pieces else "")
+            episode = self._segments(job, pieces, result.reward, pieces[-1].finish if pieces else "", result.info)
             if episode:
                 episode[0].requests = requests
             segments += episode
         return segments
 
-    def _run_agent(self, job: Job, session: dict):
+    def _run_agent(self, job: Job, session: dict, judge: dict):
         ctx = ChatContext(session["openai_base_url"], session["anthropic_base_url"], session["api_key"], "policy",
                           job.sample.get("prompt", job.sample.get("problem", "")), job.sample.get("answer"), job.sample,
-                          self.params.max_tokens, self.params.temperature)
+                          self.active.max_tokens, self.active.temperature,
+                          {"base_url": judge["openai_base_url"], "api_key": judge["api_key"]})
         result = self.plugin.AgentRunner().run(ctx)
         return asyncio.run(result) if inspect.iscoroutine(result) else result
 
@@ -123,7 +133,8 @@ class RolloutWorker:
         return env, openings[key].fork()
 
     def _env_rollout(self, jobs: list[Job], failures: dict) -> list[Segment]:
-        envs, episodes, rewards, openings = [None] * len(jobs), [None] * len(jobs), [0.0] * len(jobs), {}
+        envs, episodes, rewards, infos = [None] * len(jobs), [None] * len(jobs), [0.0] * len(jobs), [{} for _ in jobs]
+        openings: dict = {}
         for index, job in enumerate(jobs):
             started = _caught(self._start_env, job, openings)
             if isinstance(started, BaseException):
@@ -134,7 +145,7 @@ class RolloutWorker:
         for turn in range(self.max_turns):
             if not open_:
                 break
-            generations = self.engine.generate([episodes[i].token_ids for i in open_], self.params,
+            generations = self.engine.generate([episodes[i].token_ids for i in open_], self.active,
                                                [episodes[i].open.images for i in open_])
             still_open, texts = [], [reply_text(self.tokenizer, g.token_ids, g.finish_reason) for g in generations]
             with ThreadPoolExecutor(max_workers=min(8, len(open_))) as pool:  # tools (a sandbox) run side by side
@@ -147,15 +158,15 @@ class RolloutWorker:
                 episodes[i].add_sampled(generation.token_ids, generation.logprobs, generation.versions,
                                         {"role": "assistant", "content": text}, generation.finish_reason,
                                         generation.extras.get("routed_experts"))
-                rewards[i] += result.reward
+                rewards[i], infos[i] = rewards[i] + result.reward, result.info
                 if not (result.terminated or result.truncated) and turn + 1 < self.max_turns:
                     episodes[i].add_messages([{"role": result.role, "content": result.observation or ""}])
                     still_open.append(i)
             open_ = still_open
-        return [segment for index, (job, episode, reward) in enumerate(zip(jobs, episodes, rewards)) if index not in failures
-                for segment in self._segments(job, episode.finish(), reward, episode.last_finish)]
+        return [segment for index, (job, episode, reward, info) in enumerate(zip(jobs, episodes, rewards, infos))
+                if index not in failures for segment in self._segments(job, episode.finish(), reward, episode.last_finish, info)]
 
-    def _segments(self, job: Job, pieces: list, reward: float, finish_reason: str) -> list[Segment]:
+    def _segments(self, job: Job, pieces: list, reward: float, finish_reason: str, info: dict | None = None) -> list[Segment]:
         """Segment records of one episode, each audited: sampled ids intact, and would text round-trip?"""
         segments = []
         for index, piece in enumerate(pieces):
@@ -165,7 +176,7 @@ class RolloutWorker:
             segments.append(Segment(self.run_id, job.rollout_id, index, job.group_id, **piece.arrays(), reward=reward,
                                     turn_spans=piece.turn_spans, finish_reason=finish_reason,
                                     seal_reason=piece.seal_reason, images=piece.images,
-                                    display={"prompt": piece.prompt_text, "response": response},
+                                    display={"prompt": piece.prompt_text, "response": response, "info": info or {}},
                                     audit={"identity": piece.identity_holds(), "retokenize_drift": drift}))
         return segments
 

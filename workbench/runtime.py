@@ -6,6 +6,7 @@ list of calls it is.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -82,6 +83,18 @@ def policy_path(cfg) -> str:
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt  # SIGTERM stops a run like Ctrl-C: flushed, marked interrupted
+def teacher_path(cfg) -> str:
+    """The frozen teacher of on-policy distillation: algo.teacher_path, or the tiny base model warm-started
+    `algo.teacher_warm_start_steps` steps on the plugin (it shares the policy's tokenizer)."""
+    from workbench.api import load_plugin
+    from workbench.models.tiny import tiny_model_path
+    from workbench.models.warm_start import warm_started_path
+
+    if cfg.algo.teacher_path:
+        return str(cfg.algo.teacher_path)
+    plugin = load_plugin(cfg.agent.plugin)
+    return str(warm_started_path(tiny_model_path(cfg.model.name), plugin, Path(plugin.__file__).read_text(),
+                                 cfg.algo.teacher_warm_start_steps, cfg.model.warm_start_lr, cfg.seed))
 
 
 def init_ray(cfg) -> None:
@@ -98,16 +111,16 @@ def init_ray(cfg) -> None:
 def _start_ray(cfg) -> None:
     import ray
 
-    if cfg.ray.address:
-        ray.init(address=cfg.ray.address, log_to_driver=False, logging_level=logging.WARNING)
+    runtime_env = {"env_vars": {"PYTHONPATH": str(REPO_ROOT), "MOLT_WB_CACHE": os.environ.get("MOLT_WB_CACHE", ""),
+                                # idle OpenMP threads sleep instead of spinning: actors share the cores (bench/README.md)
+                                "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}}
+    if cfg.ray.address:  # a cluster's nodes share the repository and the model cache at the same paths
+        ray.init(address=cfg.ray.address, log_to_driver=False, logging_level=logging.WARNING, runtime_env=runtime_env)
         return
     cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, (cfg.ray.rollout_workers + 1) * cfg.sweep.parallel)
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
              _node_ip_address="127.0.0.1",
-             object_store_memory=cfg.ray.object_store_mb * 2**20,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "MOLT_WB_CACHE": os.environ.get("MOLT_WB_CACHE", ""),
-                                       # idle OpenMP threads sleep instead of spinning: actors share the cores (bench/README.md)
-                                       "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}})
+             object_store_memory=cfg.ray.object_store_mb * 2**20, runtime_env=runtime_env)
 
 
 class StoreActor:
@@ -155,25 +168,57 @@ class StoreActor:
         for sink in self.sinks:
             sink.log(metrics, step)
 
+    def write_eval(self, step: int, row: dict) -> None:
+        """One held-out evaluation: a row of the `eval` table and the metrics eval/reward, eval/accuracy."""
+        from workbench.evaluate import eval_tables
+
+        for name, table in eval_tables(self.run_id, step, row).items():
+            self.writer.append(name, table)
+        for sink in self.sinks:
+            sink.log({"eval/reward": row["mean_reward"], "eval/accuracy": row["accuracy"]}, step)
+
     def close(self, status: str) -> None:
         self.writer.close(status)
         for sink in self.sinks:
             sink.close(status)
 
 
+def placement(cfg) -> list[dict]:
+    """Ray options of the learner (first) and each rollout worker: resources by config, and with
+    `ray.colocate` one bundle each in a STRICT_PACK placement group (one node, shared GPUs)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    r = cfg.ray
+    learner = {"num_cpus": r.learner_cpus, "num_gpus": r.learner_gpus}
+    worker = {"num_cpus": r.rollout_cpus, "num_gpus": r.rollout_gpus, "resources": dict(r.rollout_resources)}
+    options = [learner] + [worker] * r.rollout_workers
+    if not r.colocate:
+        return options
+    bundles = [{k: v for k, v in {"CPU": o["num_cpus"], "GPU": o["num_gpus"], **o.get("resources", {})}.items() if v}
+               for o in options]
+    group = ray.util.placement_group(bundles, strategy="STRICT_PACK", name=f"molt-wb-{cfg.run.id}")
+    ray.get(group.ready(), timeout=600)
+    return [dict(o, scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i))
+            for i, o in enumerate(options)]
+
+
 def start_actors(cfg, model_path: str, run_dir: Path, run_row: dict):
-    """(store, learner, rollout workers) as Ray actors; the store takes no CPU slot."""
+    """(store, learner, rollout workers) as Ray actors, placed by `ray.*`; the store takes no CPU slot.
+    The run row records the node of each (`placement`)."""
     import ray
 
     from workbench.learner import Learner
     from workbench.rollout import RolloutWorker
 
     store = ray.remote(num_cpus=0)(StoreActor).remote(cfg, str(run_dir), run_row)
-    learner = ray.remote(num_cpus=1)(Learner).remote(cfg, model_path)
-    worker_cls = ray.remote(num_cpus=1, max_concurrency=cfg.trainer.async_depth + 2,
+    learner_options, *worker_options = placement(cfg)
+    learner = ray.remote(Learner).options(**learner_options).remote(cfg, model_path)
+    worker_cls = ray.remote(max_concurrency=cfg.trainer.async_depth + 2,
                             max_restarts=cfg.rollout.max_restarts)(RolloutWorker)  # + weight pushes
-    workers = [worker_cls.remote(cfg, model_path, i) for i in range(cfg.ray.rollout_workers)]
-    ray.get([actor.__ray_ready__.remote() for actor in (store, learner, *workers)])  # start-up is not step time
+    workers = [worker_cls.options(**options).remote(cfg, model_path, i) for i, options in enumerate(worker_options)]
+    nodes = ray.get([a.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id()) for a in (learner, *workers)])
+    ray.get(store.__ray_call__.remote(lambda s: s.writer.update_run(placement={"learner": nodes[0], "rollout_workers": nodes[1:]})))
     return store, learner, workers
 
 
@@ -184,8 +229,13 @@ def stop_actors(status: str, store, learner, workers) -> None:
     try:
         ray.get(store.close.remote(status), timeout=120)
     finally:
+        group = None
+        with contextlib.suppress(Exception):  # a dead learner has no group to report
+            group = ray.get(learner.__ray_call__.remote(lambda _: ray.util.get_current_placement_group()), timeout=60)
         for actor in (store, learner, *workers):
             ray.kill(actor)
+        if group is not None:  # a colocated run's placement group
+            ray.util.remove_placement_group(group)
 
 
 class Prompts:

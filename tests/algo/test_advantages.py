@@ -97,3 +97,21 @@ def test_vectorised_matches_reference_loop(estimator, seed):
                                _reference_advantages(*args, rollout_ids=rollout_ids))
     # without rollout_ids every row is its own rollout
     torch.testing.assert_close(compute_advantages(*args), _reference_advantages(*args))
+
+
+def test_on_policy_distill_advantage_is_minus_coef_times_the_log_ratio_on_sampled_tokens():
+    from workbench.algo.advantages import distill_advantages
+
+    student = torch.tensor([[-1.0, -2.0, -0.5]])
+    teacher = torch.tensor([[-1.5, -1.0, -3.0]])
+    mask = torch.tensor([[0, 1, 1]])
+    # coef 2: token 1: -2 * (-2 + 1) = 2; token 2: -2 * (-0.5 + 3) = -5; token 0 not sampled -> 0
+    assert distill_advantages(student, teacher, mask, coef=2.0).tolist() == [[0.0, 2.0, -5.0]]
+
+
+def test_uniform_groups_marks_every_row_of_a_group_with_one_reward():
+    from workbench.algo.advantages import uniform_groups
+
+    # group 0 all 1 -> dropped; group 1 holds 0 and 0.5 -> kept; group 2 a single row -> dropped
+    flags = uniform_groups(torch.tensor([1.0, 1.0, 0.0, 0.5, 3.0]), torch.tensor([0, 0, 1, 1, 2]))
+    assert flags.tolist() == [True, True, False, False, True]

@@ -181,3 +181,28 @@ def test_gspo_ratio_is_the_geometric_mean_and_its_gradient_is_shared_evenly():
     loss.backward()
     assert abs(loss.item() + 1.0004) < 1e-6 and metrics["clip_frac"] == 1.0
     assert torch.count_nonzero(logprob.grad) == 0
+
+
+def test_cispo_weights_log_prob_by_the_clipped_ratio_and_keeps_gradient_on_clipped_tokens():
+    logprob = logprob_for()
+    loss, metrics = policy_gradient_loss(logprob, OLD, ADVANTAGES, MASK, loss_type="cispo")
+    # weights clip(r, 0.8, 1.2): seq 0: 1.1, 1.2, 0.8 (A = +1); seq 1: 0.8, 1.2, 0.9, 1.0 (A = -1, -1, -2, -1)
+    weight_times_advantage = [1.1, 1.2, 0.8, -0.8, -1.2, -1.8, -1.0]
+    logprobs = [math.log(1.1) - 1, math.log(1.5) - 2, math.log(0.5) - 0.5,
+                math.log(0.5) - 1, math.log(1.5) - 1, math.log(0.9) - 3, -0.2]
+    assert loss.item() == pytest.approx(-sum(w * lp for w, lp in zip(weight_times_advantage, logprobs)) / 7, rel=1e-5)
+    loss.backward()
+    # d/d logprob = -w*A/7 on every sampled token, clipped ones included; 0 on the masked-out token
+    torch.testing.assert_close(logprob.grad, torch.tensor([[-1.1, -1.2, -0.8, 0.0], [0.8, 1.2, 1.8, 1.0]]) / 7)
+    assert metrics["clip_frac"] == pytest.approx(4 / 7)  # ratios 1.5, 0.5, 0.5, 1.5 lie outside [0.8, 1.2]
+
+
+@pytest.mark.parametrize("estimator, expected_grad", [
+    ("k1", [0.5, 0.5, 0.0]),  # d(logp - logq)/d logp / 2
+    ("k2", [-math.log(2) / 2, math.log(2) / 2, 0.0]),  # -(log r) / 2
+    ("k3", [-0.5, 0.25, 0.0]),  # (1 - r) / 2 with r = 2, 1/2
+])
+def test_kl_penalty_gradient_flows_to_the_policy_log_probs(estimator, expected_grad):
+    logp = KL_LOGP.clone().requires_grad_()
+    approx_kl(logp, KL_LOGQ, KL_MASK, estimator).backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([expected_grad]))

@@ -59,6 +59,15 @@ def test_async_partial_rollout_spans_versions_and_stale_sequences_are_dropped(tm
     assert stale_frac > 0
 
 
+def test_whole_batch_rollouts_are_exactly_async_depth_versions_behind(tmp_path):
+    """Without partial rollout each batch is sampled by the weights pushed before it was submitted:
+    batch k by version max(0, k - async_depth), never older (the push is delivered before the next submit)."""
+    db = train(tmp_path, "trainer.steps=4", "trainer.async_depth=1", "engine.max_tokens=8", "gate.level=seq")
+    rows = db.execute("select step, min(min_version), max(max_version), max(learner_version) from segments "
+                      "group by step order by step").fetchall()
+    assert rows == [(0, 0, 0, 0), (1, 0, 0, 1), (2, 1, 1, 2), (3, 2, 2, 3)]
+
+
 def test_corrupted_behavior_logprobs_are_caught_and_recorded(tmp_path, tiny_path):
     cfg = compose_config(["tracking=none", "gate.level=geo", "engine.max_tokens=6", "trainer.prompts_per_step=2",
                           "trainer.group_size=4"])

@@ -83,3 +83,21 @@ def _reference_advantages(rewards: Tensor, group_ids: Tensor, estimator: str,
         else:
             advantage_of[rollout] = r - mean
     return torch.tensor([advantage_of[o] for o in rollouts], dtype=rewards.dtype)
+
+
+def distill_advantages(student_logprob: Tensor, teacher_logprob: Tensor, loss_mask: Tensor, coef: float = 1.0) -> Tensor:
+    """on_policy_distill: per-token advantage [B, T] = -coef·(log π_student − log π_teacher) on sampled tokens, 0 elsewhere.
+
+    No scalar reward: each token the student sampled is pushed towards the teacher by how much more
+    likely the student finds it; its mean over sampled tokens is the k1 estimate of reverse KL(student || teacher).
+    """
+    return torch.where(loss_mask.bool(), -coef * (student_logprob - teacher_logprob).detach(), 0.0)
+
+
+def uniform_groups(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """Rows [N] (bool) whose prompt group has one reward for all its rows: no relative signal, so dynamic filtering drops them."""
+    _, group = torch.unique(group_ids, return_inverse=True)  # [N] -> group index
+    n_groups = int(group.max()) + 1 if len(group) else 0
+    low = torch.full((n_groups,), torch.inf, dtype=rewards.dtype).scatter_reduce(0, group, rewards, reduce="amin")
+    high = torch.full((n_groups,), -torch.inf, dtype=rewards.dtype).scatter_reduce(0, group, rewards, reduce="amax")
+    return (low == high)[group]

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 AGGREGATIONS = ("token_mean", "seq_mean", "constant")
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -54,17 +55,20 @@ def approx_kl(logp: Tensor, logq: Tensor, mask: Tensor, estimator: str = "k3") -
 def policy_gradient_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, loss_mask: Tensor,
                          clip_low: float = 0.2, clip_high: float = 0.2, aggregation: str = "token_mean",
                          constant_denominator: float | None = None,
-                         is_weight: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-    """PPO-clip loss over masked tokens, and its metrics.
+                         is_weight: Tensor | None = None, loss_type: str = "ppo") -> tuple[Tensor, dict[str, float]]:
+    """PPO-clip (or CISPO) loss over masked tokens, and its metrics.
 
     Per token, with ratio = exp(logprob - old_logprob):
-        loss = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) * is_weight
+        ppo:   loss = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) * is_weight
+        cispo: loss = -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * logprob * is_weight
+               (the clipped ratio is a constant weight, so clipped tokens still get gradient)
     advantages A is [B] (one per sequence) or [B, T]; is_weight [B, T] is detached (default 1).
     aggregation: token_mean = sum / number of masked tokens; seq_mean = mean, over sequences
     with at least one masked token, of each sequence's token mean; constant = sum / constant_denominator.
 
     metrics (python floats, over masked tokens): clip_frac = fraction of tokens where the clipped
-    term is strictly smaller than the unclipped one (so the min picks it and the gradient is 0);
+    term is strictly smaller than the unclipped one (so the min picks it and the gradient is 0;
+    cispo: where the ratio lies outside the band);
     ratio_mean, ratio_max; approx_kl = k3 estimate of KL(old || new). An empty mask gives loss 0
     (still attached to the graph) and all metrics 0.
     """
@@ -79,7 +83,11 @@ def policy_gradient_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tenso
     ratio = torch.exp(log_ratio)  # [B, T]
     unclipped = ratio * advantages  # [B, T]
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages  # [B, T]
-    per_token = -torch.minimum(unclipped, clipped)  # [B, T]
+    if loss_type == "cispo":
+        weight = ratio.clamp(1 - clip_low, 1 + clip_high).detach()  # [B, T]
+        per_token = -weight * advantages * torch.where(mask, logprob, 0.0)  # [B, T]
+    else:
+        per_token = -torch.minimum(unclipped, clipped)  # [B, T]
     if is_weight is not None:
         per_token = per_token * is_weight.detach()
     per_token = torch.where(mask, per_token, 0.0)  # [B, T]
@@ -96,7 +104,8 @@ def policy_gradient_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tenso
     with torch.no_grad():
         any_token = bool(mask.any())
         metrics = {
-            "clip_frac": masked_mean((clipped < unclipped).float(), mask).item(),
+            "clip_frac": masked_mean(((ratio < 1 - clip_low) | (ratio > 1 + clip_high) if loss_type == "cispo"
+                                      else clipped < unclipped).float(), mask).item(),
             "ratio_mean": masked_mean(ratio, mask).item(),
             "ratio_max": ratio[mask].max().item() if any_token else 0.0,
             "approx_kl": approx_kl(old_logprob, logprob, mask, "k3").item(),

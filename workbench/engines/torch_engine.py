@@ -165,8 +165,9 @@ class TorchEngine:
             forward_version = self.version
             attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long)], dim=-1)
             positions = positions[..., -1:] + 1
+            cache = {"cache": out.cache} if hasattr(out, "cache") else {"past_key_values": out.past_key_values}  # < 5.20
             out = self.model(input_ids=token[:, None], attention_mask=attention, position_ids=positions,
-                             cache=out.cache, use_cache=True)
+                             use_cache=True, **cache)
 
         tokens = torch.stack(sampled, dim=1).numpy()  # [batch, new]
         token_logprobs = torch.stack(logprobs, dim=1).numpy()

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from workbench.store.query import list_runs, resolve_run
 
-COLUMNS = ("run_id", "status", "final_reward", "best_reward", "kept_frac", "kept_token_frac", "mismatch_kl", "stale_frac", "tokens_per_s", "wall_s")
+COLUMNS = ("run_id", "status", "final_reward", "best_reward", "kept_frac", "kept_token_frac", "mismatch_kl", "stale_frac", "tokens_per_s",
+           "eval_reward", "distill_kl_first", "distill_kl", "wall_s")
 
 
 def sweeps(root: str = "runs") -> list[dict]:
@@ -41,7 +42,9 @@ def compare_rows(selection: list[str], root: str = "runs") -> tuple[list[str], l
             select arg_max(value, step) filter (where key = 'reward/mean'), max(value) filter (where key = 'reward/mean'),
                    avg(value) filter (where key = 'gate/kept_frac'), 1 - avg(value) filter (where key = 'gate/is_filter_ratio'),
                    avg(value) filter (where key = 'mismatch/kl'),
-                   avg(value) filter (where key = 'gate/stale_frac'), avg(value) filter (where key = 'perf/tokens_per_s')
+                   avg(value) filter (where key = 'gate/stale_frac'), avg(value) filter (where key = 'perf/tokens_per_s'),
+                   arg_max(value, step) filter (where key = 'eval/reward'),
+                   arg_min(value, step) filter (where key = 'distill/kl'), arg_max(value, step) filter (where key = 'distill/kl')
             from read_parquet('{metrics}/*.parquet')""").fetchone()
         wall = run.get("updated", time.time()) - run.get("created", 0)
         rows.append(dict(zip(COLUMNS, (run["run_id"], run.get("status"), *stats, wall)),

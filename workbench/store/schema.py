@@ -7,6 +7,8 @@ reader (DuckDB in another process, the TUI) never sees half a file.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
 
@@ -19,6 +21,7 @@ SEGMENTS = pa.schema([
     ("max_version", pa.int32()), ("learner_version", pa.int32()), ("finish_reason", pa.string()),
     ("seal_reason", pa.string()), ("turn_spans", pa.list_(pa.list_(pa.int32()))),
     ("prompt_text", pa.string()), ("response_text", pa.string()), ("images", pa.list_(pa.string())),
+    ("info", pa.string()),  # JSON: the episode's last `Result.info` (e.g. a judge's prompt and verdict)
 ])
 
 TOKENS = pa.schema([
@@ -54,9 +57,12 @@ FAILED_EPISODES = pa.schema([  # an episode that never reached a batch: kind env
     ("worker", pa.int32()), ("kind", pa.string()), ("error", pa.string()), ("traceback", pa.string()), ("time", pa.float64()),
 ])
 
+EVAL = pa.schema([("run_id", pa.string()), ("step", pa.int32()), ("checkpoint", pa.string()), ("split", pa.string()),
+                  ("n", pa.int32()), ("mean_reward", pa.float64()), ("accuracy", pa.float64()), ("time", pa.float64())])
+
 TABLES: dict[str, pa.Schema] = {"segments": SEGMENTS, "tokens": TOKENS, "metrics": METRICS,
                                 "gate_decisions": GATE_DECISIONS, "requests": REQUESTS,
-                                "routing": ROUTING, "failed_episodes": FAILED_EPISODES}
+                                "routing": ROUTING, "failed_episodes": FAILED_EPISODES, "eval": EVAL}
 
 
 def step_tables(run_id: str, step: int, learner_version: int, segments: list, train: dict) -> dict[str, pa.Table]:
@@ -80,6 +86,7 @@ def step_tables(run_id: str, step: int, learner_version: int, segments: list, tr
         "prompt_text": [s.display.get("prompt", "") for s in segments],
         "response_text": [s.display.get("response", "") for s in segments],
         "images": [[image_name(image) for image in s.images] for s in segments],  # files under images/
+        "info": [json.dumps(s.display.get("info") or {}, default=str) for s in segments],
     }
     total = int(lengths.sum())
     token_rows = {

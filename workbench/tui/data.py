@@ -16,7 +16,7 @@ from workbench.store.query import resolve_run
 from workbench.store.schema import TABLES
 
 PAGE = 200
-PLOTS = ("reward/mean", "loss/policy", "gate/kept_frac", "mismatch/kl", "routing/mismatch_token_frac")
+PLOTS = ("reward/mean", "loss/policy", "gate/kept_frac", "mismatch/kl", "routing/mismatch_token_frac", "eval/reward", "distill/kl")
 SEGMENT_COLUMNS = ("step", "rollout_id", "segment_idx", "reward", "num_tokens", "versions", "decision", "seal_reason",
                    "mismatched", "images")
 SORT_KEYS = {**{c: c for c in SEGMENT_COLUMNS}, "versions": "s.max_version", "images": "len(s.images)"}
