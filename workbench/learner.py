@@ -7,6 +7,7 @@ version) to every rollout engine. The maths is in workbench.algo; this module on
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy as np
 import torch
@@ -152,8 +153,12 @@ class Learner:
         batch = collate(segments)
         identity = audit_identity(segments, batch)
         routing: dict = {}
-        with torch.no_grad():
-            old_logprob = self.logprobs(batch, routing=routing)  # π_old: the learner's log-probs of the sampled ids
+        start = time.perf_counter()
+        # one optimizer step on a dense policy: π_old is the value of the training forward itself, so it runs once
+        live = self.logprobs(batch) if self.trainer.minibatches == 1 and not self.moe else None
+        with torch.no_grad():  # π_old: the learner's log-probs of the sampled ids
+            old_logprob = live.detach() if live is not None else self.logprobs(batch, routing=routing)
+        compute = time.perf_counter() - start  # model compute: forwards, backward, optimizer (perf/learner_compute_s)
         mask = batch["loss_mask"]
         gate = version_gate(batch["behavior_logprob"], old_logprob, mask, batch["behavior_version"], consumed_at,
                             level=self.gate.level, mode=self.gate.mode, band=tuple(self.gate.band),
@@ -188,7 +193,8 @@ class Learner:
         for rows in torch.arange(len(segments)).chunk(self.trainer.minibatches):
             minibatch = {key: value[rows] if torch.is_tensor(value) else [value[i] for i in rows.tolist()]
                          for key, value in batch.items()}
-            logprob = self.logprobs(minibatch)  # under replay when on: router logits and gradient stay live
+            start = time.perf_counter()
+            logprob = live if live is not None else self.logprobs(minibatch)  # under replay when on: router logits and gradient stay live
             ratio_logprob = sequence_ratio_logprob(logprob, old_logprob[rows], mask[rows]) if self.algo.policy_loss == "gspo" else logprob
             loss, step_metrics = policy_gradient_loss(
                 ratio_logprob, old_logprob[rows], advantages[rows], loss_mask[rows],
@@ -202,12 +208,15 @@ class Learner:
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.trainer.max_grad_norm)
             self.optimizer.step()
+            compute += time.perf_counter() - start
             self.version += 1
             steps.append(dict(step_metrics, policy=float(loss.detach()), grad_norm=float(grad_norm)))
         for key in steps[0]:
             metrics[f"loss/{key}"] = float(np.mean([s[key] for s in steps]))
         metrics["loss/advantage_abs_mean"] = float(advantages.abs().mean())
         metrics["train/version"] = float(self.version)
+        metrics["perf/learner_compute_s"] = compute
+        metrics["perf/generate_s"] = max((sum(s.audit.get("generate_s", 0.0) for s in w) for w in worker_segments), default=0.0)
         rows = {"train_logprob": [old_logprob[i, :n].numpy() for i, n in enumerate(lengths.tolist())],
                 "is_weight": [gate.token_weight[i, :n].numpy() for i, n in enumerate(lengths.tolist())],
                 "advantage": (masked_mean(advantages, mask, dim=-1) if advantages.dim() == 2 else advantages).tolist(),

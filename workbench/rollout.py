@@ -73,8 +73,11 @@ class RolloutWorker:
         chat = isinstance(self.plugin.AgentRunner, type) and issubclass(self.plugin.AgentRunner, ChatAgent)
         failures: dict[int, dict] = {}
         with self.lock, (contextlib.nullcontext() if self.engine.partial else self.engine.hold()):
+            generated = getattr(self.engine, "compute_s", None)
             self.active = params or self.params
             segments = self._chat_rollout(jobs, failures) if chat else self._env_rollout(jobs, failures)
+        if segments and generated is not None:  # this call's generation seconds, for the learner's perf/generate_s
+            segments[0].audit["generate_s"] = self.engine.compute_s - generated
         return segments, list(failures.values())
 
     def _failed(self, job: Job, kind: str, error: BaseException) -> dict:
@@ -120,16 +123,20 @@ class RolloutWorker:
         result = self.plugin.AgentRunner().run(ctx)
         return asyncio.run(result) if inspect.iscoroutine(result) else result
 
-    def _start_env(self, job: Job):
+    def _start_env(self, job: Job, openings: dict):
         env = self.plugin.AgentRunner()
         system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
-        return env, TokenAccumulator(self.tokenizer, system + [{"role": "user", "content": env.reset(job.sample)}],
-                                     tools=env.tools, codec=self.engine.codec)
+        messages = system + [{"role": "user", "content": env.reset(job.sample)}]
+        key = repr((messages, env.tools))
+        if key not in openings:  # a group's episodes open on the same prompt: render and encode it once
+            openings[key] = TokenAccumulator(self.tokenizer, messages, tools=env.tools, codec=self.engine.codec)
+        return env, openings[key].fork()
 
     def _env_rollout(self, jobs: list[Job], failures: dict) -> list[Segment]:
         envs, episodes, rewards, infos = [None] * len(jobs), [None] * len(jobs), [0.0] * len(jobs), [{} for _ in jobs]
+        openings: dict = {}
         for index, job in enumerate(jobs):
-            started = _caught(self._start_env, job)
+            started = _caught(self._start_env, job, openings)
             if isinstance(started, BaseException):
                 failures[index] = self._failed(job, "env_error", started)
             else:

@@ -122,7 +122,9 @@ def init_ray(cfg) -> None:
 def _start_ray(cfg) -> None:
     import ray
 
-    runtime_env = {"env_vars": {"PYTHONPATH": str(REPO_ROOT), "MOLT_WB_CACHE": os.environ.get("MOLT_WB_CACHE", "")}}
+    runtime_env = {"env_vars": {"PYTHONPATH": str(REPO_ROOT), "MOLT_WB_CACHE": os.environ.get("MOLT_WB_CACHE", ""),
+                                # idle OpenMP threads sleep instead of spinning: actors share the cores (bench/README.md)
+                                "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}}
     if cfg.ray.address:  # a cluster's nodes share the repository and the model cache at the same paths
         ray.init(address=cfg.ray.address, log_to_driver=False, logging_level=logging.WARNING, runtime_env=runtime_env)
         return

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 
 import numpy as np
 import torch
@@ -61,6 +62,7 @@ class TorchEngine:
 
         self.moe = bool(find_routers(self.model))  # then every Generation carries its routed experts
         self._lock, self._pending, self._busy = threading.Lock(), None, 0  # busy: generations and holds
+        self.compute_s = 0.0  # seconds spent generating, all calls (bench/step_cost.py: model compute vs overhead)
 
     def load_weights(self, state_dict: dict, version: int) -> None:
         with self._lock:
@@ -100,9 +102,11 @@ class TorchEngine:
                  images: list[list[bytes]] | None = None) -> list[Generation]:
         """`images[i]`: the images of prompt i, in the order of its placeholder runs (vision-language models)."""
         self._enter()
+        start = time.perf_counter()
         try:
             return self._generate(prompts, params, images)
         finally:
+            self.compute_s += time.perf_counter() - start
             self._leave()
 
     def _generate(self, prompts: list[np.ndarray], params: SamplingParams, images=None) -> list[Generation]:

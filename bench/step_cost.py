@@ -1,0 +1,100 @@
+"""Where a molt-wb step's wall time goes, and how step time and memory grow with the work.
+
+    python bench/step_cost.py [--quick] [--steps N] [override ...]
+
+Every run is a real `loop.train` (Ray actors, store, gate) in this process on one Ray instance.
+Model compute is timed where it happens: `perf/generate_s` (the engine's generate calls; the
+slowest worker's when several run side by side) and `perf/learner_compute_s` (the learner's
+forwards, backward and optimizer step). Framework overhead is the rest of `perf/step_s`: Ray
+calls and transfers, episode and Segment building, the token-identity audit, collation, gate and
+advantages, metrics, the weight push. The store's writes run in its own actor, off the step.
+
+Runs: the arith recipe as it is (warm-started: 2-token replies, so compute is smallest), then the
+scaling points from a base without the warm start (replies run to `engine.max_tokens`): base
+(group 8, 32 new tokens, 1 rollout worker), group size x2, new tokens x2, rollout workers x2.
+Peak memory is the RSS of this process and its children (Ray's processes), sampled every 0.1 s.
+Means exclude each run's first (warm-up) step.
+"""
+
+import argparse
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from workbench import loop  # noqa: E402
+from workbench.config import compose_config  # noqa: E402
+from workbench.store import open_run  # noqa: E402
+
+KEYS = ("step_s", "rollout_s", "train_s", "sync_s", "generate_s", "learner_compute_s", "tokens_per_s")
+
+
+class PeakRSS:
+    """Peak RSS of this process tree while the block runs."""
+
+    def __enter__(self):
+        import psutil
+
+        self.peak, self.done, me = 0, threading.Event(), psutil.Process()
+
+        def sample():
+            while not self.done.wait(0.1):
+                try:
+                    self.peak = max(self.peak, sum(p.memory_info().rss for p in [me, *me.children(recursive=True)]))
+                except psutil.Error:
+                    pass
+        self.thread = threading.Thread(target=sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+
+
+def measure(root: str, name: str, steps: int, overrides: list[str]) -> dict:
+    cfg = compose_config(["+recipe=arith", f"trainer.steps={steps}", "tracking=none", "run.progress=false",
+                          "trainer.checkpoint_every=0", f"run.root={root}", f"run.id={name}", *overrides])
+    with PeakRSS() as memory:
+        run_id = loop.train(cfg)
+    db = open_run(run_id, root)
+    means = dict(zip(KEYS, db.execute(
+        "select " + ", ".join(f"avg(value) filter (where key = 'perf/{k}')" for k in KEYS) + " from metrics where step > 0").fetchone()))
+    means["peak_mb"] = memory.peak / 2**20
+    return means
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="arith and base only, 3 steps each unless --steps")
+    parser.add_argument("--steps", type=int, help="steps per run (default 12)")
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
+    args = parser.parse_args()
+    steps = args.steps or (3 if args.quick else 12)
+    base = ["model.warm_start_steps=0", "engine.max_tokens=32", "trainer.group_size=8", "ray.rollout_workers=1"]
+    runs = {"arith recipe": [], "base": base, "group x2": [*base, "trainer.group_size=16"],
+            "tokens x2": [*base, "engine.max_tokens=64"], "workers x2": [*base, "ray.rollout_workers=2"]}
+    if args.quick:
+        runs = dict(list(runs.items())[:2])
+    from workbench import runtime
+
+    runtime.init_ray(compose_config(["ray.rollout_workers=2"]))  # one Ray for every run, with a slot per actor of the largest
+    with tempfile.TemporaryDirectory() as root:
+        results = {name: measure(root, f"run{i}", steps, [*overrides, *args.overrides])
+                   for i, (name, overrides) in enumerate(runs.items())}
+    print(f"{'run':>12} {'step_s':>7} {'rollout':>7} {'train':>6} {'sync':>6} {'generate':>8} {'learn':>6} "
+          f"{'overhead':>8} {'tokens/s':>8} {'peak_MB':>7} {'x step':>6} {'x mem':>5}")
+    for name, r in results.items():
+        overhead = 1 - (r["generate_s"] + r["learner_compute_s"]) / r["step_s"]
+        scale = results["base"] if name != "arith recipe" else r
+        print(f"{name:>12} {r['step_s']:7.3f} {r['rollout_s']:7.3f} {r['train_s']:6.3f} {r['sync_s']:6.3f} "
+              f"{r['generate_s']:8.3f} {r['learner_compute_s']:6.3f} {overhead:8.1%} {r['tokens_per_s']:8.0f} "
+              f"{r['peak_mb']:7.0f} {r['step_s'] / scale['step_s']:6.2f} {r['peak_mb'] / scale['peak_mb']:5.2f}")
+    print("overhead = 1 - (generate + learner compute) / step; x step, x mem: against base")
+
+
+if __name__ == "__main__":
+    main()

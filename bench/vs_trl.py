@@ -1,0 +1,180 @@
+"""molt-wb vs TRL's GRPOTrainer: the same policy, task and batch, trained one after the other.
+
+    pip install -e '.[bench]'
+    python bench/vs_trl.py [--quick] [--steps N] [override ...]
+
+Both sides train the arith recipe's warm-started tiny Qwen3 (built offline, same checkpoint) on the
+recipe's data and reward (plugins/arith.py), with the same group size, prompts per step, completion
+length, learning rate (constant), clip, temperature and number of steps, GRPO advantages (group std)
+and a token-mean loss, no KL term, on the CPU: molt-wb through `loop.train` (Ray actors, run store,
+gate), TRL through `GRPOTrainer` (no vLLM, no hub, report_to none). Each side runs in its own child
+process, so peak memory is the RSS of that process tree (Ray's processes included), sampled by the
+parent. TRL runs twice: as shipped, and with OMP_WAIT_POLICY=PASSIVE (what molt-wb sets for its Ray
+actors), so the ratio shows what is framework and what is that setting. Step times exclude start-up and the first (warm-up) step; generated tokens are sampled
+completion tokens (stop token included) on both sides. Prints each side and the ratios molt-wb / TRL.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+OFFLINE = {"PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled",
+           "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def config(steps: int, extra: list[str], root: str = "runs"):
+    from workbench.config import compose_config
+
+    return compose_config(["+recipe=arith", f"trainer.steps={steps}", "tracking=none", "run.progress=false",
+                           "trainer.checkpoint_every=0", f"run.root={root}", *extra])
+
+
+def run_molt(steps: int, extra: list[str], model_path: str) -> dict:
+    from workbench import loop
+    from workbench.store import open_run
+
+    with tempfile.TemporaryDirectory() as root:
+        start = time.perf_counter()
+        run_id = loop.train(config(steps, [*extra, f"model.path={model_path}", "run.id=molt"], root))
+        wall = time.perf_counter() - start
+        rows = open_run(run_id, root).execute(
+            "pivot (select step, key, value from metrics where key in ('perf/step_s', 'rollout/sampled_tokens', 'reward/mean')) "
+            "on key using first(value) order by step").fetchall()
+    return {"wall_s": wall, "step_s": [r[1] for r in rows], "tokens": [r[3] for r in rows], "reward": [r[2] for r in rows]}
+
+
+def run_trl(steps: int, extra: list[str], model_path: str) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from workbench.api import load_plugin
+
+    cfg = config(steps, extra)
+    plugin = load_plugin(cfg.agent.plugin)
+    samples = plugin.make_dataset(cfg.data.size, cfg.seed)
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": plugin.AgentRunner().reset(s)}], "sample": json.dumps(s)}
+                              for s in samples])
+
+    def reward(prompts, completions, sample, **_) -> list[float]:  # the recipe's own Env grades each completion
+        scores = []
+        for completion, row in zip(completions, sample):
+            env = plugin.AgentRunner()
+            env.reset(json.loads(row))
+            scores.append(env.step(completion[-1]["content"]).reward)
+        return scores
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.step_s, self.logs = [], []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.mark = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.step_s.append(time.perf_counter() - self.mark)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                self.logs.append(logs)
+
+    start = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    group, prompts = cfg.trainer.group_size, cfg.trainer.prompts_per_step
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=group * prompts, num_generations=group,
+                          max_completion_length=cfg.engine.max_tokens, temperature=cfg.engine.temperature, top_p=cfg.engine.top_p,
+                          learning_rate=cfg.trainer.lr, lr_scheduler_type="constant", weight_decay=cfg.trainer.weight_decay,
+                          max_grad_norm=cfg.trainer.max_grad_norm, epsilon=cfg.algo.clip_low, epsilon_high=cfg.algo.clip_high,
+                          beta=0.0, loss_type="dapo", scale_rewards="group", num_iterations=1, use_cpu=True, bf16=False,
+                          report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True, seed=cfg.seed,
+                          dataloader_num_workers=0)
+        clock = Clock()
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tokenizer,
+                              callbacks=[clock])
+        trainer.remove_callback(PrinterCallback)  # its per-step log dicts; the Clock keeps them
+        trainer.train()
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "step_s": clock.step_s, "reward": [log["reward"] for log in clock.logs],
+            "tokens": [log["completions/mean_length"] * group * prompts for log in clock.logs]}
+
+
+def measure(side: str, steps: int, extra: list[str], model_path: str, env: dict) -> dict:
+    """Run one side in a child process; add the peak RSS of its process tree (sampled every 0.1 s)."""
+    import psutil
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        child = subprocess.Popen([sys.executable, __file__, "--side", side, "--json", out.name, "--model", model_path,
+                                  "--steps", str(steps), *extra], env={**os.environ, **OFFLINE, **env})
+        peak, parent = 0, psutil.Process(child.pid)
+        while child.poll() is None:
+            try:
+                tree = [parent, *parent.children(recursive=True)]
+                peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+            except psutil.Error:
+                pass
+            time.sleep(0.1)
+        if child.returncode:
+            raise SystemExit(f"The {side} run failed (exit {child.returncode}); its output is above.")
+        result = json.loads(Path(out.name).read_text())
+    result["peak_rss_mb"] = peak / 2**20
+    return result
+
+
+def summary(r: dict) -> dict:
+    steady = r["step_s"][1:] or r["step_s"]  # the first step warms up
+    tokens = sum(r["tokens"][1:] or r["tokens"])
+    k = max(1, len(r["reward"]) // 5)
+    return {"step_s": sum(steady) / len(steady), "tokens_per_s": tokens / sum(steady), "wall_s": r["wall_s"],
+            "peak_rss_mb": r["peak_rss_mb"], "reward_first": sum(r["reward"][:k]) / k, "reward_last": sum(r["reward"][-k:]) / k}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="4 steps per side, for a smoke run")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--side", choices=("molt", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides (applied to both sides)")
+    args = parser.parse_args()
+    steps = 4 if args.quick else args.steps
+    if args.side:
+        result = (run_molt if args.side == "molt" else run_trl)(steps, args.overrides, args.model)
+        Path(args.json).write_text(json.dumps(result))
+        return
+    from workbench import runtime
+
+    model_path = runtime.policy_path(config(steps, args.overrides))  # the warm start, built (once) before either side
+    sides = {"molt-wb": ("molt", {}), "TRL": ("trl", {}), "TRL+passive": ("trl", {"OMP_WAIT_POLICY": "PASSIVE"})}
+    if args.quick:
+        sides.pop("TRL+passive")
+    results = {name: measure(side, steps, args.overrides, model_path, env) for name, (side, env) in sides.items()}
+    summaries = {name: summary(r) for name, r in results.items()}
+    molt = summaries["molt-wb"]
+    print(f"{steps} steps of {config(steps, args.overrides).trainer.prompts_per_step} prompts x "
+          f"{config(steps, args.overrides).trainer.group_size} samples, {os.cpu_count()} CPU cores")
+    print(f"{'':>16} {'step_s':>7} {'tokens/s':>9} {'wall_s':>7} {'peak_MB':>8} {'reward first':>12} {'reward last':>11}")
+    for name, s in summaries.items():
+        print(f"{name:>16} {s['step_s']:7.3f} {s['tokens_per_s']:9.0f} {s['wall_s']:7.1f} {s['peak_rss_mb']:8.0f} "
+              f"{s['reward_first']:12.3f} {s['reward_last']:11.3f}")
+    for name, trl in list(summaries.items())[1:]:
+        print(f"{'molt-wb / ' + name:>16} {molt['step_s'] / trl['step_s']:7.2f} {molt['tokens_per_s'] / trl['tokens_per_s']:9.2f} "
+              f"{molt['wall_s'] / trl['wall_s']:7.2f} {molt['peak_rss_mb'] / trl['peak_rss_mb']:8.2f}")
+    print("reward first / last: mean over the first / last fifth of the steps")
+    for name, r in results.items():
+        print(f"reward curve {name:>11}: " + " ".join(f"{x:.2f}" for x in r["reward"]))
+
+
+if __name__ == "__main__":
+    main()
