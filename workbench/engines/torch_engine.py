@@ -49,6 +49,8 @@ def nucleus(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 class TorchEngine:
+    compute_s = 0.0  # seconds spent generating, all calls (bench/step_cost.py: model compute vs overhead)
+
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, partial: bool = False):
         from workbench.models.multimodal import ImageCodec, is_vision_language
 
@@ -62,7 +64,6 @@ class TorchEngine:
 
         self.moe = bool(find_routers(self.model))  # then every Generation carries its routed experts
         self._lock, self._pending, self._busy = threading.Lock(), None, 0  # busy: generations and holds
-        self.compute_s = 0.0  # seconds spent generating, all calls (bench/step_cost.py: model compute vs overhead)
 
     def load_weights(self, state_dict: dict, version: int) -> None:
         with self._lock:
