@@ -9,9 +9,12 @@ length, learning rate (constant), clip, temperature and number of steps, GRPO ad
 and a token-mean loss, no KL term, on the CPU: molt-wb through `loop.train` (Ray actors, run store,
 gate), TRL through `GRPOTrainer` (no vLLM, no hub, report_to none). Each side runs in its own child
 process, so peak memory is the RSS of that process tree (Ray's processes included), sampled by the
-parent. TRL runs twice: as shipped, and with OMP_WAIT_POLICY=PASSIVE (what molt-wb sets for its Ray
-actors), so the ratio shows what is framework and what is that setting. Step times exclude start-up and the first (warm-up) step; generated tokens are sampled
-completion tokens (stop token included) on both sides. Prints each side and the ratios molt-wb / TRL.
+parent. molt-wb runs twice: synchronous (the recipe as it is) and with rollout one version ahead of the
+learner (`trainer.async_depth=1`, token-level version gate), so generation and training overlap.
+TRL runs twice: as shipped, and with OMP_WAIT_POLICY=PASSIVE (what molt-wb sets for its Ray actors),
+so the ratio shows what is framework and what is that setting. Step times exclude start-up and the
+first (warm-up) step; generated tokens are sampled completion tokens (stop token included) on both
+sides. Prints each side and the ratios molt-wb / TRL.
 """
 
 import argparse
@@ -25,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ASYNC = ["trainer.async_depth=1", "gate.level=token"]  # rollout one version ahead, overlapping the learner; gated
 OFFLINE = {"PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled",
            "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"}
 
@@ -156,24 +160,26 @@ def main() -> None:
     from workbench import runtime
 
     model_path = runtime.policy_path(config(steps, args.overrides))  # the warm start, built (once) before either side
-    sides = {"molt-wb": ("molt", {}), "TRL": ("trl", {}), "TRL+passive": ("trl", {"OMP_WAIT_POLICY": "PASSIVE"})}
+    sides = {"molt-wb": ("molt", {}, []), "molt-wb async": ("molt", {}, ASYNC), "TRL": ("trl", {}, []),
+             "TRL+passive": ("trl", {"OMP_WAIT_POLICY": "PASSIVE"}, [])}
     if args.quick:
         sides.pop("TRL+passive")
-    results = {name: measure(side, steps, args.overrides, model_path, env) for name, (side, env) in sides.items()}
+    results = {name: measure(side, steps, [*args.overrides, *more], model_path, env) for name, (side, env, more) in sides.items()}
     summaries = {name: summary(r) for name, r in results.items()}
-    molt = summaries["molt-wb"]
     print(f"{steps} steps of {config(steps, args.overrides).trainer.prompts_per_step} prompts x "
           f"{config(steps, args.overrides).trainer.group_size} samples, {os.cpu_count()} CPU cores")
-    print(f"{'':>16} {'step_s':>7} {'tokens/s':>9} {'wall_s':>7} {'peak_MB':>8} {'reward first':>12} {'reward last':>11}")
+    print(f"{'':>26} {'step_s':>7} {'tokens/s':>9} {'wall_s':>7} {'peak_MB':>8} {'reward first':>12} {'reward last':>11}")
     for name, s in summaries.items():
-        print(f"{name:>16} {s['step_s']:7.3f} {s['tokens_per_s']:9.0f} {s['wall_s']:7.1f} {s['peak_rss_mb']:8.0f} "
+        print(f"{name:>26} {s['step_s']:7.3f} {s['tokens_per_s']:9.0f} {s['wall_s']:7.1f} {s['peak_rss_mb']:8.0f} "
               f"{s['reward_first']:12.3f} {s['reward_last']:11.3f}")
-    for name, trl in list(summaries.items())[1:]:
-        print(f"{'molt-wb / ' + name:>16} {molt['step_s'] / trl['step_s']:7.2f} {molt['tokens_per_s'] / trl['tokens_per_s']:9.2f} "
-              f"{molt['wall_s'] / trl['wall_s']:7.2f} {molt['peak_rss_mb'] / trl['peak_rss_mb']:8.2f}")
+    for ours in ("molt-wb", "molt-wb async"):
+        for name in [n for n in summaries if n.startswith("TRL")]:
+            molt, trl = summaries[ours], summaries[name]
+            print(f"{ours + ' / ' + name:>26} {molt['step_s'] / trl['step_s']:7.2f} {molt['tokens_per_s'] / trl['tokens_per_s']:9.2f} "
+                  f"{molt['wall_s'] / trl['wall_s']:7.2f} {molt['peak_rss_mb'] / trl['peak_rss_mb']:8.2f}")
     print("reward first / last: mean over the first / last fifth of the steps")
     for name, r in results.items():
-        print(f"reward curve {name:>11}: " + " ".join(f"{x:.2f}" for x in r["reward"]))
+        print(f"reward curve {name:>13}: " + " ".join(f"{x:.2f}" for x in r["reward"]))
 
 
 if __name__ == "__main__":

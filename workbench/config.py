@@ -143,6 +143,8 @@ class TrainerConfig:
     """Gradient-norm clip."""
     async_depth: int = 0
     """Versions rollout may run ahead of the learner (0 = synchronous, on-policy)."""
+    shared_prefix: bool = True
+    """Run a group's common prompt once in the learner's forwards (the same log-probs and gradients, less compute)."""
     checkpoint_every: int = 10
     """Save a checkpoint (runs/<id>/checkpoints/step-NNNNNN) after every N rollout batches and at the last; 0 = never."""
     keep_checkpoints: int = 2
@@ -216,7 +218,7 @@ class RayConfig:
     colocate: bool = False
     """Pack the learner and every rollout worker onto one node (a STRICT_PACK placement group), sharing its GPUs."""
     torch_threads: int = 0
-    """torch threads per actor (0 = the machine's cores split between rollout and learner)."""
+    """torch threads per actor (0 = one for a policy under 1M parameters, else the cores split between rollout and learner)."""
 
 
 @dataclass

@@ -17,6 +17,7 @@ from workbench.algo.losses import approx_kl, masked_mean, policy_gradient_loss, 
 from workbench.invariants.routing_replay import find_routers, replay_routes
 from workbench.invariants.version_gate import gate_metrics, version_gate
 from workbench.models.multimodal import forward_inputs
+from workbench.models.prefix import plan, shared_prefix_logits
 from workbench.segment import Segment
 
 
@@ -84,11 +85,11 @@ class Learner:
         from workbench.engines.torch_engine import load_causal_lm, set_threads
         from workbench.models.multimodal import ImageCodec, is_vision_language
 
-        set_threads(cfg)
         self.codec = ImageCodec(model_path) if is_vision_language(model_path) else None
         torch.manual_seed(cfg.seed)
         self.algo, self.trainer, self.gate, self.temperature = cfg.algo, cfg.trainer, cfg.gate, cfg.engine.temperature
         self.model = load_causal_lm(model_path, cfg.model.dtype).train()
+        set_threads(cfg, self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.trainer.lr,
                                            weight_decay=cfg.trainer.weight_decay)
         self.version, self.moe, self.replay = 0, bool(find_routers(self.model)), cfg.algo.routing_replay
@@ -121,8 +122,7 @@ class Learner:
         recorded = batch.get("routed_experts") if self.moe else None
         with (replay_routes(self.model, recorded, self.replay if replay is None else replay) if recorded is not None
               else contextlib.nullcontext({})) as stats:
-            inputs = forward_inputs(self.model, batch["token_ids"], batch["attention_mask"], batch.get("images"), self.codec)
-            logits = self.model(**inputs).logits
+            logits = self.forward(self.model, batch, shared=recorded is None)
         if routing is not None:
             routing.update(stats)
         return token_logprobs(logits, batch["token_ids"], self.temperature)  # [batch, seq]
@@ -130,8 +130,16 @@ class Learner:
     @torch.no_grad()
     def frozen_logprobs(self, model, batch: dict) -> torch.Tensor:
         """Log-probs of the batch's ids under a frozen model (reference or teacher); no routing replay."""
+        return token_logprobs(self.forward(model, batch, shared=True), batch["token_ids"], self.temperature)
+
+    def forward(self, model, batch: dict, shared: bool) -> torch.Tensor:
+        """Logits [batch, seq, vocab]; a group's common prompt runs once when `shared` and the policy
+        reads text only (models/prefix.py: the same values, less compute)."""
+        if shared and self.trainer.shared_prefix and self.codec is None and (split := plan(batch["token_ids"], batch["attention_mask"].sum(-1),
+                                                            batch["group_ids"])) is not None:
+            return shared_prefix_logits(model, batch["token_ids"], batch["attention_mask"], split)
         inputs = forward_inputs(model, batch["token_ids"], batch["attention_mask"], batch.get("images"), self.codec)
-        return token_logprobs(model(**inputs).logits, batch["token_ids"], self.temperature)  # [batch, seq]
+        return model(**inputs).logits
 
     def routing_metrics(self, batch: dict, routing: dict, old_logprob: torch.Tensor) -> dict[str, float]:
         """Live vs rollout routes, and the rollout-learner KL with replay and without (one extra forward)."""

@@ -43,9 +43,9 @@ class RolloutWorker:
         from workbench.engines import make_engine
         from workbench.engines.torch_engine import set_threads
 
-        set_threads(cfg)
         self.run_id, self.max_turns, self.worker_index = cfg.run.id, cfg.agent.max_turns, worker_index
         self.engine = make_engine(cfg, model_path, seed=cfg.seed * 1000 + worker_index)
+        set_threads(cfg, getattr(self.engine, "model", None))
         self.lock = threading.Lock()  # one rollout at a time; weight pushes arrive on another thread
         self._server = None
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -68,8 +68,10 @@ class RolloutWorker:
         segments = self.rollout(jobs, replace(self.params, max_tokens=max_tokens, temperature=temperature))
         return list({s.rollout_id: s.reward for s in segments}.values())
 
-    def rollout_with_failures(self, jobs: list[Job], params: SamplingParams | None = None) -> tuple[list[Segment], list[dict]]:
-        """(segments of the episodes that ended, a failure row for each one whose plugin code raised)."""
+    def rollout_with_failures(self, jobs: list[Job], params: SamplingParams | None = None,
+                              after=None) -> tuple[list[Segment], list[dict]]:
+        """(segments of the episodes that ended, a failure row for each one whose plugin code raised).
+        `after`: unused here; the loop passes a weight push's result so Ray starts this call after it."""
         chat = isinstance(self.plugin.AgentRunner, type) and issubclass(self.plugin.AgentRunner, ChatAgent)
         failures: dict[int, dict] = {}
         with self.lock, (contextlib.nullcontext() if self.engine.partial else self.engine.hold()):

@@ -33,6 +33,19 @@ def test_logprobs_match_a_plain_forward_of_the_same_model(engine, temperature):
         np.testing.assert_allclose(generation.logprobs, reference, atol=2e-4)
 
 
+def test_a_group_sharing_one_prompt_is_prefilled_once_and_sampled_apart(engine):
+    """GRPO groups: copies of a prompt share one prefill (models/prefix.py); each copy still samples
+    its own reply, and every log-prob is still that of a plain forward."""
+    rng = np.random.default_rng(3)
+    heads = [rng.integers(5, 400, size=n).astype(np.int32) for n in (6, 11)]
+    prompts = [heads[i % 2].copy() for i in range(8)]
+    out = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=1.0, seed=2))
+    assert len({g.token_ids.tobytes() for g in out}) > 2  # the copies did not collapse into one sample
+    for prompt, generation in zip(prompts, out):
+        np.testing.assert_allclose(generation.logprobs, plain_logprobs(engine.model, prompt, generation.token_ids, 1.0),
+                                   atol=2e-4)
+
+
 def test_generation_stops_after_a_stop_token_and_keeps_it(engine):
     prompt = np.arange(3, 10, dtype=np.int32)
     greedy = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0]

@@ -42,7 +42,8 @@ def test_on_policy_every_sequence_is_kept_with_unit_weights(tmp_path):
 
 
 def test_async_partial_rollout_spans_versions_and_stale_sequences_are_dropped(tmp_path):
-    db = train(tmp_path, "trainer.steps=8", "trainer.async_depth=2", "rollout.partial=true", "engine.max_tokens=24",
+    # replies long enough that generating a batch outlasts a learner step, so pushes land mid-generation
+    db = train(tmp_path, "trainer.steps=8", "trainer.async_depth=2", "rollout.partial=true", "engine.max_tokens=96",
                "gate.level=token", "gate.max_staleness=1")
     mixed = db.execute("select count(*) from segments where min_version < max_version").fetchone()[0]
     assert mixed > 0, "no sequence held tokens of two weight versions"

@@ -21,14 +21,18 @@ import numpy as np
 import torch
 
 from workbench.engines.base import Generation, SamplingParams
+from workbench.models.prefix import cache_input, unique_rows
 
 
-def set_threads(cfg) -> None:
-    """torch threads of this actor (Ray would give it one): `ray.torch_threads`, else every core when
-    rollout and learner take turns (synchronous), else the cores split between them."""
+def set_threads(cfg, model=None) -> None:
+    """torch threads of this actor (Ray would give it one): `ray.torch_threads`; else one for a policy
+    under 1M parameters (the built-in tiny ones: their matrices are too small to split, and waking a
+    second thread costs more than it saves, bench/README.md); else every core when rollout and learner
+    take turns (synchronous), else the cores split between them."""
     cores = os.cpu_count() or 1
     share = cores if cfg.trainer.async_depth == 0 else max(1, cores // (cfg.ray.rollout_workers + 1))
-    torch.set_num_threads(cfg.ray.torch_threads or share)
+    small = model is not None and sum(p.numel() for p in model.parameters()) < 1_000_000
+    torch.set_num_threads(cfg.ray.torch_threads or (1 if small else share))
 
 
 def load_causal_lm(path: str, dtype: str = "float32"):
@@ -131,26 +135,34 @@ class TorchEngine:
         from workbench.models.multimodal import forward_inputs
 
         batch, longest = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.full((batch, longest), self.pad_token_id, dtype=torch.long)  # [batch, seq]
-        attention = torch.zeros((batch, longest), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
+        # a group's samples share their prompt: prefill each distinct prompt once (text-only, dense policies)
+        distinct, copy_of = unique_rows(prompts) if images is None and not self.moe else (prompts, np.arange(batch))
+        input_ids = torch.full((len(distinct), longest), self.pad_token_id, dtype=torch.long)  # [distinct, seq]
+        attention = torch.zeros((len(distinct), longest), dtype=torch.long)
+        for row, prompt in enumerate(distinct):
             input_ids[row, longest - len(prompt):] = torch.as_tensor(prompt, dtype=torch.long)
             attention[row, longest - len(prompt):] = 1
         inputs = forward_inputs(self.model, input_ids, attention, images, self.codec)
-        positions = inputs["position_ids"]  # [batch, seq], or [3, batch, seq] (M-RoPE)
         generator = self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
         stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long)
 
         out = self.model(**inputs, use_cache=True, logits_to_keep=1)
-        forward_version = self.version
+        cache, logits = out.cache if hasattr(out, "cache") else out.past_key_values, out.logits[:, -1]
+        positions = inputs["position_ids"]  # [batch, seq], or [3, batch, seq] (M-RoPE)
+        if len(distinct) < batch:  # each sample reads its prompt's cache from here on
+            copy_of = torch.from_numpy(copy_of)
+            cache.batch_select_indices(copy_of)
+            logits, attention, positions = logits[copy_of], attention[copy_of], positions[..., copy_of, :]
+        forward_version, cache_kw = self.version, cache_input(self.model, cache)
         sampled, logprobs, versions = [], [], []
         done = torch.zeros(batch, dtype=torch.bool)
         for _ in range(params.max_tokens):
             versions.append(forward_version)  # the weights whose forward produced these logits
-            logits = out.logits[:, -1].float()  # [batch, vocab]
+            logits = logits.float()  # [batch, vocab]
             if params.temperature > 0:
                 dist = nucleus(torch.log_softmax(logits / params.temperature, dim=-1), params.top_p)
-                token = torch.multinomial(dist.exp(), 1, generator=generator).squeeze(-1)
+                noise = torch.rand(dist.shape, generator=generator)  # Gumbel-max: an exact draw, far cheaper than multinomial
+                token = (dist - (-noise.log()).log()).argmax(-1)
             else:
                 dist = torch.log_softmax(logits, dim=-1)
                 token = dist.argmax(-1)
@@ -166,9 +178,9 @@ class TorchEngine:
             forward_version = self.version
             attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long)], dim=-1)
             positions = positions[..., -1:] + 1
-            cache = {"cache": out.cache} if hasattr(out, "cache") else {"past_key_values": out.past_key_values}  # < 5.20
             out = self.model(input_ids=token[:, None], attention_mask=attention, position_ids=positions,
-                             use_cache=True, **cache)
+                             use_cache=True, **cache_kw)
+            logits = out.logits[:, -1]
 
         tokens = torch.stack(sampled, dim=1).numpy()  # [batch, new]
         token_logprobs = torch.stack(logprobs, dim=1).numpy()

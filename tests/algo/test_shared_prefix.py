@@ -1,0 +1,104 @@
+"""Shared-prefix forwards give the full forward's log-probs and gradients, on a real tiny Qwen3."""
+
+import numpy as np
+import pytest
+import torch
+
+from workbench.algo.losses import token_logprobs
+from workbench.engines.torch_engine import load_causal_lm
+from workbench.models.prefix import plan, shared_prefix_logits, unique_rows
+
+
+def batch(rng, groups: int = 3, size: int = 4, prompt: tuple = (5, 9)):
+    """Right-padded rows: per group one prompt, per row its own reply of its own length."""
+    rows, group_ids = [], []
+    for g in range(groups):
+        head = rng.integers(10, 500, size=int(rng.integers(*prompt)))
+        for _ in range(size):
+            rows.append(np.concatenate([head, rng.integers(10, 500, size=int(rng.integers(1, 6)))]))
+            group_ids.append(g)
+    longest = max(len(r) for r in rows)
+    ids, mask = torch.zeros((len(rows), longest), dtype=torch.long), torch.zeros((len(rows), longest), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], mask[i, :len(r)] = torch.from_numpy(r), 1
+    return ids, mask, torch.tensor(group_ids)
+
+
+def full_logprobs(model, ids, mask):
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return token_logprobs(model(input_ids=ids, attention_mask=mask, position_ids=positions).logits, ids)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_path):
+    torch.manual_seed(0)
+    return load_causal_lm(tiny_path).train()
+
+
+def test_plan_finds_each_groups_common_prompt():
+    ids, mask, groups = batch(np.random.default_rng(0))
+    p = plan(ids, mask.sum(-1), groups)
+    assert p is not None and len(p.prefix_len) == 3
+    for g in range(3):
+        rows = np.flatnonzero(p.group_of == g)
+        n = p.prefix_len[g]
+        assert (ids[rows, :n] == ids[rows[0], :n]).all()
+        assert n < mask[rows].sum(-1).min()  # every row keeps a token of its own
+
+
+def test_plan_refuses_when_little_is_shared():
+    ids, mask, groups = batch(np.random.default_rng(1), size=1)  # groups of one row: nothing is saved
+    assert plan(ids, mask.sum(-1), groups) is None
+
+
+def test_shared_prefix_logprobs_and_gradients_equal_the_full_forward(model):
+    ids, mask, groups = batch(np.random.default_rng(2))
+    weights = torch.randn(ids.shape)
+    reference = full_logprobs(model, ids, mask)
+    (reference * weights * mask).sum().backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    shared = token_logprobs(shared_prefix_logits(model, ids, mask, plan(ids, mask.sum(-1), groups)), ids)
+    (shared * weights * mask).sum().backward()
+    real = mask.bool()
+    assert torch.allclose(shared[real], reference[real], atol=1e-5)
+    for name, param in model.named_parameters():
+        assert torch.allclose(param.grad, expected[name], atol=1e-5, rtol=1e-4), name
+    model.zero_grad()
+
+
+def test_unique_rows_maps_each_prompt_to_its_first_copy():
+    a, b = np.array([1, 2, 3]), np.array([1, 2])
+    distinct, index = unique_rows([a, b, a.copy(), b, np.array([4])])
+    assert [d.tolist() for d in distinct] == [[1, 2, 3], [1, 2], [4]]
+    assert index.tolist() == [0, 1, 0, 1, 2]
+
+
+def test_the_learner_trains_the_same_with_and_without_shared_prefixes(tiny_path):
+    from omegaconf import OmegaConf
+
+    from workbench import runtime
+    from workbench.config import compose_config
+    from workbench.learner import Learner
+    from workbench.rollout import RolloutWorker
+
+    cfg = compose_config(["tracking=none", "trainer.prompts_per_step=3", "trainer.group_size=4", "engine.max_tokens=6"])
+    OmegaConf.update(cfg, "run.id", "prefix")
+    segments = RolloutWorker(cfg, tiny_path).rollout(runtime.Prompts(cfg).next_jobs(1)[0])
+    for segment in segments:  # rewards that differ within each group, so every group has a gradient
+        segment.reward = float(segment.rollout_id % 2)
+    results = []
+    for shared in (True, False):
+        OmegaConf.update(cfg, "trainer.shared_prefix", shared)
+        learner = Learner(cfg, tiny_path)
+        metrics, rows = learner.train(segments)
+        results.append((metrics, rows, {n: p.grad for n, p in learner.model.named_parameters()}))
+    (shared_metrics, shared_rows, shared_grads), (full_metrics, full_rows, full_grads) = results
+    assert shared_metrics["loss/grad_norm"] > 0
+    for key in ("loss/policy", "loss/grad_norm", "mismatch/kl"):
+        assert shared_metrics[key] == pytest.approx(full_metrics[key], rel=1e-4, abs=1e-6), key
+    for a, b in zip(shared_rows["train_logprob"], full_rows["train_logprob"]):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    for name in full_grads:  # (Adam's first step is sign(gradient): the weights themselves are no fair comparison)
+        assert torch.allclose(shared_grads[name], full_grads[name], atol=1e-5, rtol=1e-4), name

@@ -1,0 +1,80 @@
+"""Shared prefixes: the rows of a GRPO group open on the same prompt, so the prompt runs once.
+
+The learner's forward splits right-padded rows into the longest common prefix of each group and
+per-row suffixes: the prefixes run once (their KV cache kept, with gradient), and each row's
+suffix runs on its group's cache. Attention, positions and maths are those of a full forward of
+every row (the log-probs agree to float rounding, the gradient is the same sum), with the prompt
+computed once per group instead of once per sample. The rollout engine does the same for its
+prefill (`unique_rows`). Dense text-only policies: MoE routing replay and images take the full path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Plan:
+    prefix_len: np.ndarray  # [groups] tokens each group's rows share
+    group_of: np.ndarray  # [batch] the group of each row
+
+
+def plan(token_ids: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor, min_saved: float = 0.25) -> Plan | None:
+    """Each group's longest common prefix (leaving every row at least one token of its own; a group
+    of one row shares with itself); None when a group shares no token, or when sharing would save
+    under `min_saved` of the batch's tokens."""
+    ids, lengths = token_ids.numpy(), lengths.numpy()
+    groups, group_of = np.unique(group_ids.numpy(), return_inverse=True)
+    prefix_len = np.zeros(len(groups), dtype=np.int64)
+    for g in range(len(groups)):
+        rows = np.flatnonzero(group_of == g)
+        limit = int(lengths[rows].min()) - 1
+        same = (ids[rows, :limit] == ids[rows[0], :limit]).all(0)
+        prefix_len[g] = limit if same.all() else int(np.argmin(same))
+    saved = int(prefix_len[group_of].sum() - prefix_len.sum())
+    return Plan(prefix_len, group_of) if prefix_len.min() > 0 and saved >= min_saved * lengths.sum() else None
+
+
+def shared_prefix_logits(model, token_ids: torch.Tensor, attention_mask: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """Logits [batch, seq, vocab] of right-padded rows, as a full forward gives them (padding
+    positions hold any value), computed as one prefix forward per group and one suffix forward."""
+    lengths = attention_mask.sum(-1)
+    prefix_len, group_of = torch.from_numpy(plan.prefix_len), torch.from_numpy(plan.group_of)
+    first_rows = torch.from_numpy(np.unique(plan.group_of, return_index=True)[1])
+    longest = int(prefix_len.max())
+    prefix_mask = (torch.arange(longest)[None] < prefix_len[:, None]).long()  # [groups, prefix], right-padded
+    prefix_ids = token_ids[first_rows, :longest] * prefix_mask
+    out = model(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=torch.arange(longest)[None].expand_as(prefix_ids),
+                use_cache=True)
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values  # transformers < 5.20: past_key_values
+    cache.batch_select_indices(group_of)  # each row reads its group's prefix keys and values
+    own = prefix_len[group_of]  # [batch]
+    suffix_len = lengths - own
+    steps = torch.arange(int(suffix_len.max()))[None]  # [1, suffix]
+    suffix_mask = (steps < suffix_len[:, None]).long()  # [batch, suffix]
+    take = (own[:, None] + steps).clamp(max=token_ids.shape[1] - 1)
+    suffix_ids = token_ids.gather(1, take) * suffix_mask
+    suffix = model(input_ids=suffix_ids, attention_mask=torch.cat([prefix_mask[group_of], suffix_mask], dim=1),
+                   position_ids=own[:, None] + steps, use_cache=True, **cache_input(model, cache)).logits
+    # position t of row b: the prefix's logits below its prefix length, the suffix's from there on
+    joined = torch.cat([out.logits[group_of], suffix], dim=1)  # [batch, prefix + suffix, vocab]
+    t = torch.arange(token_ids.shape[1])[None]
+    index = torch.where(t < own[:, None], t, (longest + t - own[:, None]).clamp(max=joined.shape[1] - 1))
+    return joined.gather(1, index[:, :, None].expand(-1, -1, joined.shape[-1]))
+
+
+def cache_input(model, cache) -> dict:
+    """The keyword a forward takes its KV cache by (`cache`; `past_key_values` before transformers 5.20)."""
+    import inspect
+
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+
+
+def unique_rows(prompts: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:
+    """The distinct prompts, and for each prompt the index of its copy among them."""
+    seen: dict[bytes, int] = {}
+    index = np.array([seen.setdefault(p.astype(np.int64).tobytes(), len(seen)) for p in prompts])
+    return [prompts[i] for i in np.unique(index, return_index=True)[1]], index
