@@ -17,7 +17,7 @@ from workbench.algo.losses import approx_kl, masked_mean, policy_gradient_loss, 
 from workbench.invariants.routing_replay import find_routers, replay_routes
 from workbench.invariants.version_gate import gate_metrics, version_gate
 from workbench.models.multimodal import forward_inputs
-from workbench.models.prefix import plan, shared_prefix_logits
+from workbench.models.prefix import plan, shared_prefix_logprobs
 from workbench.segment import Segment
 
 
@@ -122,24 +122,25 @@ class Learner:
         recorded = batch.get("routed_experts") if self.moe else None
         with (replay_routes(self.model, recorded, self.replay if replay is None else replay) if recorded is not None
               else contextlib.nullcontext({})) as stats:
-            logits = self.forward(self.model, batch, shared=recorded is None)
+            logprob = self.forward(self.model, batch, shared=recorded is None)
         if routing is not None:
             routing.update(stats)
-        return token_logprobs(logits, batch["token_ids"], self.temperature)  # [batch, seq]
+        return logprob
 
     @torch.no_grad()
     def frozen_logprobs(self, model, batch: dict) -> torch.Tensor:
         """Log-probs of the batch's ids under a frozen model (reference or teacher); no routing replay."""
-        return token_logprobs(self.forward(model, batch, shared=True), batch["token_ids"], self.temperature)
+        return self.forward(model, batch, shared=True)
 
     def forward(self, model, batch: dict, shared: bool) -> torch.Tensor:
-        """Logits [batch, seq, vocab]; a group's common prompt runs once when `shared` and the policy
-        reads text only (models/prefix.py: the same values, less compute)."""
-        if shared and self.trainer.shared_prefix and self.codec is None and (split := plan(batch["token_ids"], batch["attention_mask"].sum(-1),
-                                                            batch["group_ids"])) is not None:
-            return shared_prefix_logits(model, batch["token_ids"], batch["attention_mask"], split)
-        inputs = forward_inputs(model, batch["token_ids"], batch["attention_mask"], batch.get("images"), self.codec)
-        return model(**inputs).logits
+        """Log-probs [batch, seq] of the batch's own ids; a group's common prompt runs once when `shared`
+        and the policy reads text only (models/prefix.py: the same values, less compute)."""
+        ids, mask = batch["token_ids"], batch["attention_mask"]
+        if shared and self.trainer.shared_prefix and self.codec is None and (
+                split := plan(ids, mask.sum(-1), batch["group_ids"])) is not None:
+            return shared_prefix_logprobs(model, ids, mask, split, self.temperature)
+        inputs = forward_inputs(model, ids, mask, batch.get("images"), self.codec)
+        return token_logprobs(model(**inputs).logits, ids, self.temperature)
 
     def routing_metrics(self, batch: dict, routing: dict, old_logprob: torch.Tensor) -> dict[str, float]:
         """Live vs rollout routes, and the rollout-learner KL with replay and without (one extra forward)."""

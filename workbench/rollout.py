@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from workbench.api import ChatAgent, ChatContext, Result, load_plugin
 from workbench.engines.base import SamplingParams
-from workbench.invariants.token_identity import TokenAccumulator, reply_text
+from workbench.invariants.token_identity import TokenAccumulator, reply_text, retokenize_drift
 from workbench.segment import Segment
 
 
@@ -47,6 +47,7 @@ class RolloutWorker:
         self.engine = make_engine(cfg, model_path, seed=cfg.seed * 1000 + worker_index)
         set_threads(cfg, getattr(self.engine, "model", None))
         self.lock = threading.Lock()  # one rollout at a time; weight pushes arrive on another thread
+        self.pool = ThreadPoolExecutor(max_workers=8)  # Env steps (tools, a sandbox) run side by side
         self._server = None
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.plugin = load_plugin(cfg.agent.plugin)
@@ -150,8 +151,7 @@ class RolloutWorker:
             generations = self.engine.generate([episodes[i].token_ids for i in open_], self.active,
                                                [episodes[i].open.images for i in open_])
             still_open, texts = [], [reply_text(self.tokenizer, g.token_ids, g.finish_reason) for g in generations]
-            with ThreadPoolExecutor(max_workers=min(8, len(open_))) as pool:  # tools (a sandbox) run side by side
-                results = list(pool.map(lambda i, text: _caught(envs[i].step, text), open_, texts))
+            results = list(self.pool.map(lambda i, text: _caught(envs[i].step, text), open_, texts))  # tools side by side
             for i, generation, text, result in zip(open_, generations, texts, results):
                 if not isinstance(result, Result):
                     failures[i] = self._failed(jobs[i], "env_error", result if isinstance(result, BaseException) else
@@ -174,7 +174,7 @@ class RolloutWorker:
         for index, piece in enumerate(pieces):
             prompt_end = piece.turn_spans[0][0] if piece.turn_spans else len(piece.token_ids)
             response = self.tokenizer.decode(piece.token_ids[prompt_end:])
-            drift = self.tokenizer(self.tokenizer.decode(piece.token_ids), add_special_tokens=False)["input_ids"] != piece.token_ids
+            drift = retokenize_drift(self.tokenizer, piece.token_ids)
             segments.append(Segment(self.run_id, job.rollout_id, index, job.group_id, **piece.arrays(), reward=reward,
                                     turn_spans=piece.turn_spans, finish_reason=finish_reason,
                                     seal_reason=piece.seal_reason, images=piece.images,

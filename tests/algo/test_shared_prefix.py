@@ -6,7 +6,7 @@ import torch
 
 from workbench.algo.losses import token_logprobs
 from workbench.engines.torch_engine import load_causal_lm
-from workbench.models.prefix import plan, shared_prefix_logits, unique_rows
+from workbench.models.prefix import plan, shared_prefix_logprobs, unique_rows
 
 
 def batch(rng, groups: int = 3, size: int = 4, prompt: tuple = (5, 9)):
@@ -24,9 +24,9 @@ def batch(rng, groups: int = 3, size: int = 4, prompt: tuple = (5, 9)):
     return ids, mask, torch.tensor(group_ids)
 
 
-def full_logprobs(model, ids, mask):
+def full_logprobs(model, ids, mask, temperature):
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    return token_logprobs(model(input_ids=ids, attention_mask=mask, position_ids=positions).logits, ids)
+    return token_logprobs(model(input_ids=ids, attention_mask=mask, position_ids=positions).logits, ids, temperature)
 
 
 @pytest.fixture(scope="module")
@@ -51,15 +51,16 @@ def test_plan_refuses_when_little_is_shared():
     assert plan(ids, mask.sum(-1), groups) is None
 
 
-def test_shared_prefix_logprobs_and_gradients_equal_the_full_forward(model):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_shared_prefix_logprobs_and_gradients_equal_the_full_forward(model, temperature):
     ids, mask, groups = batch(np.random.default_rng(2))
     weights = torch.randn(ids.shape)
-    reference = full_logprobs(model, ids, mask)
+    reference = full_logprobs(model, ids, mask, temperature)
     (reference * weights * mask).sum().backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
 
-    shared = token_logprobs(shared_prefix_logits(model, ids, mask, plan(ids, mask.sum(-1), groups)), ids)
+    shared = shared_prefix_logprobs(model, ids, mask, plan(ids, mask.sum(-1), groups), temperature)
     (shared * weights * mask).sum().backward()
     real = mask.bool()
     assert torch.allclose(shared[real], reference[real], atol=1e-5)

@@ -38,9 +38,12 @@ def plan(token_ids: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor
     return Plan(prefix_len, group_of) if prefix_len.min() > 0 and saved >= min_saved * lengths.sum() else None
 
 
-def shared_prefix_logits(model, token_ids: torch.Tensor, attention_mask: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """Logits [batch, seq, vocab] of right-padded rows, as a full forward gives them (padding
-    positions hold any value), computed as one prefix forward per group and one suffix forward."""
+def shared_prefix_logprobs(model, token_ids: torch.Tensor, attention_mask: torch.Tensor, plan: Plan,
+                           temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs [batch, seq] of right-padded rows' own ids, as `token_logprobs` of a full forward gives
+    them (padding positions hold any value), from one prefix forward per group and one suffix forward."""
+    from workbench.algo.losses import token_logprobs
+
     lengths = attention_mask.sum(-1)
     prefix_len, group_of = torch.from_numpy(plan.prefix_len), torch.from_numpy(plan.group_of)
     first_rows = torch.from_numpy(np.unique(plan.group_of, return_index=True)[1])
@@ -52,18 +55,18 @@ def shared_prefix_logits(model, token_ids: torch.Tensor, attention_mask: torch.T
     cache = out.cache if hasattr(out, "cache") else out.past_key_values  # transformers < 5.20: past_key_values
     cache.batch_select_indices(group_of)  # each row reads its group's prefix keys and values
     own = prefix_len[group_of]  # [batch]
-    suffix_len = lengths - own
-    steps = torch.arange(int(suffix_len.max()))[None]  # [1, suffix]
-    suffix_mask = (steps < suffix_len[:, None]).long()  # [batch, suffix]
-    take = (own[:, None] + steps).clamp(max=token_ids.shape[1] - 1)
-    suffix_ids = token_ids.gather(1, take) * suffix_mask
+    steps = torch.arange(int((lengths - own).max()))[None]  # [1, suffix]
+    suffix_mask = (steps < (lengths - own)[:, None]).long()  # [batch, suffix]
+    suffix_ids = token_ids.gather(1, (own[:, None] + steps).clamp(max=token_ids.shape[1] - 1)) * suffix_mask
     suffix = model(input_ids=suffix_ids, attention_mask=torch.cat([prefix_mask[group_of], suffix_mask], dim=1),
                    position_ids=own[:, None] + steps, use_cache=True, **cache_input(model, cache)).logits
-    # position t of row b: the prefix's logits below its prefix length, the suffix's from there on
-    joined = torch.cat([out.logits[group_of], suffix], dim=1)  # [batch, prefix + suffix, vocab]
+    # a row's first own token is predicted by its group's last prefix position; the rest by its suffix
+    last = out.logits[torch.arange(len(prefix_len)), prefix_len - 1][group_of]  # [batch, vocab]
+    head = torch.log_softmax(last.float() / temperature, dim=-1).gather(-1, suffix_ids[:, :1])  # [batch, 1]
+    joined = torch.cat([token_logprobs(out.logits, prefix_ids, temperature)[group_of], head,
+                        token_logprobs(suffix, suffix_ids, temperature)[:, 1:]], dim=1)  # [batch, prefix + suffix]
     t = torch.arange(token_ids.shape[1])[None]
-    index = torch.where(t < own[:, None], t, (longest + t - own[:, None]).clamp(max=joined.shape[1] - 1))
-    return joined.gather(1, index[:, :, None].expand(-1, -1, joined.shape[-1]))
+    return joined.gather(1, torch.where(t < own[:, None], t, (longest + t - own[:, None]).clamp(max=joined.shape[1] - 1)))
 
 
 def cache_input(model, cache) -> dict:
