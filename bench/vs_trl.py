@@ -8,8 +8,9 @@ recipe's data and reward (plugins/arith.py), with the same group size, prompts p
 length, learning rate (constant), clip, temperature and number of steps, GRPO advantages (group std)
 and a token-mean loss, no KL term, on the CPU: molt-wb through `loop.train` (Ray actors, run store,
 gate), TRL through `GRPOTrainer` (no vLLM, no hub, report_to none). Each side runs in its own child
-process, so peak memory is the RSS of that process tree (Ray's processes included), sampled by the
-parent. molt-wb runs twice: synchronous (the recipe as it is) and with rollout one version ahead of the
+process, so peak memory is that process tree's (Ray's processes included), sampled by the parent:
+RSS (which counts shared library pages once per process) and PSS (which splits them among the
+processes that map them). molt-wb runs twice: synchronous (the recipe as it is) and with rollout one version ahead of the
 learner (`trainer.async_depth=1`, token-level version gate), so generation and training overlap.
 TRL runs twice: as shipped, and with OMP_WAIT_POLICY=PASSIVE (what molt-wb sets for its Ray actors),
 so the ratio shows what is framework and what is that setting. Step times exclude start-up and the
@@ -120,18 +121,21 @@ def measure(side: str, steps: int, extra: list[str], model_path: str, env: dict)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         child = subprocess.Popen([sys.executable, __file__, "--side", side, "--json", out.name, "--model", model_path,
                                   "--steps", str(steps), *extra], env={**os.environ, **OFFLINE, **env})
-        peak, parent = 0, psutil.Process(child.pid)
+        peak, peak_pss, parent, tick = 0, 0, psutil.Process(child.pid), 0
         while child.poll() is None:
             try:
-                tree = [parent, *parent.children(recursive=True)]
-                peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+                tree = [p for p in [parent, *parent.children(recursive=True)] if p.is_running()]
+                peak = max(peak, sum(p.memory_info().rss for p in tree))
+                if tick % 10 == 0:  # PSS reads every mapping of every process: once a second, not to load the cores measured
+                    peak_pss = max(peak_pss, sum(p.memory_full_info().pss for p in tree))  # shared pages split among their users
             except psutil.Error:
                 pass
+            tick += 1
             time.sleep(0.1)
         if child.returncode:
             raise SystemExit(f"The {side} run failed (exit {child.returncode}); its output is above.")
         result = json.loads(Path(out.name).read_text())
-    result["peak_rss_mb"] = peak / 2**20
+    result["peak_rss_mb"], result["peak_pss_mb"] = peak / 2**20, peak_pss / 2**20
     return result
 
 
@@ -140,7 +144,7 @@ def summary(r: dict) -> dict:
     tokens = sum(r["tokens"][1:] or r["tokens"])
     k = max(1, len(r["reward"]) // 5)
     return {"step_s": sum(steady) / len(steady), "tokens_per_s": tokens / sum(steady), "wall_s": r["wall_s"],
-            "peak_rss_mb": r["peak_rss_mb"], "reward_first": sum(r["reward"][:k]) / k, "reward_last": sum(r["reward"][-k:]) / k}
+            "peak_rss_mb": r["peak_rss_mb"], "peak_pss_mb": r["peak_pss_mb"], "reward_first": sum(r["reward"][:k]) / k, "reward_last": sum(r["reward"][-k:]) / k}
 
 
 def main() -> None:
@@ -168,15 +172,16 @@ def main() -> None:
     summaries = {name: summary(r) for name, r in results.items()}
     print(f"{steps} steps of {config(steps, args.overrides).trainer.prompts_per_step} prompts x "
           f"{config(steps, args.overrides).trainer.group_size} samples, {os.cpu_count()} CPU cores")
-    print(f"{'':>26} {'step_s':>7} {'tokens/s':>9} {'wall_s':>7} {'peak_MB':>8} {'reward first':>12} {'reward last':>11}")
+    print(f"{'':>26} {'step_s':>7} {'tokens/s':>9} {'wall_s':>7} {'peak_MB':>8} {'PSS_MB':>7} {'reward first':>12} {'reward last':>11}")
     for name, s in summaries.items():
-        print(f"{name:>26} {s['step_s']:7.3f} {s['tokens_per_s']:9.0f} {s['wall_s']:7.1f} {s['peak_rss_mb']:8.0f} "
+        print(f"{name:>26} {s['step_s']:7.3f} {s['tokens_per_s']:9.0f} {s['wall_s']:7.1f} {s['peak_rss_mb']:8.0f} {s['peak_pss_mb']:7.0f} "
               f"{s['reward_first']:12.3f} {s['reward_last']:11.3f}")
     for ours in ("molt-wb", "molt-wb async"):
         for name in [n for n in summaries if n.startswith("TRL")]:
             molt, trl = summaries[ours], summaries[name]
             print(f"{ours + ' / ' + name:>26} {molt['step_s'] / trl['step_s']:7.2f} {molt['tokens_per_s'] / trl['tokens_per_s']:9.2f} "
-                  f"{molt['wall_s'] / trl['wall_s']:7.2f} {molt['peak_rss_mb'] / trl['peak_rss_mb']:8.2f}")
+                  f"{molt['wall_s'] / trl['wall_s']:7.2f} {molt['peak_rss_mb'] / trl['peak_rss_mb']:8.2f} "
+                  f"{molt['peak_pss_mb'] / trl['peak_pss_mb']:7.2f}")
     print("reward first / last: mean over the first / last fifth of the steps")
     for name, r in results.items():
         print(f"reward curve {name:>13}: " + " ".join(f"{x:.2f}" for x in r["reward"]))

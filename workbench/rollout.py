@@ -21,6 +21,8 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from workbench.api import ChatAgent, ChatContext, Result, load_plugin
 from workbench.engines.base import SamplingParams
 from workbench.invariants.token_identity import TokenAccumulator, reply_text, retokenize_drift
@@ -44,7 +46,8 @@ class RolloutWorker:
         from workbench.engines.torch_engine import set_threads
 
         self.run_id, self.max_turns, self.worker_index = cfg.run.id, cfg.agent.max_turns, worker_index
-        self.engine = make_engine(cfg, model_path, seed=cfg.seed * 1000 + worker_index)
+        self.seed = cfg.seed * 1000 + worker_index
+        self.engine = make_engine(cfg, model_path, seed=self.seed)
         set_threads(cfg, getattr(self.engine, "model", None))
         self.lock = threading.Lock()  # one rollout at a time; weight pushes arrive on another thread
         self.pool = ThreadPoolExecutor(max_workers=8)  # Env steps (tools, a sandbox) run side by side
@@ -148,7 +151,7 @@ class RolloutWorker:
         for turn in range(self.max_turns):
             if not open_:
                 break
-            generations = self.engine.generate([episodes[i].token_ids for i in open_], self.active,
+            generations = self.engine.generate([episodes[i].token_ids for i in open_], self._seeded(jobs, turn),
                                                [episodes[i].open.images for i in open_])
             still_open, texts = [], [reply_text(self.tokenizer, g.token_ids, g.finish_reason) for g in generations]
             results = list(self.pool.map(lambda i, text: _caught(envs[i].step, text), open_, texts))  # tools side by side
@@ -167,6 +170,13 @@ class RolloutWorker:
             open_ = still_open
         return [segment for index, (job, episode, reward, info) in enumerate(zip(jobs, episodes, rewards, infos))
                 if index not in failures for segment in self._segments(job, episode.finish(), reward, episode.last_finish, info)]
+
+    def _seeded(self, jobs: list[Job], turn: int) -> SamplingParams:
+        """The sampling settings of one engine call, seeded by the batch (its first episode id) and turn:
+        a run samples the same whichever order its queued batches reach the worker, and after a resume."""
+        if self.active.seed is not None:
+            return self.active
+        return replace(self.active, seed=int(np.random.SeedSequence([self.seed, jobs[0].rollout_id, turn]).generate_state(1)[0]))
 
     def _segments(self, job: Job, pieces: list, reward: float, finish_reason: str, info: dict | None = None) -> list[Segment]:
         """Segment records of one episode, each audited: sampled ids intact, and would text round-trip?"""

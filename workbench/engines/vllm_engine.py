@@ -122,14 +122,14 @@ class VllmEngine(TorchEngine):
 
         greedy = params.temperature <= 0
         sampling = VllmParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=1 if greedy else params.top_p,
-                              seed=params.seed if params.seed is not None else None, logprobs=0, detokenize=False,
+                              logprobs=0, detokenize=False,
                               ignore_eos=True, stop_token_ids=list(params.stop_token_ids), skip_special_tokens=False,
                               output_kind=RequestOutputKind.DELTA)
         engine, rows = self.llm.llm_engine, {}
         for row, prompt in enumerate(prompts):
-            if params.seed is None:  # the engine's own stream: a fresh, reproducible seed per request
-                sampling = sampling.clone()
-                sampling.seed = self.seed * 1_000_003 + next(self.ids)
+            sampling = sampling.clone()  # a seed per request: the engine's own stream, or the call's seed and the row
+            sampling.seed = (self.seed * 1_000_003 + next(self.ids) if params.seed is None
+                             else (params.seed * 1_000_003 + row) % 2**63)
             request_id = f"r{next(self.ids)}"  # outputs carry this id (add_request returns an internal one)
             inputs = TokensPrompt(prompt_token_ids=[int(t) for t in prompt])  # placeholders already expanded
             if images[row]:
