@@ -24,13 +24,11 @@ class Rollout:
     data_state: dict  # the data position before this batch was drawn: what a checkpoint saves
 
 
-def submit(workers, prompts, after: list | None = None) -> Rollout:
-    """Start the next batch of episodes, shared among the workers; worker i's part starts once the
-    call `after[i]` (its weight push) has returned."""
+def submit(workers, prompts) -> Rollout:
+    """Start the next batch of episodes, shared among the workers."""
     data_state = prompts.state()
     jobs = prompts.next_jobs(len(workers))
-    futures = [w.rollout_with_failures.options(num_returns=2).remote(j, after=after[i] if after else None)
-               for i, (w, j) in enumerate(zip(workers, jobs))]
+    futures = [w.rollout_with_failures.options(num_returns=2).remote(j) for w, j in zip(workers, jobs)]
     return Rollout(jobs, [f[0] for f in futures], [f[1] for f in futures], data_state)
 
 

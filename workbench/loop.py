@@ -35,15 +35,16 @@ def train(cfg) -> str:
             clock.lap("rollout")
             # ---- gate and train: recompute log-probs, version gate, advantages, PPO steps (version += minibatches)
             metrics, rows = learner.train.options(num_returns=2).remote(*segments)
-            # ---- sync: push the new weights and version (the learner runs its calls in order: these follow
-            # the step); rollouts in flight adopt them as they can
-            pushes = [w.load_weights.remote(learner.weights.remote()) for w in workers]
+            # ---- sync: push the new weights and version (the learner runs its calls in order: these follow the
+            # step), delivered before the next batch is submitted (a push waits on the weights, a rollout call does
+            # not, so Ray could start the batch first): a worker adopts them when its current batch ends, so a
+            # batch is exactly async_depth versions behind; with async_depth=0 the next batch starts from them
+            weights = learner.weights.remote()
+            ray.get([w.load_weights.remote(weights) for w in workers])
             if step + len(in_flight) + 1 < batches:
-                # the next batch waits on the pushes (Ray could otherwise start it first): a worker adopts them when
-                # its current batch ends, so staleness stays within async_depth; async_depth=0 starts from them
-                in_flight.append(faults.submit(workers, prompts, after=pushes))
+                in_flight.append(faults.submit(workers, prompts))
             metrics = ray.get(metrics)
-            clock.lap("train")
+            clock.lap("train")  # the learner's step and the weight push
             # ---- log: the single writer stores segments, tokens, gate decisions and metrics
             metrics = clock.metrics(metrics)
             store.write_step.remote(step, metrics, rows, *segments)

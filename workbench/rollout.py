@@ -72,10 +72,8 @@ class RolloutWorker:
         segments = self.rollout(jobs, replace(self.params, max_tokens=max_tokens, temperature=temperature))
         return list({s.rollout_id: s.reward for s in segments}.values())
 
-    def rollout_with_failures(self, jobs: list[Job], params: SamplingParams | None = None,
-                              after=None) -> tuple[list[Segment], list[dict]]:
-        """(segments of the episodes that ended, a failure row for each one whose plugin code raised).
-        `after`: unused here; the loop passes a weight push's result so Ray starts this call after it."""
+    def rollout_with_failures(self, jobs: list[Job], params: SamplingParams | None = None) -> tuple[list[Segment], list[dict]]:
+        """(segments of the episodes that ended, a failure row for each one whose plugin code raised)."""
         chat = isinstance(self.plugin.AgentRunner, type) and issubclass(self.plugin.AgentRunner, ChatAgent)
         failures: dict[int, dict] = {}
         with self.lock, (contextlib.nullcontext() if self.engine.partial else self.engine.hold()):
@@ -176,7 +174,8 @@ class RolloutWorker:
         a run samples the same whichever order its queued batches reach the worker, and after a resume."""
         if self.active.seed is not None:
             return self.active
-        return replace(self.active, seed=int(np.random.SeedSequence([self.seed, jobs[0].rollout_id, turn]).generate_state(1)[0]))
+        entropy = [value % 2**64 for value in (self.seed, jobs[0].rollout_id, turn)]  # held-out episodes have ids < 0
+        return replace(self.active, seed=int(np.random.SeedSequence(entropy).generate_state(1)[0]))
 
     def _segments(self, job: Job, pieces: list, reward: float, finish_reason: str, info: dict | None = None) -> list[Segment]:
         """Segment records of one episode, each audited: sampled ids intact, and would text round-trip?"""
