@@ -64,6 +64,16 @@ RNG = np.random.default_rng(0)
 PROMPTS = [RNG.integers(5, 400, size=n).astype(np.int32) for n in (3, 9, 5, 12)]  # ragged
 
 
+def test_copies_of_a_prompt_in_one_seeded_call_sample_apart_and_repeat(engine):
+    """A GRPO group: one prompt, several samples, one seeded call (the rollout seeds each call by its
+    batch and turn). The samples differ from each other, and the same call gives the same samples."""
+    group = [PROMPTS[1]] * 6
+    first = engine.generate(group, SamplingParams(max_tokens=8, temperature=1.0, seed=11))
+    again = engine.generate(group, SamplingParams(max_tokens=8, temperature=1.0, seed=11))
+    assert len({g.token_ids.tobytes() for g in first}) > 1
+    assert [g.token_ids.tolist() for g in first] == [g.token_ids.tolist() for g in again]
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_of_exact_prompt_ids_match_a_learner_forward(engine, learner, temperature):
     out = engine.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=temperature, seed=1))
