@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from workbench.engines.base import Generation, SamplingParams
-from workbench.models.prefix import cache_input, unique_rows
+from workbench.models.prefix import cache_input, output_cache, unique_rows
 
 
 def set_threads(cfg, model=None) -> None:
@@ -147,7 +147,7 @@ class TorchEngine:
         stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long)
 
         out = self.model(**inputs, use_cache=True, logits_to_keep=1)
-        cache, logits = out.cache if hasattr(out, "cache") else out.past_key_values, out.logits[:, -1]
+        cache, logits = output_cache(out), out.logits[:, -1]
         positions = inputs["position_ids"]  # [batch, seq], or [3, batch, seq] (M-RoPE)
         if len(distinct) < batch:  # each sample reads its prompt's cache from here on
             copy_of = torch.from_numpy(copy_of)

@@ -52,7 +52,7 @@ def shared_prefix_logprobs(model, token_ids: torch.Tensor, attention_mask: torch
     prefix_ids = token_ids[first_rows, :longest] * prefix_mask
     out = model(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=torch.arange(longest)[None].expand_as(prefix_ids),
                 use_cache=True)
-    cache = out.cache if hasattr(out, "cache") else out.past_key_values  # transformers < 5.20: past_key_values
+    cache = output_cache(out)
     cache.batch_select_indices(group_of)  # each row reads its group's prefix keys and values
     own = prefix_len[group_of]  # [batch]
     steps = torch.arange(int((lengths - own).max()))[None]  # [1, suffix]
@@ -67,6 +67,11 @@ def shared_prefix_logprobs(model, token_ids: torch.Tensor, attention_mask: torch
                         token_logprobs(suffix, suffix_ids, temperature)[:, 1:]], dim=1)  # [batch, prefix + suffix]
     t = torch.arange(token_ids.shape[1])[None]
     return joined.gather(1, torch.where(t < own[:, None], t, (longest + t - own[:, None]).clamp(max=joined.shape[1] - 1)))
+
+
+def output_cache(out):
+    """The KV cache a forward returned (`cache`; `past_key_values` before transformers 5.20)."""
+    return out.cache if hasattr(out, "cache") else out.past_key_values
 
 
 def cache_input(model, cache) -> dict:
