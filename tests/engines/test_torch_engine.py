@@ -39,7 +39,15 @@ def test_a_group_sharing_one_prompt_is_prefilled_once_and_sampled_apart(engine):
     rng = np.random.default_rng(3)
     heads = [rng.integers(5, 400, size=n).astype(np.int32) for n in (6, 11)]
     prompts = [heads[i % 2].copy() for i in range(8)]
-    out = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=1.0, seed=2))
+    rows = []  # batch size of each forward: the prefill is the first
+    hook = engine.model.register_forward_hook(lambda module, args, kwargs, out: rows.append(len(kwargs["input_ids"])),
+                                              with_kwargs=True)
+    try:
+        out = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=1.0, seed=2))
+        engine.generate(prompts, SamplingParams(max_tokens=1, seed=2), [[] for _ in prompts])  # as the rollout calls it
+    finally:
+        hook.remove()
+    assert rows[0] == 2 and rows[-1] == 2 and set(rows[1:-1]) == {8}  # two distinct prompts prefilled; 8 rows decode
     assert len({g.token_ids.tobytes() for g in out}) > 2  # the copies did not collapse into one sample
     for prompt, generation in zip(prompts, out):
         np.testing.assert_allclose(generation.logprobs, plain_logprobs(engine.model, prompt, generation.token_ids, 1.0),

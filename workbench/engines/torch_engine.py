@@ -136,7 +136,8 @@ class TorchEngine:
 
         batch, longest = len(prompts), max(len(p) for p in prompts)
         # a group's samples share their prompt: prefill each distinct prompt once (text-only, dense policies)
-        distinct, copy_of = unique_rows(prompts) if images is None and not self.moe else (prompts, np.arange(batch))
+        text_only = not any(images or [])  # the rollout passes each prompt's (empty) image list
+        distinct, copy_of = unique_rows(prompts) if text_only and not self.moe else (prompts, np.arange(batch))
         input_ids = torch.full((len(distinct), longest), self.pad_token_id, dtype=torch.long)  # [distinct, seq]
         attention = torch.zeros((len(distinct), longest), dtype=torch.long)
         for row, prompt in enumerate(distinct):
@@ -156,7 +157,7 @@ class TorchEngine:
         forward_version, cache_kw = self.version, cache_input(self.model, cache)
         sampled, logprobs, versions = [], [], []
         done = torch.zeros(batch, dtype=torch.bool)
-        for _ in range(params.max_tokens):
+        for step in range(params.max_tokens):
             versions.append(forward_version)  # the weights whose forward produced these logits
             logits = logits.float()  # [batch, vocab]
             if params.temperature > 0:
@@ -170,7 +171,7 @@ class TorchEngine:
             sampled.append(token)
             logprobs.append(dist.gather(-1, token[:, None]).squeeze(-1))
             done |= torch.isin(token, stop)
-            if bool(done.all()):
+            if bool(done.all()) or step + 1 == params.max_tokens:  # no forward whose logits nothing samples
                 break
             if self.partial and self._pending is not None:
                 with self._lock:  # pause, swap, resume: the next token samples from the new weights
