@@ -1,11 +1,13 @@
 """Shared prefixes: the rows of a GRPO group open on the same prompt, so the prompt runs once.
 
-The learner's forward splits right-padded rows into the longest common prefix of each group and
-per-row suffixes: the prefixes run once (their KV cache kept, with gradient), and each row's
-suffix runs on its group's cache. Attention, positions and maths are those of a full forward of
-every row (the log-probs agree to float rounding, the gradient is the same sum), with the prompt
-computed once per group instead of once per sample. The rollout engine does the same for its
-prefill (`unique_rows`). Dense text-only policies: MoE routing replay and images take the full path.
+The learner computes each group's longest common prefix once. Short replies are packed: one row
+per group, the prefix once and then each of its rows' own tokens, under an attention mask by which
+a row's tokens see the prefix and their own earlier tokens only (one forward, no padding between
+replies). Long ones run in two forwards: the prefixes (their KV cache kept, with gradient), then
+every row's own tokens on its group's cache. Either way attention, positions and maths are those of
+a full forward of every row: the log-probs agree to float rounding, the gradient is the same sum.
+The rollout engine prefills each distinct prompt once (`unique_rows`) and copies its cache to the
+group. Dense text-only policies: MoE routing replay and images take the full path.
 """
 
 from __future__ import annotations
@@ -39,12 +41,54 @@ def plan(token_ids: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor
 
 
 def shared_prefix_logprobs(model, token_ids: torch.Tensor, attention_mask: torch.Tensor, plan: Plan,
-                           temperature: float = 1.0) -> torch.Tensor:
+                           temperature: float = 1.0, packed: bool | None = None) -> torch.Tensor:
     """Log-probs [batch, seq] of right-padded rows' own ids, as `token_logprobs` of a full forward gives
-    them (padding positions hold any value), from one prefix forward per group and one suffix forward."""
+    them (padding positions hold any value), with each group's prefix computed once: `packed` in one
+    forward, else in two (prefixes, then rows on their KV cache). By default packed while a group's
+    packed row is at most twice the hidden size: the dense attention over a longer one costs more
+    than the second forward saves (bench/shared_prefix.py)."""
+    lengths = attention_mask.sum(-1)
+    own = torch.from_numpy(plan.prefix_len)[torch.from_numpy(plan.group_of)]  # [batch] where each row's own tokens start
+    member = torch.nn.functional.one_hot(torch.from_numpy(plan.group_of)) * (lengths - own)[:, None]  # [batch, groups]
+    width = int((torch.from_numpy(plan.prefix_len) + member.sum(0)).max())  # the longest packed row
+    if packed is None:  # (a 4D mask is an additive bias for sdpa and eager attention; flash kernels take none)
+        packed = width <= 2 * model.config.get_text_config().hidden_size and model.config._attn_implementation in ("sdpa", "eager")
+    if not packed:
+        return _cached(model, token_ids, lengths, plan, temperature)
+    return _packed(model, token_ids, lengths, plan, temperature, own, member, width)
+
+
+def _packed(model, token_ids, lengths, plan, temperature, own, member, width):
+    """One row per group: its prefix once, then each of its rows' own tokens, under a mask by which a
+    row's tokens see the prefix and their own earlier tokens only, at their own positions."""
+    group_of, groups = torch.from_numpy(plan.group_of), len(plan.prefix_len)
+    start = own + (member.cumsum(0) - member).gather(1, group_of[:, None])[:, 0]  # [batch] own tokens' packed column
+    t = torch.arange(token_ids.shape[1])[None]  # [1, seq]
+    column = torch.where(t < own[:, None], t, start[:, None] + t - own[:, None])
+    spare = groups * width  # the slot every padding position writes to (dropped)
+    slot = torch.where(t < lengths[:, None], group_of[:, None] * width + column, spare)  # [batch, seq] packed slot
+
+    def pack(values: torch.Tensor, fill: int) -> torch.Tensor:  # [groups, width]; a group's rows agree on its prefix
+        return torch.full((spare + 1,), fill).index_put_((slot.flatten(),), values.flatten())[:spare].view(-1, width)
+
+    ids, positions = pack(token_ids, 0), pack(t.expand_as(token_ids), 0)
+    owner = pack(torch.where(t < own[:, None], -1, torch.arange(len(token_ids))[:, None]), -2)  # prefix -1, padding -2
+    sees = ((owner[:, None, :] == owner[:, :, None]) | (owner[:, None, :] == -1)) & (positions[:, None, :] <= positions[:, :, None])
+    dtype = next(model.parameters()).dtype
+    bias = torch.zeros(sees.shape, dtype=dtype).masked_fill(~sees, torch.finfo(dtype).min)[:, None]  # [groups, 1, q, k]
+    logits = model(input_ids=ids, attention_mask=bias, position_ids=positions,
+                   use_cache=False).logits.flatten(0, 1).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    source = slot[:, :-1].clamp(max=spare - 1)  # the slot whose logits predict each next id
+    picked = logits[source, token_ids[:, 1:]] - torch.logsumexp(logits, dim=-1)[source]  # [batch, seq - 1]
+    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+
+
+def _cached(model, token_ids, lengths, plan, temperature):
+    """The prefixes in one forward (KV cache kept, with gradient), every row's own tokens in a second on it."""
     from workbench.algo.losses import token_logprobs
 
-    lengths = attention_mask.sum(-1)
     prefix_len, group_of = torch.from_numpy(plan.prefix_len), torch.from_numpy(plan.group_of)
     first_rows = torch.from_numpy(np.unique(plan.group_of, return_index=True)[1])
     longest = int(prefix_len.max())
