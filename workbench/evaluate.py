@@ -56,15 +56,15 @@ def eval_tables(run_id: str, step: int, row: dict) -> dict[str, pa.Table]:
                                  "value": list(metrics.values()), "time": [now] * 2}, schema=METRICS)}
 
 
-def at_step(cfg, workers, store, step: int) -> None:
-    """During training: every `eval.every` steps, score the workers' current weights on the held-out split."""
+def at_step(cfg, workers, store, step: int, weights) -> None:
+    """During training: every `eval.every` steps, score the step's `weights` on the held-out split."""
     import ray
 
     if not cfg.eval.every or (step + 1) % cfg.eval.every:
         return
     split, samples = eval_samples(cfg)
     max_tokens = cfg.eval.max_tokens or cfg.engine.max_tokens
-    rewards = ray.get([w.evaluate.remote(jobs, max_tokens, cfg.eval.temperature)
+    rewards = ray.get([w.evaluate.remote(jobs, max_tokens, cfg.eval.temperature, weights)
                        for w, jobs in zip(workers, eval_jobs(cfg, samples, len(workers)))])
     row = dict(score([r for worker in rewards for r in worker], cfg.eval.threshold), checkpoint="live", split=split)
     store.write_eval.remote(step, row)

@@ -22,14 +22,15 @@ class Rollout:
     segments: list
     failures: list
     data_state: dict  # the data position before this batch was drawn: what a checkpoint saves
+    weights: object = None  # the learner's weights (a Ray reference) the batch starts on; None: the engines' own
 
 
-def submit(workers, prompts) -> Rollout:
-    """Start the next batch of episodes, shared among the workers."""
+def submit(workers, prompts, weights=None) -> Rollout:
+    """Start the next batch of episodes, shared among the workers, on `weights` when given."""
     data_state = prompts.state()
     jobs = prompts.next_jobs(len(workers))
-    futures = [w.rollout_with_failures.options(num_returns=2).remote(j) for w, j in zip(workers, jobs)]
-    return Rollout(jobs, [f[0] for f in futures], [f[1] for f in futures], data_state)
+    futures = [w.rollout_with_failures.options(num_returns=2).remote(j, None, weights) for w, j in zip(workers, jobs)]
+    return Rollout(jobs, [f[0] for f in futures], [f[1] for f in futures], data_state, weights)
 
 
 def collect(rollout: Rollout, step: int, cfg, store, learner, workers, prompts) -> list:
@@ -62,7 +63,7 @@ def collect(rollout: Rollout, step: int, cfg, store, learner, workers, prompts) 
                   file=sys.stderr, flush=True)
         if len(rows) < sum(len(jobs) for jobs in rollout.jobs):
             return delivered
-        rollout = submit(workers, prompts)
+        rollout = submit(workers, prompts, rollout.weights)
     raise RuntimeError(f"Step {step}: three rollout batches in a row lost every episode; the failed_episodes table "
                        f"holds each error: fix the agent, its data or the engine.")
 

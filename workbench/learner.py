@@ -14,6 +14,7 @@ import torch
 
 from workbench.algo.advantages import compute_advantages, distill_advantages, uniform_groups
 from workbench.algo.losses import approx_kl, masked_mean, policy_gradient_loss, sequence_ratio_logprob, token_logprobs
+from workbench.engines.base import to_wire
 from workbench.invariants.routing_replay import find_routers, replay_routes
 from workbench.invariants.version_gate import gate_metrics, version_gate
 from workbench.models.multimodal import forward_inputs
@@ -112,9 +113,8 @@ class Learner:
         return load_learner(self, folder)
 
     def weights(self) -> dict:
-        """The current weights and their version, as the engines load them."""
-        return {"state_dict": {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()},
-                "version": self.version}
+        """The current weights (in `to_wire` form) and their version, as the rollout workers load them."""
+        return {"state_dict": to_wire(self.model.state_dict()), "version": self.version}
 
     def logprobs(self, batch: dict, replay: bool | None = None, routing: dict | None = None) -> torch.Tensor:
         """Log-probs of the batch's own ids; for a MoE policy with recorded routes, under routing replay

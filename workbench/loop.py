@@ -35,23 +35,24 @@ def train(cfg) -> str:
             clock.lap("rollout")
             # ---- gate and train: recompute log-probs, version gate, advantages, PPO steps (version += minibatches)
             metrics, rows = learner.train.options(num_returns=2).remote(*segments)
-            # ---- sync: push the new weights and version (the learner runs its calls in order: these follow the
-            # step), delivered before the next batch is submitted (a push waits on the weights, a rollout call does
-            # not, so Ray could start the batch first): a worker adopts them when its current batch ends, so a
-            # batch is exactly async_depth versions behind; with async_depth=0 the next batch starts from them
+            # ---- sync: the new weights and version (the learner runs its calls in order: these follow the step)
+            # travel with the next batch, which Ray starts once they exist and which starts on exactly them: a
+            # batch is exactly async_depth versions behind, and the driver never waits on a push. Partial
+            # rollouts also take them mid-batch: the batch in flight gets them pushed
             weights = learner.weights.remote()
-            ray.get([w.load_weights.remote(weights) for w in workers])
+            if cfg.rollout.partial:
+                ray.get([w.load_weights.remote(weights) for w in workers])
             if step + len(in_flight) + 1 < batches:
-                in_flight.append(faults.submit(workers, prompts))
+                in_flight.append(faults.submit(workers, prompts, weights))
             metrics = ray.get(metrics)
-            clock.lap("train")  # the learner's step and the weight push
+            clock.lap("train")  # the learner's step
             # ---- log: the single writer stores segments, tokens, gate decisions and metrics
             metrics = clock.metrics(metrics)
             store.write_step.remote(step, metrics, rows, *segments)
             checkpoint.maybe_save(cfg, run_dir, step, learner, store, in_flight[0].data_state if in_flight else prompts.state())
             progress.update(metrics)
             # ---- evaluate: every eval.every steps, the held-out split under its own sampling settings
-            evaluate.at_step(cfg, workers, store, step)
+            evaluate.at_step(cfg, workers, store, step, weights)
         status = "finished"
     except KeyboardInterrupt:
         status = "interrupted"

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from workbench.api import ChatAgent, ChatContext, Result, load_plugin
-from workbench.engines.base import SamplingParams
+from workbench.engines.base import SamplingParams, from_wire
 from workbench.invariants.token_identity import TokenAccumulator, reply_text, retokenize_drift
 from workbench.segment import Segment
 
@@ -58,28 +58,34 @@ class RolloutWorker:
                                      top_p=cfg.engine.top_p, stop_token_ids=(self.tokenizer.eos_token_id,))
 
     def load_weights(self, weights: dict) -> int:
-        """Adopt the learner's weights (`state_dict`) and their `version`."""
-        self.engine.load_weights(weights["state_dict"], weights["version"])
+        """Adopt the learner's weights (`state_dict`, in `to_wire` form) and their `version`."""
+        self.engine.load_weights(from_wire(weights["state_dict"]), weights["version"])
         return weights["version"]
 
-    def rollout(self, jobs: list[Job], params: SamplingParams | None = None) -> list[Segment]:
-        """Run the episodes of `jobs` to the end (with `params`, else the training sampling settings).
-        Without partial rollout, one weight version serves them all."""
-        return self.rollout_with_failures(jobs, params)[0]
+    def rollout(self, jobs: list[Job], params: SamplingParams | None = None, weights: dict | None = None) -> list[Segment]:
+        """Run the episodes of `jobs` to the end (with `params`, else the training sampling settings; on
+        `weights` when given, else the engine's). Without partial rollout, one weight version serves them all."""
+        return self.rollout_with_failures(jobs, params, weights)[0]
 
-    def evaluate(self, jobs: list[Job], max_tokens: int, temperature: float) -> list[float]:
+    def evaluate(self, jobs: list[Job], max_tokens: int, temperature: float, weights: dict | None = None) -> list[float]:
         """The reward of each held-out episode, sampled with evaluation settings; nothing of it is trained."""
-        segments = self.rollout(jobs, replace(self.params, max_tokens=max_tokens, temperature=temperature))
+        segments = self.rollout(jobs, replace(self.params, max_tokens=max_tokens, temperature=temperature), weights)
         return list({s.rollout_id: s.reward for s in segments}.values())
 
-    def rollout_with_failures(self, jobs: list[Job], params: SamplingParams | None = None) -> tuple[list[Segment], list[dict]]:
-        """(segments of the episodes that ended, a failure row for each one whose plugin code raised)."""
+    def rollout_with_failures(self, jobs: list[Job], params: SamplingParams | None = None,
+                              weights: dict | None = None) -> tuple[list[Segment], list[dict]]:
+        """(segments of the episodes that ended, a failure row for each one whose plugin code raised).
+        `weights` (as `load_weights` takes them) travel with the call, so the batch starts on exactly them
+        whenever Ray starts it; the loop sends each batch the weights async_depth versions behind."""
         chat = isinstance(self.plugin.AgentRunner, type) and issubclass(self.plugin.AgentRunner, ChatAgent)
         failures: dict[int, dict] = {}
-        with self.lock, (contextlib.nullcontext() if self.engine.partial else self.engine.hold()):
-            generated = getattr(self.engine, "compute_s", None)
-            self.active = params or self.params
-            segments = self._chat_rollout(jobs, failures) if chat else self._env_rollout(jobs, failures)
+        with self.lock:
+            if weights is not None and weights["version"] != self.engine.version:
+                self.load_weights(weights)
+            with contextlib.nullcontext() if self.engine.partial else self.engine.hold():
+                generated = getattr(self.engine, "compute_s", None)
+                self.active = params or self.params
+                segments = self._chat_rollout(jobs, failures) if chat else self._env_rollout(jobs, failures)
         if segments and generated is not None:  # this call's generation seconds, for the learner's perf/generate_s
             segments[0].audit["generate_s"] = self.engine.compute_s - generated
         return segments, list(failures.values())

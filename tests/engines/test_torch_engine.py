@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from workbench.engines.base import SamplingParams
+from workbench.engines.base import SamplingParams, from_wire, to_wire
 from workbench.engines.torch_engine import TorchEngine
 
 
@@ -83,3 +83,16 @@ def test_new_weights_carry_their_version(tiny_path):
     assert set(after.versions) == {3}
     assert not np.allclose(before.logprobs, after.logprobs)
     torch.testing.assert_close(engine.model.state_dict()["lm_head.weight"], state["lm_head.weight"])
+
+
+def test_weights_cross_the_wire_bit_for_bit_in_every_dtype():
+    import pickle
+
+    state = {"w": torch.randn(3, 4), "half": torch.randn(5).to(torch.bfloat16), "scalar": torch.tensor(2.5),
+             "ids": torch.arange(6).reshape(2, 3), "strided": torch.randn(4, 3).t()}
+    wire = pickle.loads(pickle.dumps(to_wire(state)))  # as Ray moves it
+    assert all(isinstance(raw, np.ndarray) for raw, _, _ in wire.values())
+    back = from_wire(wire)
+    for name, tensor in state.items():
+        assert back[name].dtype == tensor.dtype and back[name].shape == tensor.shape
+        assert torch.equal(back[name], tensor), name
