@@ -26,25 +26,23 @@ def collate(segments: list[Segment]) -> dict[str, torch.Tensor]:
     """Right-padded batch tensors built from token ids only (text cannot reach the trainer)."""
     if not all(isinstance(s, Segment) for s in segments):
         raise TypeError("The learner trains on Segment records only (token ids), never on text.")
-    longest = max(len(s.token_ids) for s in segments)
-    batch = {"token_ids": torch.zeros((len(segments), longest), dtype=torch.long),  # [batch, seq]
-             "attention_mask": torch.zeros((len(segments), longest), dtype=torch.long),
-             "loss_mask": torch.zeros((len(segments), longest), dtype=torch.bool),
-             "behavior_logprob": torch.zeros((len(segments), longest)),
-             "behavior_version": torch.full((len(segments), longest), -1, dtype=torch.int32)}
-    for row, s in enumerate(segments):
-        n = len(s.token_ids)
-        batch["token_ids"][row, :n] = torch.from_numpy(s.token_ids.astype(np.int64))
-        batch["attention_mask"][row, :n] = 1
-        batch["loss_mask"][row, :n] = torch.from_numpy(s.loss_mask.astype(bool))
-        batch["behavior_logprob"][row, :n] = torch.from_numpy(s.behavior_logprob)
-        batch["behavior_version"][row, :n] = torch.from_numpy(s.behavior_version)
-    if any(s.routed_experts is not None for s in segments):  # [batch, seq, layers, k], -1 = unknown
-        shape = next(s.routed_experts.shape[1:] for s in segments if s.routed_experts is not None)
-        batch["routed_experts"] = torch.full((len(segments), longest, *shape), -1, dtype=torch.int16)
+    lengths = np.array([len(s.token_ids) for s in segments])
+
+    def padded(field: str, dtype, fill=0) -> torch.Tensor:  # [batch, seq, ...] right-padded, filled in numpy
+        shape = next(getattr(s, field).shape[1:] for s in segments if getattr(s, field) is not None)
+        out = np.full((len(segments), lengths.max(), *shape), fill, dtype=dtype)
         for row, s in enumerate(segments):
-            if s.routed_experts is not None:
-                batch["routed_experts"][row, :len(s.token_ids)] = torch.from_numpy(s.routed_experts)
+            if getattr(s, field) is not None:
+                out[row, :lengths[row]] = getattr(s, field)
+        return torch.from_numpy(out)
+
+    batch = {"token_ids": padded("token_ids", np.int64),  # [batch, seq]
+             "attention_mask": torch.from_numpy((np.arange(lengths.max()) < lengths[:, None]).astype(np.int64)),
+             "loss_mask": padded("loss_mask", bool),
+             "behavior_logprob": padded("behavior_logprob", np.float32),
+             "behavior_version": padded("behavior_version", np.int32, -1)}
+    if any(s.routed_experts is not None for s in segments):  # [batch, seq, layers, k], -1 = unknown
+        batch["routed_experts"] = padded("routed_experts", np.int16, -1)
     batch["images"] = [s.images for s in segments]  # encoded images per row (vision-language policies)
     batch["rewards"] = torch.tensor([s.reward for s in segments], dtype=torch.float32)  # [batch]
     batch["group_ids"] = torch.tensor([s.group_id for s in segments])
@@ -56,8 +54,8 @@ def audit_identity(segments: list[Segment], batch: dict) -> dict[str, float]:
     """Token identity, checked on every batch: the rollout's audit (mask-1 ids are the engine's sampled
     ids, in order) and the trainer's input ids equal to the segment's ids. A violation stops the run."""
     violations = sum(not s.audit.get("identity", True) for s in segments)
-    violations += sum(not np.array_equal(batch["token_ids"][row, :len(s.token_ids)].numpy(), s.token_ids)
-                      for row, s in enumerate(segments))
+    ids = batch["token_ids"].numpy()
+    violations += sum(not np.array_equal(ids[row, :len(s.token_ids)], s.token_ids) for row, s in enumerate(segments))
     if violations:
         raise RuntimeError(f"Token identity violated in {violations} segment(s): trainer input no longer equals the "
                            f"sampled ids; this is a bug in the rollout path, please report it with the run folder.")
