@@ -106,6 +106,10 @@ class TorchEngine:
     def generate(self, prompts: list[np.ndarray], params: SamplingParams,
                  images: list[list[bytes]] | None = None) -> list[Generation]:
         """`images[i]`: the images of prompt i, in the order of its placeholder runs (vision-language models)."""
+        # OpenMP's thread count is per thread: the calling thread (a Ray actor thread, a loopback server request)
+        # starts at OMP_NUM_THREADS or every core, not at set_threads' choice (with passive waits, two threads
+        # on the tiny policy's matmuls took 1.9x as long as one)
+        torch.set_num_threads(torch.get_num_threads())
         self._enter()
         start = time.perf_counter()
         try:
