@@ -189,9 +189,9 @@ class TorchEngine:
 
         tokens = torch.stack(sampled, dim=1).numpy()  # [batch, new]
         token_logprobs = torch.stack(logprobs, dim=1).numpy()
-        results = []
+        results, stopped = [], np.isin(tokens, stop.numpy())  # [batch, new]
         for row in range(batch):
-            hits = np.flatnonzero(np.isin(tokens[row], stop.numpy()))
+            hits = np.flatnonzero(stopped[row])
             end = int(hits[0]) + 1 if len(hits) else tokens.shape[1]
             results.append(Generation(tokens[row, :end].astype(np.int32), token_logprobs[row, :end].astype(np.float32),
                                       np.asarray(versions[:end], dtype=np.int32), "stop" if len(hits) else "length"))
