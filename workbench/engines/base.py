@@ -55,7 +55,7 @@ def to_wire(state_dict: dict) -> dict:
     3x slower for the tiny policy's push), with its dtype and shape."""
     import torch
 
-    return {name: (tensor.detach().reshape(-1).view(torch.uint8).numpy().copy(), tensor.dtype, tuple(tensor.shape))
+    return {name: (tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().copy(), tensor.dtype, tuple(tensor.shape))
             for name, tensor in state_dict.items()}
 
 
