@@ -155,7 +155,7 @@ class StoreActor:
         for name, table in step_tables(self.run_id, step, rows["learner_version"], segments, rows).items():
             self.writer.append(name, table)
         self.log(step, metrics)
-        self.writer.update_run(steps_done=int(metrics["train/version"]), reward_mean=metrics.get("reward/mean"))
+        self.writer.update_run(at_flush=True, steps_done=int(metrics["train/version"]), reward_mean=metrics.get("reward/mean"))
         self.writer.maybe_flush()
 
     def write_failures(self, step: int, rows: list[dict]) -> None:

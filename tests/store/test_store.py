@@ -120,3 +120,11 @@ def test_run_row_updates_are_atomic_json(tmp_path):
     row = json.loads((tmp_path / "r1" / "run.json").read_text())
     assert row["steps_done"] == 3 and row["status"] == "running" and row["updated"] >= row["created"]
     assert not list((tmp_path / "r1").glob(".*.tmp"))
+
+
+def test_a_steps_progress_reaches_run_json_with_the_data_it_counts(tmp_path):
+    writer = RunWriter(tmp_path / "r2", {"run_id": "r2", "created": 1.0, "status": "running", "steps_done": 0})
+    writer.update_run(at_flush=True, steps_done=4)
+    assert json.loads((tmp_path / "r2" / "run.json").read_text())["steps_done"] == 0  # not before its data
+    writer.flush()
+    assert json.loads((tmp_path / "r2" / "run.json").read_text())["steps_done"] == 4

@@ -40,7 +40,7 @@ class RunWriter:
             if self.next_shard[name] == 0:  # an empty shard keeps `read_parquet(folder/*)` valid from the start
                 self._write_shard(name, schema.empty_table())
         self.last_flush = time.monotonic()
-        self.run_row = dict(run_row, updated=time.time())
+        self.run_row, self.row_pending = dict(run_row, updated=time.time()), False
         write_json_atomic(self.run_dir / "run.json", self.run_row)
 
     def append(self, table: str, rows: pa.Table) -> None:
@@ -74,6 +74,8 @@ class RunWriter:
                 if tables:
                     self._write_shard(name, pa.concat_tables(tables))
                     tables.clear()
+            if self.row_pending:  # the row's progress, as far as the data just written
+                self.update_run()
             self.last_flush = time.monotonic()
 
     def save_images(self, images: list[bytes]) -> None:
@@ -87,11 +89,15 @@ class RunWriter:
                 final.with_name(f".{final.name}.tmp").write_bytes(image)
                 os.replace(final.with_name(f".{final.name}.tmp"), final)
 
-    def update_run(self, **fields) -> None:
-        """Rewrite the `runs` row (status, steps done, last reward, ...) atomically."""
+    def update_run(self, at_flush: bool = False, **fields) -> None:
+        """Rewrite the `runs` row (status, steps done, last reward, ...) atomically; `at_flush`: with the
+        next flush of the data (a step's progress: the row holds the whole config, too big to rewrite
+        every step)."""
         with self.lock:
             self.run_row.update(fields, updated=time.time())
-            write_json_atomic(self.run_dir / "run.json", self.run_row)
+            self.row_pending = at_flush
+            if not at_flush:
+                write_json_atomic(self.run_dir / "run.json", self.run_row)
 
     def close(self, status: str = "finished") -> None:
         with self.lock:
