@@ -48,20 +48,21 @@ def shared_prefix_logprobs(model, token_ids: torch.Tensor, attention_mask: torch
     packed row is at most twice the hidden size: the dense attention over a longer one costs more
     than the second forward saves (bench/shared_prefix.py)."""
     lengths = attention_mask.sum(-1)
-    own = torch.from_numpy(plan.prefix_len)[torch.from_numpy(plan.group_of)]  # [batch] where each row's own tokens start
-    member = torch.nn.functional.one_hot(torch.from_numpy(plan.group_of)) * (lengths - own)[:, None]  # [batch, groups]
-    width = int((torch.from_numpy(plan.prefix_len) + member.sum(0)).max())  # the longest packed row
+    prefix_len, group_of = torch.from_numpy(plan.prefix_len), torch.from_numpy(plan.group_of)
+    own = prefix_len[group_of]  # [batch] where each row's own tokens start
+    member = torch.nn.functional.one_hot(group_of, len(prefix_len)) * (lengths - own)[:, None]  # [batch, groups]
+    width = int((prefix_len + member.sum(0)).max())  # the longest packed row
     if packed is None:  # (a 4D mask is an additive bias for sdpa and eager attention; flash kernels take none)
         packed = width <= 2 * model.config.get_text_config().hidden_size and model.config._attn_implementation in ("sdpa", "eager")
     if not packed:
         return _cached(model, token_ids, lengths, plan, temperature)
-    return _packed(model, token_ids, lengths, plan, temperature, own, member, width)
+    return _packed(model, token_ids, lengths, group_of, temperature, own, member, width)
 
 
-def _packed(model, token_ids, lengths, plan, temperature, own, member, width):
+def _packed(model, token_ids, lengths, group_of, temperature, own, member, width):
     """One row per group: its prefix once, then each of its rows' own tokens, under a mask by which a
     row's tokens see the prefix and their own earlier tokens only, at their own positions."""
-    group_of, groups = torch.from_numpy(plan.group_of), len(plan.prefix_len)
+    groups = member.shape[1]
     start = own + (member.cumsum(0) - member).gather(1, group_of[:, None])[:, 0]  # [batch] own tokens' packed column
     t = torch.arange(token_ids.shape[1])[None]  # [1, seq]
     column = torch.where(t < own[:, None], t, start[:, None] + t - own[:, None])
