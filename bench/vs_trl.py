@@ -1,7 +1,7 @@
 """molt-wb vs TRL's GRPOTrainer: the same policy, task and batch, trained one after the other.
 
     pip install -e '.[bench]'
-    python bench/vs_trl.py [--quick] [--steps N] [override ...]
+    python bench/vs_trl.py [--quick] [--steps N] [--seeds 0-5] [--target 0.75] [override ...]
 
 Both sides train the arith recipe's warm-started tiny Qwen3 (built offline, same checkpoint) on the
 recipe's data and reward (plugins/arith.py), with the same group size, prompts per step, completion
@@ -16,6 +16,11 @@ TRL runs twice: as shipped, and with OMP_WAIT_POLICY=PASSIVE (what molt-wb sets 
 so the ratio shows what is framework and what is that setting. Step times exclude start-up and the
 first (warm-up) step; generated tokens are sampled completion tokens (stop token included) on both
 sides. Prints each side and the ratios molt-wb / TRL.
+
+Speed at equal reward: each side's training time until its reward, averaged over 5 steps, first
+reaches `--target` (time to target: the steps' own times, the warm-up step counted at the steady
+mean). With `--seeds`, every side but TRL+passive runs once per seed (each seed warm-starts its own
+checkpoint), and the means over the seeds are compared.
 """
 
 import argparse
@@ -139,18 +144,65 @@ def measure(side: str, steps: int, extra: list[str], model_path: str, env: dict)
     return result
 
 
-def summary(r: dict) -> dict:
+def summary(r: dict, target: float = 0.75, window: int = 5) -> dict:
     steady = r["step_s"][1:] or r["step_s"]  # the first step warms up
     tokens = sum(r["tokens"][1:] or r["tokens"])
     k = max(1, len(r["reward"]) // 5)
+    times = [sum(steady) / len(steady), *r["step_s"][1:]]  # the warm-up step at the steady mean: its extra is start-up
+    reached = next((end for end in range(window, len(r["reward"]) + 1)
+                    if sum(r["reward"][end - window:end]) / window >= target), None)
     return {"step_s": sum(steady) / len(steady), "tokens_per_s": tokens / sum(steady), "wall_s": r["wall_s"],
-            "peak_rss_mb": r["peak_rss_mb"], "peak_pss_mb": r["peak_pss_mb"], "reward_first": sum(r["reward"][:k]) / k, "reward_last": sum(r["reward"][-k:]) / k}
+            "peak_rss_mb": r["peak_rss_mb"], "peak_pss_mb": r["peak_pss_mb"], "reward_first": sum(r["reward"][:k]) / k,
+            "reward_last": sum(r["reward"][-k:]) / k, "steps_to_target": reached,
+            "s_to_target": sum(times[:reached]) if reached else None}
+
+
+def seed_list(text: str) -> list[int]:
+    """'3' -> [3]; '0-5' -> [0..5]; '0,2,7' -> [0, 2, 7]."""
+    first, _, last = text.partition("-")
+    return list(range(int(first), int(last) + 1)) if last else [int(x) for x in text.split(",")]
+
+
+def compare_seeds(seeds: list[int], steps: int, overrides: list[str], target: float) -> None:
+    """Every side once per seed; per seed and mean: tokens/s, last reward, time to target; ratios over TRL."""
+    from workbench import runtime
+
+    sides = {"molt-wb": ("molt", []), "molt-wb async": ("molt", ASYNC), "TRL": ("trl", [])}
+    table = {name: [] for name in sides}
+    print(f"{'seed':>4} {'side':>14} {'tokens/s':>9} {'reward last':>11} {'steps to target':>15} {'s to target':>11}")
+    for seed in seeds:
+        extra = [*overrides, f"seed={seed}"]
+        model_path = runtime.policy_path(config(steps, extra))
+        for name, (side, more) in sides.items():
+            s = summary(measure(side, steps, [*extra, *more], model_path, {}), target)
+            table[name].append(s)
+            print(f"{seed:>4} {name:>14} {s['tokens_per_s']:9.0f} {s['reward_last']:11.3f} {s['steps_to_target'] or '-':>15} "
+                  + (f"{s['s_to_target']:11.2f}" if s["s_to_target"] else f"{'-':>11}"), flush=True)
+
+    both = [i for i in range(len(seeds)) if all(table[name][i]["s_to_target"] for name in sides)]  # seeds all reached
+
+    def mean(name: str, key: str) -> float:
+        rows = [table[name][i] for i in both] if key.endswith("to_target") else table[name]
+        return sum(s[key] for s in rows) / len(rows) if rows else float("nan")
+
+    print(f"mean over seeds {','.join(map(str, seeds))}; to target (reward {target} over 5 steps): mean over the "
+          f"{len(both)} seeds where every side reached it")
+    print(f"{'side':>14} {'tokens/s':>9} {'reward last':>11} {'reached':>7} {'steps to target':>15} {'s to target':>11} "
+          f"{'tokens/s / TRL':>14} {'TRL s / s, to target':>20}")
+    for name in sides:
+        reached = sum(s["s_to_target"] is not None for s in table[name])
+        print(f"{name:>14} {mean(name, 'tokens_per_s'):9.0f} {mean(name, 'reward_last'):11.3f} {reached:>4}/{len(seeds):<2} "
+              f"{mean(name, 'steps_to_target'):15.1f} {mean(name, 's_to_target'):11.2f} "
+              f"{mean(name, 'tokens_per_s') / mean('TRL', 'tokens_per_s'):14.2f} "
+              f"{mean('TRL', 's_to_target') / mean(name, 's_to_target'):20.2f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="4 steps per side, for a smoke run")
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--seeds", help="run every side once per seed, e.g. 0-5 or 0,3 (default: the recipe's seed only)")
+    parser.add_argument("--target", type=float, default=0.75, help="the reward (mean over 5 steps) timed to (default 0.75)")
     parser.add_argument("--side", choices=("molt", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -161,6 +213,9 @@ def main() -> None:
         result = (run_molt if args.side == "molt" else run_trl)(steps, args.overrides, args.model)
         Path(args.json).write_text(json.dumps(result))
         return
+    if args.seeds:
+        compare_seeds(seed_list(args.seeds), steps, args.overrides, args.target)
+        return
     from workbench import runtime
 
     model_path = runtime.policy_path(config(steps, args.overrides))  # the warm start, built (once) before either side
@@ -169,20 +224,22 @@ def main() -> None:
     if args.quick:
         sides.pop("TRL+passive")
     results = {name: measure(side, steps, [*args.overrides, *more], model_path, env) for name, (side, env, more) in sides.items()}
-    summaries = {name: summary(r) for name, r in results.items()}
+    summaries = {name: summary(r, args.target) for name, r in results.items()}
     print(f"{steps} steps of {config(steps, args.overrides).trainer.prompts_per_step} prompts x "
           f"{config(steps, args.overrides).trainer.group_size} samples, {os.cpu_count()} CPU cores")
-    print(f"{'':>26} {'step_s':>7} {'tokens/s':>9} {'wall_s':>7} {'peak_MB':>8} {'PSS_MB':>7} {'reward first':>12} {'reward last':>11}")
+    print(f"{'':>26} {'step_s':>7} {'tokens/s':>9} {'wall_s':>7} {'peak_MB':>8} {'PSS_MB':>7} {'reward first':>12} {'reward last':>11} "
+          f"{'s to target':>11}")
     for name, s in summaries.items():
         print(f"{name:>26} {s['step_s']:7.3f} {s['tokens_per_s']:9.0f} {s['wall_s']:7.1f} {s['peak_rss_mb']:8.0f} {s['peak_pss_mb']:7.0f} "
-              f"{s['reward_first']:12.3f} {s['reward_last']:11.3f}")
+              f"{s['reward_first']:12.3f} {s['reward_last']:11.3f} " + (f"{s['s_to_target']:11.2f}" if s["s_to_target"] else f"{'-':>11}"))
     for ours in ("molt-wb", "molt-wb async"):
         for name in [n for n in summaries if n.startswith("TRL")]:
             molt, trl = summaries[ours], summaries[name]
             print(f"{ours + ' / ' + name:>26} {molt['step_s'] / trl['step_s']:7.2f} {molt['tokens_per_s'] / trl['tokens_per_s']:9.2f} "
                   f"{molt['wall_s'] / trl['wall_s']:7.2f} {molt['peak_rss_mb'] / trl['peak_rss_mb']:8.2f} "
                   f"{molt['peak_pss_mb'] / trl['peak_pss_mb']:7.2f}")
-    print("reward first / last: mean over the first / last fifth of the steps")
+    print(f"reward first / last: mean over the first / last fifth of the steps; s to target: training seconds until the "
+          f"reward over 5 steps first reaches {args.target}")
     for name, r in results.items():
         print(f"reward curve {name:>13}: " + " ".join(f"{x:.2f}" for x in r["reward"]))
 

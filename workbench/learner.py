@@ -114,6 +114,10 @@ class Learner:
         """The current weights (in `to_wire` form) and their version, as the rollout workers load them."""
         return {"state_dict": to_wire(self.model.state_dict()), "version": self.version}
 
+    def step(self, *worker_segments: list[Segment]) -> tuple[dict, dict, dict]:
+        """`train`, then the new `weights`: one call of the loop's, so the next batch waits on nothing more."""
+        return *self.train(*worker_segments), self.weights()
+
     def logprobs(self, batch: dict, replay: bool | None = None, routing: dict | None = None) -> torch.Tensor:
         """Log-probs of the batch's own ids; for a MoE policy with recorded routes, under routing replay
         (`algo.routing_replay`, or `replay` to override) and with the route mismatches put in `routing`."""
@@ -224,8 +228,8 @@ class Learner:
         metrics["train/version"] = float(self.version)
         metrics["perf/learner_compute_s"] = compute
         metrics["perf/generate_s"] = max((sum(s.audit.get("generate_s", 0.0) for s in w) for w in worker_segments), default=0.0)
-        rows = {"train_logprob": [old_logprob[i, :n].numpy() for i, n in enumerate(lengths.tolist())],
-                "is_weight": [gate.token_weight[i, :n].numpy() for i, n in enumerate(lengths.tolist())],
+        real = batch["attention_mask"].bool()  # right-padded: each segment's tokens in order, segment after segment
+        rows = {"train_logprob": [old_logprob[real].numpy()], "is_weight": [gate.token_weight[real].numpy()],
                 "advantage": (masked_mean(advantages, mask, dim=-1) if advantages.dim() == 2 else advantages).tolist(),
                 "learner_version": consumed_at,
                 "routing": routing_rows,

@@ -34,12 +34,10 @@ def train(cfg) -> str:
             segments = faults.collect(in_flight.popleft(), step, cfg, store, learner, workers, prompts)
             clock.lap("rollout")
             # ---- gate and train: recompute log-probs, version gate, advantages, PPO steps (version += minibatches)
-            metrics, rows = learner.train.options(num_returns=2).remote(*segments)
-            # ---- sync: the new weights and version (the learner runs its calls in order: these follow the step)
-            # travel with the next batch, which Ray starts once they exist and which starts on exactly them: a
-            # batch is exactly async_depth versions behind, and the driver never waits on a push. Partial
-            # rollouts also take them mid-batch: the batch in flight gets them pushed
-            weights = learner.weights.remote()
+            # ---- sync: the step's new weights and version travel with the next batch, which Ray starts once they
+            # exist and which starts on exactly them: a batch is exactly async_depth versions behind, and the driver
+            # never waits on a push. Partial rollouts also take them mid-batch: the batch in flight gets them pushed
+            metrics, rows, weights = learner.step.options(num_returns=3).remote(*segments)
             if cfg.rollout.partial:
                 ray.get([w.load_weights.remote(weights) for w in workers])
             if step + len(in_flight) + 1 < batches:

@@ -69,8 +69,8 @@ TABLES: dict[str, pa.Schema] = {"segments": SEGMENTS, "tokens": TOKENS, "metrics
 def step_tables(run_id: str, step: int, learner_version: int, segments: list, train: dict) -> dict[str, pa.Table]:
     """Segment and token rows of one consumed batch.
 
-    `train` holds per-segment lists from the learner: `train_logprob` and `is_weight` (float32 [T]
-    each), `advantage` (one float per segment) and, when a learner gated them, `gate` (the version
+    `train` holds from the learner: `train_logprob` and `is_weight` (float32 arrays whose concatenation
+    is every segment's tokens in order, segment after segment), `advantage` (one float per segment) and, when a learner gated them, `gate` (the version
     gate's per-sequence columns).
     """
     lengths = np.array([len(s.token_ids) for s in segments], dtype=np.int64)
