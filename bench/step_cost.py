@@ -11,7 +11,9 @@ advantages, metrics, the weight push. The store's writes run in its own actor, o
 
 Runs: the arith recipe as it is (warm-started: 2-token replies, so compute is smallest), then the
 scaling points from a base without the warm start (replies run to `engine.max_tokens`): base
-(group 8, 32 new tokens, 1 rollout worker), group size x2, new tokens x2, rollout workers x2.
+(group 8, 32 new tokens, 1 rollout worker), group size x2, new tokens x2, rollout workers x2, and
+the `small` policy (4.2M parameters, ~10x tiny's compute per token: how the overhead's share falls
+as model compute grows).
 Peak memory is the RSS of this process and its children (Ray's processes), sampled every 0.1 s.
 Means exclude each run's first (warm-up) step.
 """
@@ -67,7 +69,8 @@ def measure(root: str, name: str, steps: int, overrides: list[str]) -> dict:
     # model compute on the step's critical path: generation then training when synchronous; when rollout runs
     # ahead (async_depth > 0) the two overlap, and the step waits on the slower of them
     both = (means["generate_s"], means["learner_compute_s"])
-    means["overhead"] = 1 - (max(both) if cfg.trainer.async_depth else sum(both)) / means["step_s"]
+    means["overhead_s"] = means["step_s"] - (max(both) if cfg.trainer.async_depth else sum(both))
+    means["overhead"] = means["overhead_s"] / means["step_s"]
     return means
 
 
@@ -80,7 +83,8 @@ def main() -> None:
     steps = args.steps or (3 if args.quick else 12)
     base = ["model.warm_start_steps=0", "engine.max_tokens=32", "trainer.group_size=8", "ray.rollout_workers=1"]
     runs = {"arith recipe": [], "base": base, "group x2": [*base, "trainer.group_size=16"],
-            "tokens x2": [*base, "engine.max_tokens=64"], "workers x2": [*base, "ray.rollout_workers=2"]}
+            "tokens x2": [*base, "engine.max_tokens=64"], "workers x2": [*base, "ray.rollout_workers=2"],
+            "model x10": [*base, "model=small"]}
     if args.quick:
         runs = dict(list(runs.items())[:2])
     from workbench import runtime
@@ -90,14 +94,14 @@ def main() -> None:
         results = {name: measure(root, f"run{i}", steps, [*overrides, *args.overrides])
                    for i, (name, overrides) in enumerate(runs.items())}
     print(f"{'run':>12} {'step_s':>7} {'rollout':>7} {'train':>6} {'generate':>8} {'learn':>6} "
-          f"{'overhead':>8} {'tokens/s':>8} {'peak_MB':>7} {'x step':>6} {'x mem':>5}")
+          f"{'overhead':>8} {'ms':>5} {'tokens/s':>8} {'peak_MB':>7} {'x step':>6} {'x mem':>5}")
     for name, r in results.items():
         scale = results["base"] if name != "arith recipe" else r
         print(f"{name:>12} {r['step_s']:7.3f} {r['rollout_s']:7.3f} {r['train_s']:6.3f} "
-              f"{r['generate_s']:8.3f} {r['learner_compute_s']:6.3f} {r['overhead']:8.1%} {r['tokens_per_s']:8.0f} "
+              f"{r['generate_s']:8.3f} {r['learner_compute_s']:6.3f} {r['overhead']:8.1%} {r['overhead_s'] * 1000:5.0f} {r['tokens_per_s']:8.0f} "
               f"{r['peak_mb']:7.0f} {r['step_s'] / scale['step_s']:6.2f} {r['peak_mb'] / scale['peak_mb']:5.2f}")
     print("overhead = 1 - model compute on the critical path / step: generate + learn when synchronous, the larger "
-          "of the two when async_depth > 0 overlaps them; x step, x mem: against base")
+          "of the two when async_depth > 0 overlaps them; ms: the same, in milliseconds per step; x step, x mem: against base")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ def test_group_options_select_presets():
     assert compose_config(["algo=gspo"]).algo.policy_loss == "gspo"
     assert compose_config(["gate=geo", "trainer.async_depth=1"]).gate.level == "geo"
     assert compose_config(["ray=cluster"]).ray.address == "auto"
+    assert compose_config(["model=small"]).model.name == "small"
 
 
 @pytest.mark.parametrize("override, words", [

@@ -48,6 +48,9 @@ CHAT_TEMPLATE = (
 _SHAPE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512)
 TINY_SPECS: dict[str, dict] = {
     "tiny": dict(_SHAPE, family="qwen3", num_hidden_layers=2, intermediate_size=256),
+    # a dense Qwen3 with ~10x tiny's compute per token (4.2M parameters): scaling benchmarks, heavier CPU runs
+    "small": dict(_SHAPE, family="qwen3", hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
+                  num_hidden_layers=4, intermediate_size=1024),
     # mixtures of experts: 8 experts, top-2, every one of 3 layers sparse
     "tiny-moe": dict(_SHAPE, family="qwen3_moe", num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
                      moe_intermediate_size=64, intermediate_size=256, norm_topk_prob=True),
