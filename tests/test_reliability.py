@@ -126,6 +126,28 @@ def test_dead_hung_and_raising_episodes_are_recorded_and_the_run_goes_on(tmp_pat
     assert db.execute("select count(*) from segments where min_version <> step").fetchone()[0] == 0
 
 
+def test_a_dead_learner_fails_the_run_with_one_sentence_and_keeps_what_was_written(tmp_path, in_process, monkeypatch):
+    import psutil
+
+    from workbench import runtime
+
+    update = runtime.Progress.update
+
+    def kill_the_learner_after_step_2(self, metrics):
+        update(self, metrics)
+        if self.done == 2:
+            for process in psutil.Process().children(recursive=True):
+                if " ".join(process.cmdline()).startswith("ray::Learner"):
+                    process.kill()
+
+    monkeypatch.setattr(runtime.Progress, "update", kill_the_learner_after_step_2)
+    with pytest.raises(runtime.RunFailed, match=r"^The learner process died .* molt-wb resume dead-learner$"):
+        in_process(tmp_path, "trainer.steps=30", "run.id=dead-learner")
+    db = open_run("dead-learner", str(tmp_path))
+    assert db.execute("select status from runs").fetchone()[0] == "failed"
+    assert db.execute("select count(distinct step) from segments where step < 2").fetchone()[0] == 2
+
+
 def test_a_chat_agent_that_raises_or_returns_no_result_fails_only_its_episode(tiny_path):
     from workbench.rollout import Job, RolloutWorker
 

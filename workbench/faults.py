@@ -64,7 +64,9 @@ def collect(rollout: Rollout, step: int, cfg, store, learner, workers, prompts) 
         if len(rows) < sum(len(jobs) for jobs in rollout.jobs):
             return delivered
         rollout = submit(workers, prompts, rollout.weights)
-    raise RuntimeError(f"Step {step}: three rollout batches in a row lost every episode; the failed_episodes table "
+    from workbench.runtime import RunFailed
+
+    raise RunFailed(f"Step {step}: three rollout batches in a row lost every episode; the failed_episodes table "
                        f"holds each error: fix the agent, its data or the engine.")
 
 

@@ -55,7 +55,9 @@ def train(cfg) -> str:
     except KeyboardInterrupt:
         status = "interrupted"
         raise
+    except ray.exceptions.RayActorError as error:  # the learner or the store died (a rollout worker's death: faults.py)
+        raise runtime.died(error, cfg.run.id, store, learner) from error
     finally:
         progress.close()
-        runtime.stop_actors(status, store, learner, workers)
+        runtime.stop_actors(cfg, status, store, learner, workers)
     return cfg.run.id

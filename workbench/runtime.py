@@ -23,6 +23,19 @@ from workbench.config import REPO_ROOT, ConfigError
 from workbench.rollout import Job
 
 
+class RunFailed(RuntimeError):
+    """A fault the run cannot ride out (its learner or store died, every rollout batch lost): one sentence
+    naming it and the way on; the run is marked failed and keeps what it wrote."""
+
+
+def died(error, run_id: str, store, learner) -> RunFailed:
+    """The `RunFailed` of an actor's death (`error`, a RayActorError) that the loop cannot ride out."""
+    role = {store._actor_id.hex(): "The store", learner._actor_id.hex(): "The learner"}.get(error.actor_id, "A rollout worker")
+    return RunFailed(f"{role} process died (killed, out of memory or crashed; Ray's worker logs say which): the run is "
+                     f"marked failed and keeps every step it wrote; continue it from its latest checkpoint with: "
+                     f"molt-wb resume {run_id}")
+
+
 def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
 
@@ -233,12 +246,15 @@ def start_actors(cfg, model_path: str, run_dir: Path, run_row: dict):
     return store, learner, workers
 
 
-def stop_actors(status: str, store, learner, workers) -> None:
+def stop_actors(cfg, status: str, store, learner, workers) -> None:
     """Close the store (flush, final status), then free every actor's slot for the next run."""
     import ray
 
     try:
         ray.get(store.close.remote(status), timeout=120)
+    except ray.exceptions.RayActorError as error:  # the store died; when the run failed already, that error stands
+        if status != "failed":
+            raise died(error, cfg.run.id, store, learner) from error
     finally:
         group = None
         with contextlib.suppress(Exception):  # a dead learner has no group to report
