@@ -120,19 +120,24 @@ def run_trl(steps: int, extra: list[str], model_path: str) -> dict:
 
 
 def measure(side: str, steps: int, extra: list[str], model_path: str, env: dict) -> dict:
-    """Run one side in a child process; add the peak RSS of its process tree (sampled every 0.1 s)."""
+    """Run one side in a child process; add the peak RSS and PSS of its process tree. Sampling must not
+    load the cores it measures: RSS every 0.1 s (cheap), the tree's processes found again once a second,
+    and PSS (which reads every mapping, ~10 ms a process) only when the RSS reaches a new high, which
+    it does while the side starts up, not in the steady steps timed."""
     import psutil
 
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         child = subprocess.Popen([sys.executable, __file__, "--side", side, "--json", out.name, "--model", model_path,
                                   "--steps", str(steps), *extra], env={**os.environ, **OFFLINE, **env})
-        peak, peak_pss, parent, tick = 0, 0, psutil.Process(child.pid), 0
+        peak, peak_pss, pss_at, parent, tick, tree = 0, 0, 0, psutil.Process(child.pid), 0, []
         while child.poll() is None:
             try:
-                tree = [p for p in [parent, *parent.children(recursive=True)] if p.is_running()]
-                peak = max(peak, sum(p.memory_info().rss for p in tree))
-                if tick % 10 == 0:  # PSS reads every mapping of every process: once a second, not to load the cores measured
-                    peak_pss = max(peak_pss, sum(p.memory_full_info().pss for p in tree))  # shared pages split among their users
+                if tick % 10 == 0:
+                    tree = [parent, *parent.children(recursive=True)]
+                rss = sum(p.memory_info().rss for p in tree if p.is_running())
+                peak = max(peak, rss)
+                if rss > pss_at * 1.02:  # a new high: PSS splits shared pages among the processes that map them
+                    peak_pss, pss_at = max(peak_pss, sum(p.memory_full_info().pss for p in tree if p.is_running())), rss
             except psutil.Error:
                 pass
             tick += 1
