@@ -41,6 +41,7 @@ def test_group_options_select_presets():
     ("gate.level=token", "engine.top_p=1"),
     ("gate.level=geo gate.mode=clip", "gate.mode=mask"),
     ("gate.band=[2.0,0.5]", "gate.band"),
+    ("trainer.timeout_s=0", "trainer.timeout_s"),
     ("gate.level=tokens", "gate.level=tokens is unknown"),
     ("engine.name=sglang", "engine=sglang is unknown"),
     ("engine=vllm +recipe=geo3k", "engine=vllm"),  # not installed, or no image prompts: one sentence either way

@@ -148,6 +148,15 @@ def test_a_dead_learner_fails_the_run_with_one_sentence_and_keeps_what_was_writt
     assert db.execute("select count(distinct step) from segments where step < 2").fetchone()[0] == 2
 
 
+def test_a_learner_step_past_trainer_timeout_s_fails_the_run_with_one_sentence(tmp_path, in_process):
+    from workbench.runtime import RunFailed
+
+    with pytest.raises(RunFailed, match=r"^Step 0: the learner gave no result within trainer.timeout_s=0.001 s .* "
+                                        r"molt-wb resume hung-learner$"):
+        in_process(tmp_path, "trainer.steps=3", "trainer.timeout_s=0.001", "run.id=hung-learner")
+    assert run_json(tmp_path, "hung-learner")["status"] == "failed"
+
+
 def test_a_chat_agent_that_raises_or_returns_no_result_fails_only_its_episode(tiny_path):
     from workbench.rollout import Job, RolloutWorker
 

@@ -149,6 +149,8 @@ class TrainerConfig:
     """Save a checkpoint (runs/<id>/checkpoints/step-NNNNNN) after every N rollout batches and at the last; 0 = never."""
     keep_checkpoints: int = 2
     """Keep the newest K checkpoints; older ones are deleted."""
+    timeout_s: float = 3600.0
+    """Seconds the loop waits on one learner step before it stops the run as hung (failed, resumable)."""
 
 
 @dataclass
@@ -383,6 +385,7 @@ def validate(cfg) -> None:
     need(cfg.trainer.checkpoint_every >= 0 and cfg.trainer.keep_checkpoints >= 1,
          "trainer.checkpoint_every must be 0 (off) or more and trainer.keep_checkpoints at least 1.")
     need(cfg.rollout.timeout_s > 0, "rollout.timeout_s must be a positive number of seconds.")
+    need(cfg.trainer.timeout_s > 0, "trainer.timeout_s must be a positive number of seconds.")
     need(cfg.eval.every >= 0 and cfg.eval.size >= 1 and cfg.eval.samples >= 1 and cfg.eval.temperature >= 0,
          "eval.every must be 0 or more, eval.size and eval.samples at least 1, eval.temperature 0 or more.")
     need(not cfg.eval.path or Path(cfg.eval.path).exists(), f"eval.path={cfg.eval.path} does not exist: give a local .parquet or .jsonl file.")

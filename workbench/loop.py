@@ -42,7 +42,7 @@ def train(cfg) -> str:
                 ray.get([w.load_weights.remote(weights) for w in workers])
             if step + len(in_flight) + 1 < batches:
                 in_flight.append(faults.submit(workers, prompts, weights))
-            metrics = ray.get(metrics)
+            metrics = ray.get(metrics, timeout=cfg.trainer.timeout_s)
             clock.lap("train")  # the learner's step
             # ---- log: the single writer stores segments, tokens, gate decisions and metrics
             metrics = clock.metrics(metrics)
@@ -57,6 +57,11 @@ def train(cfg) -> str:
         raise
     except ray.exceptions.RayActorError as error:  # the learner or the store died (a rollout worker's death: faults.py)
         raise runtime.died(error, cfg.run.id, store, learner) from error
+    except ray.exceptions.GetTimeoutError as error:
+        raise runtime.RunFailed(f"Step {step}: the learner gave no result within trainer.timeout_s={cfg.trainer.timeout_s:g} s "
+                                f"(hung, or steps longer than that): the run is marked failed and keeps every step it "
+                                f"wrote; raise trainer.timeout_s if steps take longer, then continue it with: "
+                                f"molt-wb resume {cfg.run.id}") from error
     finally:
         progress.close()
         runtime.stop_actors(cfg, status, store, learner, workers)
