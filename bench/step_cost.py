@@ -7,7 +7,8 @@ Model compute is timed where it happens: `perf/generate_s` (the engine's generat
 slowest worker's when several run side by side) and `perf/learner_compute_s` (the learner's
 forwards, backward and optimizer step). Framework overhead is the rest of `perf/step_s`: Ray
 calls and transfers, episode and Segment building, the token-identity audit, collation, gate and
-advantages, metrics, the weight push. The store's writes run in its own actor, off the step.
+advantages, metrics, the weight push. The store's writes run in its own actor, off the step; its share
+is its CPU seconds per step (`perf/store_cpu_s`) over the step's wall time.
 
 Runs: the arith recipe as it is (warm-started: 2-token replies, so compute is smallest), then the
 scaling points from a base without the warm start (replies run to `engine.max_tokens`): base
@@ -31,7 +32,7 @@ from workbench import loop  # noqa: E402
 from workbench.config import compose_config  # noqa: E402
 from workbench.store import open_run  # noqa: E402
 
-KEYS = ("step_s", "rollout_s", "train_s", "generate_s", "learner_compute_s", "tokens_per_s")
+KEYS = ("step_s", "rollout_s", "train_s", "generate_s", "learner_compute_s", "tokens_per_s", "store_cpu_s")
 
 
 class PeakRSS:
@@ -94,14 +95,15 @@ def main() -> None:
         results = {name: measure(root, f"run{i}", steps, [*overrides, *args.overrides])
                    for i, (name, overrides) in enumerate(runs.items())}
     print(f"{'run':>12} {'step_s':>7} {'rollout':>7} {'train':>6} {'generate':>8} {'learn':>6} "
-          f"{'overhead':>8} {'ms':>5} {'tokens/s':>8} {'peak_MB':>7} {'x step':>6} {'x mem':>5}")
+          f"{'overhead':>8} {'ms':>5} {'store':>6} {'tokens/s':>8} {'peak_MB':>7} {'x step':>6} {'x mem':>5}")
     for name, r in results.items():
         scale = results["base"] if name != "arith recipe" else r
         print(f"{name:>12} {r['step_s']:7.3f} {r['rollout_s']:7.3f} {r['train_s']:6.3f} "
-              f"{r['generate_s']:8.3f} {r['learner_compute_s']:6.3f} {r['overhead']:8.1%} {r['overhead_s'] * 1000:5.0f} {r['tokens_per_s']:8.0f} "
+              f"{r['generate_s']:8.3f} {r['learner_compute_s']:6.3f} {r['overhead']:8.1%} {r['overhead_s'] * 1000:5.0f} {r['store_cpu_s'] / r['step_s']:6.1%} {r['tokens_per_s']:8.0f} "
               f"{r['peak_mb']:7.0f} {r['step_s'] / scale['step_s']:6.2f} {r['peak_mb'] / scale['peak_mb']:5.2f}")
     print("overhead = 1 - model compute on the critical path / step: generate + learn when synchronous, the larger "
-          "of the two when async_depth > 0 overlaps them; ms: the same, in milliseconds per step; x step, x mem: against base")
+          "of the two when async_depth > 0 overlaps them; ms: the same, in milliseconds per step; store: the store actor's "
+          "CPU seconds per step / step (its work runs off the step's path, on the same cores); x step, x mem: against base")
 
 
 if __name__ == "__main__":

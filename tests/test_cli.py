@@ -50,6 +50,10 @@ def test_train_writes_a_run_that_duckdb_reads_live_and_after(tmp_path):
     assert db.execute("select max(abs(train_logprob - behavior_logprob)) from tokens where loss_mask = 1").fetchone()[0] < 1e-3
     keys = {k for (k,) in db.execute("select distinct key from metrics").fetchall()}
     assert {"reward/mean", "loss/policy", "rollout/tokens", "perf/tokens_per_s", "mismatch/kl"} <= keys
+    # the store actor's CPU per step: every step costs it something, and never more than the whole run took
+    store_cpu = [v for (v,) in db.execute("select value from metrics where key = 'perf/store_cpu_s' and step > 0").fetchall()]
+    assert len(store_cpu) == 11 and all(v > 0 for v in store_cpu)
+    assert sum(store_cpu) < db.execute("select sum(value) from metrics where key = 'perf/step_s'").fetchone()[0] * 2
     row = db.execute("select status, steps_done, recipe from runs").fetchone()
     assert row == ("finished", 12, "arith")
     config = (root / "live" / "config.yaml").read_text()

@@ -159,10 +159,15 @@ class StoreActor:
         if cfg.run.flush_seconds > 0:
             self.writer.flush_every(cfg.run.flush_seconds)
         self.sinks = make_sinks(cfg.tracking, run_dir, cfg.run.id, run_row["config"], group=cfg.run.sweep_id)
+        self.cpu_mark = time.process_time()
 
     def write_step(self, step: int, metrics: dict, rows: dict, *worker_segments) -> None:
         from workbench.store.schema import step_tables
 
+        # perf/store_cpu_s: this process's CPU seconds (every thread) since the last step's: taking in the step's
+        # records, building rows, flushing shards, the tracking sinks. Off the step's path, but on its cores
+        cpu, self.cpu_mark = self.cpu_mark, time.process_time()
+        metrics = dict(metrics, **{"perf/store_cpu_s": self.cpu_mark - cpu})
         segments = [s for batch in worker_segments for s in batch]
         self.writer.save_images([image for s in segments for image in s.images])
         for name, table in step_tables(self.run_id, step, rows["learner_version"], segments, rows).items():
