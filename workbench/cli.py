@@ -73,10 +73,10 @@ def train(ctx: typer.Context):
             runtime.record_refused(cfg, str(error))
             typer.secho(f"run {cfg.run.id} refused: {error}", fg="red", err=True)
         except Exception as error:  # a failed job of a sweep is recorded as failed and the sweep goes on
-            if not multirun and not isinstance(error, runtime.RunFailed):
-                raise
             if not multirun:
-                typer.secho(f"error: {error}", fg="red", err=True)
+                if not isinstance(error, runtime.RunFailed):
+                    raise
+                typer.secho(f"error: {error}", fg="red", err=True)  # one sentence, no traceback
                 raise typer.Exit(1)
             typer.secho(f"run {cfg.run.id} failed: {error}", fg="red", err=True)
         return False

@@ -58,10 +58,9 @@ def train(cfg) -> str:
     except ray.exceptions.RayActorError as error:  # the learner or the store died (a rollout worker's death: faults.py)
         raise runtime.died(error, cfg.run.id, store, learner) from error
     except ray.exceptions.GetTimeoutError as error:
-        raise runtime.RunFailed(f"Step {step}: the learner gave no result within trainer.timeout_s={cfg.trainer.timeout_s:g} s "
-                                f"(hung, or steps longer than that): the run is marked failed and keeps every step it "
-                                f"wrote; raise trainer.timeout_s if steps take longer, then continue it with: "
-                                f"molt-wb resume {cfg.run.id}") from error
+        raise runtime.run_failed(f"Step {step}: the learner gave no result within trainer.timeout_s="
+                                 f"{cfg.trainer.timeout_s:g} s (hung, or steps longer than that)", cfg.run.id,
+                                 "raise trainer.timeout_s if steps take longer, then ") from error
     finally:
         progress.close()
         runtime.stop_actors(cfg, status, store, learner, workers)

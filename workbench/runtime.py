@@ -28,12 +28,16 @@ class RunFailed(RuntimeError):
     naming it and the way on; the run is marked failed and keeps what it wrote."""
 
 
+def run_failed(cause: str, run_id: str, fix: str = "") -> RunFailed:
+    """`cause`, then what became of the run and how it goes on (`fix` first, when given)."""
+    return RunFailed(f"{cause}: the run is marked failed and keeps every step it wrote; {fix}continue it from its "
+                     f"latest checkpoint with: molt-wb resume {run_id}")
+
+
 def died(error, run_id: str, store, learner) -> RunFailed:
     """The `RunFailed` of an actor's death (`error`, a RayActorError) that the loop cannot ride out."""
     role = {store._actor_id.hex(): "The store", learner._actor_id.hex(): "The learner"}.get(error.actor_id, "A rollout worker")
-    return RunFailed(f"{role} process died (killed, out of memory or crashed; Ray's worker logs say which): the run is "
-                     f"marked failed and keeps every step it wrote; continue it from its latest checkpoint with: "
-                     f"molt-wb resume {run_id}")
+    return run_failed(f"{role} process died (killed, out of memory or crashed; Ray's worker logs say which)", run_id)
 
 
 def new_run_id() -> str:

@@ -70,8 +70,8 @@ def step_tables(run_id: str, step: int, learner_version: int, segments: list, tr
     """Segment and token rows of one consumed batch.
 
     `train` holds from the learner: `train_logprob` and `is_weight` (float32 arrays whose concatenation
-    is every segment's tokens in order, segment after segment), `advantage` (one float per segment) and, when a learner gated them, `gate` (the version
-    gate's per-sequence columns).
+    is every segment's tokens in order, segment after segment), `advantage` (one float per segment)
+    and, when a learner gated them, `gate` (the version gate's per-sequence columns).
     """
     lengths = np.array([len(s.token_ids) for s in segments], dtype=np.int64)
     versions = [s.version_range() for s in segments]
