@@ -21,6 +21,7 @@ def train(cfg) -> str:
 
     prompts = runtime.Prompts(cfg)  # a bad data set is refused before anything starts
     run_dir, run_row = runtime.start_run(cfg)  # or, resuming, the run cut back to its latest checkpoint
+    cfg = runtime.plain(cfg)  # final from here on, and read every step by every process
     model_path = runtime.policy_path(cfg)
     runtime.init_ray(cfg)
     store, learner, workers = runtime.start_actors(cfg, model_path, run_dir, run_row)

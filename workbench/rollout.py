@@ -18,6 +18,7 @@ import inspect
 import threading
 import time
 import traceback
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -26,7 +27,7 @@ import numpy as np
 from workbench.api import ChatAgent, ChatContext, Result, load_plugin
 from workbench.engines.base import SamplingParams, from_wire
 from workbench.invariants.token_identity import TokenAccumulator, reply_text, retokenize_drift
-from workbench.segment import Segment
+from workbench.segment import Batch, Segment
 
 
 @dataclass
@@ -52,6 +53,7 @@ class RolloutWorker:
         self.lock = threading.Lock()  # one rollout at a time; weight pushes arrive on another thread
         self.pool = ThreadPoolExecutor(max_workers=8)  # Env steps (tools, a sandbox) run side by side
         self._server = None
+        self.openings: OrderedDict = OrderedDict()  # first prompts rendered and encoded, by messages: data repeats each epoch
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.plugin = load_plugin(cfg.agent.plugin)
         self.params = SamplingParams(max_tokens=cfg.engine.max_tokens, temperature=cfg.engine.temperature,
@@ -88,7 +90,7 @@ class RolloutWorker:
                 segments = self._chat_rollout(jobs, failures) if chat else self._env_rollout(jobs, failures)
         if segments and generated is not None:  # this call's generation seconds, for the learner's perf/generate_s
             segments[0].audit["generate_s"] = self.engine.compute_s - generated
-        return segments, list(failures.values())
+        return Batch(segments), list(failures.values())
 
     def _failed(self, job: Job, kind: str, error: BaseException) -> dict:
         return {"rollout_id": job.rollout_id, "group_id": job.group_id, "worker": self.worker_index, "kind": kind,
@@ -133,20 +135,23 @@ class RolloutWorker:
         result = self.plugin.AgentRunner().run(ctx)
         return asyncio.run(result) if inspect.iscoroutine(result) else result
 
-    def _start_env(self, job: Job, openings: dict):
+    def _start_env(self, job: Job):
         env = self.plugin.AgentRunner()
         system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
         messages = system + [{"role": "user", "content": env.reset(job.sample)}]
         key = repr((messages, env.tools))
-        if key not in openings:  # a group's episodes open on the same prompt: render and encode it once
-            openings[key] = TokenAccumulator(self.tokenizer, messages, tools=env.tools, codec=self.engine.codec)
-        return env, openings[key].fork()
+        if key in self.openings:  # a group's episodes open on the same prompt, and so does each epoch: render it once
+            self.openings.move_to_end(key)
+        else:
+            self.openings[key] = TokenAccumulator(self.tokenizer, messages, tools=env.tools, codec=self.engine.codec)
+            if len(self.openings) > 4096:
+                self.openings.popitem(last=False)
+        return env, self.openings[key].fork()
 
     def _env_rollout(self, jobs: list[Job], failures: dict) -> list[Segment]:
         envs, episodes, rewards, infos = [None] * len(jobs), [None] * len(jobs), [0.0] * len(jobs), [{} for _ in jobs]
-        openings: dict = {}
         for index, job in enumerate(jobs):
-            started = _caught(self._start_env, job, openings)
+            started = _caught(self._start_env, job)
             if isinstance(started, BaseException):
                 failures[index] = self._failed(job, "env_error", started)
             else:

@@ -7,6 +7,7 @@ A segment holds no text the trainer could read; `display` is for people (the TUI
 from __future__ import annotations
 
 import hashlib
+import pickle
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +52,18 @@ class Segment:
         """(oldest, newest) weight version among sampled tokens; (-1, -1) when none was sampled."""
         sampled = self.behavior_version[self.loss_mask.astype(bool)]
         return (int(sampled.min()), int(sampled.max())) if len(sampled) else (-1, -1)
+
+
+class Batch(list):
+    """A worker's Segments as Ray moves them: one in-band pickle, not one buffer per array (Ray puts 64
+    tiny-policy segments in 3.2 ms and gets them in 1.4, as a Batch in 1.0 and 0.6; bench/README.md)."""
+
+    def __reduce__(self):
+        return _unbatch, (pickle.dumps(list(self), protocol=pickle.HIGHEST_PROTOCOL),)
+
+
+def _unbatch(blob: bytes) -> Batch:
+    return Batch(pickle.loads(blob))
 
 
 def image_name(image: bytes) -> str:

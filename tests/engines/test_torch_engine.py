@@ -91,7 +91,8 @@ def test_weights_cross_the_wire_bit_for_bit_in_every_dtype():
     state = {"w": torch.randn(3, 4), "half": torch.randn(5).to(torch.bfloat16), "scalar": torch.tensor(2.5),
              "ids": torch.arange(6).reshape(2, 3), "strided": torch.randn(4, 3).t()}
     wire = pickle.loads(pickle.dumps(to_wire(state)))  # as Ray moves it
-    assert all(isinstance(raw, np.ndarray) for raw, _, _ in wire.values())
+    assert isinstance(wire["raw"], np.ndarray) and wire["raw"].ndim == 1  # one buffer for Ray to put
+    assert all(offset % 64 == 0 for _, _, _, offset, _ in wire["layout"])  # 10 bf16 bytes, then a float32: aligned
     back = from_wire(wire)
     for name, tensor in state.items():
         assert back[name].dtype == tensor.dtype and back[name].shape == tensor.shape

@@ -103,6 +103,30 @@ def test_multi_turn_env_episodes_are_token_exact_segments(tiny_path):
         assert "Be brief." in segment.display["prompt"] and (segment.behavior_logprob[~sampled] == 0).all()
     batch = collate(segments)
     np.testing.assert_array_equal(batch["token_ids"][0, :len(segments[0].token_ids)].numpy(), segments[0].token_ids)
+    again = worker.rollout([Job({"problem": "Say 1."}, 0, 2)])  # the next epoch's episode opens from the kept render
+    assert len(worker.openings) == 2 and again[0].token_ids[:again[0].turn_spans[0][0]].tolist() == \
+        segments[0].token_ids[:segments[0].turn_spans[0][0]].tolist()
+
+
+def test_a_workers_segments_cross_processes_as_one_blob(tiny_path):
+    import pickle
+
+    from workbench.segment import Batch
+
+    cfg = compose_config(["engine.max_tokens=4"])
+    OmegaConf.update(cfg, "run.id", "t")
+    batch, failures = RolloutWorker(cfg, tiny_path).rollout_with_failures([Job({"problem": "1+1"}, 0, k) for k in range(3)])
+    assert isinstance(batch, Batch) and failures == []
+    buffers = []
+    data = pickle.dumps(batch, protocol=5, buffer_callback=buffers.append)  # as Ray serialises a return value
+    assert buffers == []  # one in-band blob, not a buffer per array
+    back = pickle.loads(data)
+    assert [s.rollout_id for s in back] == [0, 1, 2]
+    for ours, theirs in zip(batch, back):
+        for field in ("token_ids", "loss_mask", "behavior_logprob", "behavior_version"):
+            np.testing.assert_array_equal(getattr(theirs, field), getattr(ours, field))
+            assert getattr(theirs, field).dtype == getattr(ours, field).dtype
+        assert theirs.audit == ours.audit and theirs.display == ours.display
 
 
 def test_an_identity_violation_stops_training(tiny_path):

@@ -50,21 +50,28 @@ class Engine(Protocol):
 
 
 def to_wire(state_dict: dict) -> dict:
-    """A state dict as Ray moves it fastest: each tensor's raw bytes in a numpy array (passed without a
-    copy through the object store; a pickled torch tensor is serialised storage by storage, about
-    3x slower for the tiny policy's push), with its dtype and shape."""
+    """A state dict as Ray moves it fastest: every tensor's raw bytes in one numpy array (one buffer, put
+    without pickling: the tiny policy's 1.7 MB in ~1 ms, against 2-3 ms as 25 arrays and ~3x that as
+    pickled tensors), each tensor at a 64-byte aligned offset, with its name, dtype and shape."""
     import torch
 
-    return {name: (tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().copy(), tensor.dtype, tuple(tensor.shape))
-            for name, tensor in state_dict.items()}
+    layout, pieces, offset = [], [], 0
+    for name, tensor in state_dict.items():
+        flat = tensor.detach().cpu().reshape(-1).view(torch.uint8)
+        pad = -flat.numel() % 64
+        pieces += [flat, torch.zeros(pad, dtype=torch.uint8)]
+        layout.append((name, tensor.dtype, tuple(tensor.shape), offset, flat.numel()))
+        offset += flat.numel() + pad
+    return {"raw": torch.cat(pieces).numpy() if pieces else np.zeros(0, np.uint8), "layout": layout}
 
 
 def from_wire(wire: dict) -> dict:
-    """The state dict `to_wire` packed (tensors on the arrays' memory)."""
+    """The state dict `to_wire` packed (tensors on the array's memory)."""
     import warnings
 
     import torch
 
     with warnings.catch_warnings():  # Ray hands out read-only arrays; the engines only read (copy) them
         warnings.simplefilter("ignore", UserWarning)
-        return {name: torch.from_numpy(raw).view(dtype).reshape(shape) for name, (raw, dtype, shape) in wire.items()}
+        raw = torch.from_numpy(wire["raw"])
+        return {name: raw[offset:offset + size].view(dtype).reshape(shape) for name, dtype, shape, offset, size in wire["layout"]}

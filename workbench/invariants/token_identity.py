@@ -151,11 +151,11 @@ class TokenAccumulator:
 
     def fork(self) -> "TokenAccumulator":
         """A copy to try a turn on; the original is untouched until the copy replaces it."""
-        twin, o = copy.copy(self), self.open  # the open segment's lists are copied, their items (ints, arrays, bytes) are never mutated
+        twin, o = copy.copy(self), self.open  # lists are copied; their items (ints, arrays, bytes, messages) are never mutated
         twin.open = dataclasses.replace(o, token_ids=list(o.token_ids), loss_mask=list(o.loss_mask),
                                         behavior_logprob=list(o.behavior_logprob), behavior_version=list(o.behavior_version),
                                         turn_spans=list(o.turn_spans), sampled_turns=list(o.sampled_turns), images=list(o.images))
-        twin.sealed, twin.messages = list(self.sealed), copy.deepcopy(self.messages)
+        twin.sealed, twin.messages = list(self.sealed), list(self.messages)
         return twin
 
     def seal(self, reason: str) -> None:
