@@ -113,9 +113,9 @@ def test_a_workers_segments_cross_processes_as_one_blob(tiny_path):
 
     from workbench.segment import Batch
 
-    cfg = compose_config(["engine.max_tokens=4"])
+    cfg = compose_config([f"agent.plugin={FIXTURES / 'two_turn.py'}", "engine.max_tokens=4"])
     OmegaConf.update(cfg, "run.id", "t")
-    batch, failures = RolloutWorker(cfg, tiny_path).rollout_with_failures([Job({"problem": "1+1"}, 0, k) for k in range(3)])
+    batch, failures = RolloutWorker(cfg, tiny_path).rollout_with_failures([Job({"problem": "Say 1."}, 0, k) for k in range(3)])
     assert isinstance(batch, Batch) and failures == []
     buffers = []
     data = pickle.dumps(batch, protocol=5, buffer_callback=buffers.append)  # as Ray serialises a return value
