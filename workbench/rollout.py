@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import inspect
 import threading
 import time
@@ -139,7 +140,7 @@ class RolloutWorker:
         env = self.plugin.AgentRunner()
         system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
         messages = system + [{"role": "user", "content": env.reset(job.sample)}]
-        key = repr((messages, env.tools))
+        key = hashlib.sha256(repr((messages, env.tools)).encode()).digest()  # an image's bytes: not kept twice
         if key in self.openings:  # a group's episodes open on the same prompt, and so does each epoch: render it once
             self.openings.move_to_end(key)
         else:
