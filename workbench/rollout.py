@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import hashlib
 import inspect
 import threading
@@ -144,7 +145,8 @@ class RolloutWorker:
         if key in self.openings:  # a group's episodes open on the same prompt, and so does each epoch: render it once
             self.openings.move_to_end(key)
         else:
-            self.openings[key] = TokenAccumulator(self.tokenizer, messages, tools=env.tools, codec=self.engine.codec)
+            self.openings[key] = TokenAccumulator(self.tokenizer, copy.deepcopy(messages), tools=copy.deepcopy(env.tools),
+                                                  codec=self.engine.codec)  # its own copy: later episodes fork it
             if len(self.openings) > 4096:
                 self.openings.popitem(last=False)
         return env, self.openings[key].fork()

@@ -59,7 +59,13 @@ class Batch(list):
     tiny-policy segments in 3.2 ms and gets them in 1.4, as a Batch in 1.0 and 0.6; bench/README.md)."""
 
     def __reduce__(self):
-        return _unbatch, (pickle.dumps(list(self), protocol=pickle.HIGHEST_PROTOCOL),)
+        try:
+            blob = pickle.dumps(list(self), protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, AttributeError, TypeError):  # a plugin's info holds a lambda, a local class, ...
+            from ray import cloudpickle
+
+            blob = cloudpickle.dumps(list(self), protocol=pickle.HIGHEST_PROTOCOL)
+        return _unbatch, (blob,)
 
 
 def _unbatch(blob: bytes) -> Batch:

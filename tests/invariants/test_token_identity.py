@@ -127,6 +127,8 @@ def test_a_workers_segments_cross_processes_as_one_blob(tiny_path):
             np.testing.assert_array_equal(getattr(theirs, field), getattr(ours, field))
             assert getattr(theirs, field).dtype == getattr(ours, field).dtype
         assert theirs.audit == ours.audit and theirs.display == ours.display
+    batch[0].display["info"] = {"grader": lambda answer: answer == "2"}  # a plugin's info: plain pickle refuses it
+    assert pickle.loads(pickle.dumps(batch, protocol=5))[0].display["info"]["grader"]("2")
 
 
 def test_an_identity_violation_stops_training(tiny_path):

@@ -73,5 +73,6 @@ def from_wire(wire: dict) -> dict:
 
     with warnings.catch_warnings():  # Ray hands out read-only arrays; the engines only read (copy) them
         warnings.simplefilter("ignore", UserWarning)
-        raw = torch.from_numpy(wire["raw"])
-        return {name: raw[offset:offset + size].view(dtype).reshape(shape) for name, dtype, shape, offset, size in wire["layout"]}
+        # each tensor on its own storage over its bytes: pickling one (vLLM's RPC) then sends its bytes, not the whole buffer
+        return {name: (torch.frombuffer(wire["raw"], dtype=dtype, count=size // dtype.itemsize, offset=offset) if size
+                       else torch.empty(0, dtype=dtype)).reshape(shape) for name, dtype, shape, offset, size in wire["layout"]}
