@@ -67,7 +67,7 @@ def collect(rollout: Rollout, step: int, cfg, store, learner, workers, prompts) 
     from workbench.runtime import RunFailed
 
     raise RunFailed(f"Step {step}: three rollout batches in a row lost every episode; the failed_episodes table "
-                       f"holds each error: fix the agent, its data or the engine.")
+                    f"holds each error: fix the agent, its data or the engine.")
 
 
 def _push_when_back(worker, weights, seconds: float = 300.0) -> None:

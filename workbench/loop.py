@@ -64,5 +64,5 @@ def train(cfg) -> str:
                                  "raise trainer.timeout_s if steps take longer, then ") from error
     finally:
         progress.close()
-        runtime.stop_actors(cfg, status, store, learner, workers)
+        runtime.stop_actors(cfg.run.id, status, store, learner, workers)
     return cfg.run.id

@@ -263,7 +263,7 @@ def start_actors(cfg, model_path: str, run_dir: Path, run_row: dict):
     return store, learner, workers
 
 
-def stop_actors(cfg, status: str, store, learner, workers) -> None:
+def stop_actors(run_id: str, status: str, store, learner, workers) -> None:
     """Close the store (flush, final status), then free every actor's slot for the next run."""
     import ray
 
@@ -271,7 +271,7 @@ def stop_actors(cfg, status: str, store, learner, workers) -> None:
         ray.get(store.close.remote(status), timeout=120)
     except ray.exceptions.RayActorError as error:  # the store died; when the run failed already, that error stands
         if status != "failed":
-            raise died(error, cfg.run.id, store, learner) from error
+            raise died(error, run_id, store, learner) from error
     finally:
         group = None
         with contextlib.suppress(Exception):  # a dead learner has no group to report
