@@ -41,7 +41,9 @@ def main():
 
     path = str(tiny_model_path(args.model))
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(5, 400, size=rng.integers(8, 33)).astype(np.int32) for _ in range(args.prompts)]
+    prompts = [
+        rng.integers(5, 400, size=rng.integers(8, 33)).astype(np.int32) for _ in range(args.prompts)
+    ]
     params = SamplingParams(max_tokens=args.tokens, temperature=args.temperature, seed=0)
     torch_engine, vllm_engine = TorchEngine(path), VllmEngine(path)
     _, torch_speed = timed(torch_engine, prompts, params)
@@ -53,15 +55,24 @@ def main():
     for prompt, generation in zip(prompts, sampled):
         ids = torch.tensor(np.concatenate([prompt, generation.token_ids]), dtype=torch.long)[None]
         with torch.no_grad():
-            logits = torch_engine.model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / args.temperature
-        scored = torch.log_softmax(logits, -1).gather(-1, torch.tensor(generation.token_ids, dtype=torch.long)[:, None])
+            logits = (
+                torch_engine.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+                / args.temperature
+            )
+        scored = torch.log_softmax(logits, -1).gather(
+            -1, torch.tensor(generation.token_ids, dtype=torch.long)[:, None]
+        )
         deltas.append(scored.squeeze(-1).numpy() - generation.logprobs)
     delta = np.concatenate(deltas).astype(np.float64)
     kl = float(np.mean(np.exp(delta) - 1 - delta))
-    print(f"model {args.model}, {args.prompts} prompts x {args.tokens} tokens, temperature {args.temperature}, float32")
+    print(
+        f"model {args.model}, {args.prompts} prompts x {args.tokens} tokens, temperature {args.temperature}, float32"
+    )
     print(f"torch engine: {torch_speed:8.0f} tokens/s")
     print(f"vLLM engine:  {vllm_speed:8.0f} tokens/s")
-    print(f"mismatch KL (k3) on vLLM's {delta.size} sampled ids: {kl:.2e}; max |Δ log-prob| {np.abs(delta).max():.2e}")
+    print(
+        f"mismatch KL (k3) on vLLM's {delta.size} sampled ids: {kl:.2e}; max |Δ log-prob| {np.abs(delta).max():.2e}"
+    )
 
 
 if __name__ == "__main__":  # vLLM spawns processes: nothing may start at import

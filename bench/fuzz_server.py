@@ -20,7 +20,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    spec = importlib.util.spec_from_file_location("test_fuzz", Path(__file__).parent.parent / "tests/server/test_fuzz.py")
+    spec = importlib.util.spec_from_file_location(
+        "test_fuzz", Path(__file__).parent.parent / "tests/server/test_fuzz.py"
+    )
     fuzzing = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fuzzing)
     from transformers import AutoTokenizer
@@ -32,16 +34,25 @@ def main() -> int:
 
     path = str(tiny_model_path())
     tokenizer = AutoTokenizer.from_pretrained(path)
-    server = LoopbackServer(TorchEngine(path), tokenizer, SamplingParams(max_tokens=4, stop_token_ids=(tokenizer.eos_token_id,)),
-                            max_total_tokens=256)
+    server = LoopbackServer(
+        TorchEngine(path),
+        tokenizer,
+        SamplingParams(max_tokens=4, stop_token_ids=(tokenizer.eos_token_id,)),
+        max_total_tokens=256,
+    )
     victim, target = fuzzing.victim_and_target(server)
     statuses, problems = Counter(), []
     started = time.perf_counter()
     fuzzing.fuzz(server, victim, target, args.requests, statuses, problems, seed=args.seed)
     seconds = time.perf_counter() - started
     server.stop()
-    print(f"requests tried: {sum(statuses.values())} in {seconds:.1f} s ({sum(statuses.values()) / seconds:.0f}/s)")
-    print("status codes:   " + ", ".join(f"{code}: {count}" for code, count in sorted(statuses.items())))
+    print(
+        f"requests tried: {sum(statuses.values())} in {seconds:.1f} s ({sum(statuses.values()) / seconds:.0f}/s)"
+    )
+    print(
+        "status codes:   "
+        + ", ".join(f"{code}: {count}" for code, count in sorted(statuses.items()))
+    )
     print(f"crashes (5xx) and broken promises: {len(problems)}")
     for problem in problems[:20]:
         print("  " + problem)

@@ -49,20 +49,34 @@ def main() -> None:
     marks: dict[int, tuple[float, dict]] = {}
     update = runtime.Progress.update
 
-    def marked(self, metrics):  # after each step's metrics: the moments to read the processes' CPU times
+    def marked(
+        self, metrics
+    ):  # after each step's metrics: the moments to read the processes' CPU times
         update(self, metrics)
         if self.done in (FIRST, steps):
             marks[self.done] = (time.perf_counter(), snapshot())
 
     runtime.Progress.update = marked
     with tempfile.TemporaryDirectory() as root:
-        cfg = compose_config(["+recipe=arith", f"trainer.steps={steps}", "tracking=none", "run.progress=false",
-                              "trainer.checkpoint_every=0", f"run.root={root}", *args.overrides])
+        cfg = compose_config(
+            [
+                "+recipe=arith",
+                f"trainer.steps={steps}",
+                "tracking=none",
+                "run.progress=false",
+                "trainer.checkpoint_every=0",
+                f"run.root={root}",
+                *args.overrides,
+            ]
+        )
         loop.train(cfg)
     (start, before), (end, after) = marks[FIRST], marks[steps]
     n = steps - FIRST
     wall = (end - start) / n * 1000
-    rows = sorted(((cpu - before.get(pid, (name, 0.0))[1]) / n * 1000, name) for pid, (name, cpu) in after.items())
+    rows = sorted(
+        ((cpu - before.get(pid, (name, 0.0))[1]) / n * 1000, name)
+        for pid, (name, cpu) in after.items()
+    )
     total = sum(ms for ms, _ in rows)
     print(f"{' '.join(args.overrides) or 'arith recipe'}: {n} steps after the first {FIRST}")
     print(f"{'CPU ms / step':>14}  process")

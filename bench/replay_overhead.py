@@ -24,11 +24,24 @@ def segments_from(engine, count, max_tokens):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(5, 400, size=16).astype(np.int32) for _ in range(count)]
     out = []
-    for i, (p, g) in enumerate(zip(prompts, engine.generate(prompts, SamplingParams(max_tokens=max_tokens, seed=1)))):
+    for i, (p, g) in enumerate(
+        zip(prompts, engine.generate(prompts, SamplingParams(max_tokens=max_tokens, seed=1)))
+    ):
         mask = np.r_[np.zeros(len(p)), np.ones(len(g.token_ids))].astype(np.uint8)
-        out.append(Segment("b", i, 0, i // 4, np.r_[p, g.token_ids].astype(np.int32), mask,
-                           np.r_[np.zeros(len(p)), g.logprobs].astype(np.float32), np.where(mask == 1, 0, -1).astype(np.int32),
-                           reward=float(i % 2), routed_experts=g.extras["routed_experts"]))
+        out.append(
+            Segment(
+                "b",
+                i,
+                0,
+                i // 4,
+                np.r_[p, g.token_ids].astype(np.int32),
+                mask,
+                np.r_[np.zeros(len(p)), g.logprobs].astype(np.float32),
+                np.where(mask == 1, 0, -1).astype(np.int32),
+                reward=float(i % 2),
+                routed_experts=g.extras["routed_experts"],
+            )
+        )
     return out
 
 
@@ -56,14 +69,26 @@ def main() -> None:
     learner = Learner(cfg, path)
     batch = collate(segments_from(TorchEngine(path), count, tokens))
     unrouted = {k: v for k, v in batch.items() if k != "routed_experts"}
-    cases = [(unrouted, False), (batch, False), (batch, True)]  # no hooks; routes measured only; replayed
+    cases = [
+        (unrouted, False),
+        (batch, False),
+        (batch, True),
+    ]  # no hooks; routes measured only; replayed
     for case in cases:
         forward_backward_seconds(learner, *case, 2)  # warm-up
-    rounds = np.array([[forward_backward_seconds(learner, *case, 1) for case in cases] for _ in range(repeats)])
-    bare, plain, replayed = np.median(rounds, axis=0)  # interleaved rounds: drift hits every case alike
-    print(f"{args.model}: {count} sequences x {batch['token_ids'].shape[1]} tokens, {len(find_routers(learner.model))} MoE layers")
-    print(f"forward+backward  no hooks {bare * 1e3:7.1f} ms   measured only {plain * 1e3:7.1f} ms   with replay "
-          f"{replayed * 1e3:7.1f} ms   replay / no hooks {replayed / bare:.3f}")
+    rounds = np.array(
+        [[forward_backward_seconds(learner, *case, 1) for case in cases] for _ in range(repeats)]
+    )
+    bare, plain, replayed = np.median(
+        rounds, axis=0
+    )  # interleaved rounds: drift hits every case alike
+    print(
+        f"{args.model}: {count} sequences x {batch['token_ids'].shape[1]} tokens, {len(find_routers(learner.model))} MoE layers"
+    )
+    print(
+        f"forward+backward  no hooks {bare * 1e3:7.1f} ms   measured only {plain * 1e3:7.1f} ms   with replay "
+        f"{replayed * 1e3:7.1f} ms   replay / no hooks {replayed / bare:.3f}"
+    )
     noisy = TorchEngine(path)
     torch.manual_seed(1)
     with torch.no_grad():
@@ -74,10 +99,14 @@ def main() -> None:
     with torch.no_grad():
         old = learner.logprobs(batch, routing=routing)
     metrics = learner.routing_metrics(batch, routing, old)
-    print(f"router noise on the rollout: mismatched tokens {metrics['routing/mismatch_token_frac']:.3f}, "
-          f"(token, layer) pairs {metrics['routing/mismatch_layer_frac']:.3f}")
-    print(f"KL(rollout || learner)  without replay {metrics['mismatch/kl_no_replay']:.2e}   with replay "
-          f"{metrics['mismatch/kl_replay']:.2e}   reduction {metrics['mismatch/kl_no_replay'] / max(metrics['mismatch/kl_replay'], 1e-12):.1f}x")
+    print(
+        f"router noise on the rollout: mismatched tokens {metrics['routing/mismatch_token_frac']:.3f}, "
+        f"(token, layer) pairs {metrics['routing/mismatch_layer_frac']:.3f}"
+    )
+    print(
+        f"KL(rollout || learner)  without replay {metrics['mismatch/kl_no_replay']:.2e}   with replay "
+        f"{metrics['mismatch/kl_replay']:.2e}   reduction {metrics['mismatch/kl_no_replay'] / max(metrics['mismatch/kl_replay'], 1e-12):.1f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -52,34 +52,57 @@ class CountingEngine:
 
 
 def openai_call(session: dict, stream: bool):
-    client = openai.OpenAI(base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0)
+    client = openai.OpenAI(
+        base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0
+    )
 
     def call() -> str:
         if stream:
-            chunks = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=MAX_TOKENS,
-                                                    stream=True)
+            chunks = client.chat.completions.create(
+                model="policy", messages=MESSAGES, max_tokens=MAX_TOKENS, stream=True
+            )
             return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        return client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=MAX_TOKENS).choices[0].message.content
+        return (
+            client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=MAX_TOKENS)
+            .choices[0]
+            .message.content
+        )
 
     return client, call
 
 
 def anthropic_call(session: dict, stream: bool):
-    client = anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key=session["api_key"], max_retries=0)
+    client = anthropic.Anthropic(
+        base_url=session["anthropic_base_url"], api_key=session["api_key"], max_retries=0
+    )
 
     def call() -> str:
         if stream:
-            events = client.messages.create(model="policy", messages=MESSAGES, max_tokens=MAX_TOKENS,
-                                            stream=True)
-            return "".join(e.delta.text for e in events
-                           if e.type == "content_block_delta" and e.delta.type == "text_delta")
-        return "".join(b.text for b in client.messages.create(model="policy", messages=MESSAGES, max_tokens=MAX_TOKENS).content if b.type == "text")
+            events = client.messages.create(
+                model="policy", messages=MESSAGES, max_tokens=MAX_TOKENS, stream=True
+            )
+            return "".join(
+                e.delta.text
+                for e in events
+                if e.type == "content_block_delta" and e.delta.type == "text_delta"
+            )
+        return "".join(
+            b.text
+            for b in client.messages.create(
+                model="policy", messages=MESSAGES, max_tokens=MAX_TOKENS
+            ).content
+            if b.type == "text"
+        )
 
     return client, call
 
 
-CASES = {"openai": (openai_call, False), "openai stream": (openai_call, True),
-         "anthropic": (anthropic_call, False), "anthropic stream": (anthropic_call, True)}
+CASES = {
+    "openai": (openai_call, False),
+    "openai stream": (openai_call, True),
+    "anthropic": (anthropic_call, False),
+    "anthropic stream": (anthropic_call, True),
+}
 
 
 def checked_close(server: LoopbackServer, session: dict, prompt_len: int) -> None:
@@ -109,7 +132,9 @@ def one_direct(engine: TorchEngine, prompt: np.ndarray, params: SamplingParams) 
     return elapsed
 
 
-def concurrency(server: LoopbackServer, counting: CountingEngine, prompt_len: int) -> tuple[float, float, list[int]]:
+def concurrency(
+    server: LoopbackServer, counting: CountingEngine, prompt_len: int
+) -> tuple[float, float, list[int]]:
     """Wall seconds of PARALLEL OpenAI requests one after another, and in PARALLEL threads; the
     engine batch sizes of the threaded run."""
     walls = []
@@ -139,7 +164,9 @@ def concurrency(server: LoopbackServer, counting: CountingEngine, prompt_len: in
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="20 requests per case, for a CI smoke run")
+    parser.add_argument(
+        "--quick", action="store_true", help="20 requests per case, for a CI smoke run"
+    )
     parser.add_argument("--requests", type=int, default=200, help="timed requests per case")
     args = parser.parse_args()
     n = 20 if args.quick else args.requests
@@ -151,8 +178,12 @@ def main() -> None:
     engine = TorchEngine(path)
     counting = CountingEngine(engine)
     server = LoopbackServer(counting, tokenizer, params)
-    prompt = np.asarray(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)["input_ids"],
-                        dtype=np.int32)
+    prompt = np.asarray(
+        tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)[
+            "input_ids"
+        ],
+        dtype=np.int32,
+    )
     try:
         for _ in range(WARMUP):
             one_direct(engine, prompt, params)
@@ -169,8 +200,12 @@ def main() -> None:
 
     ms = {case: np.asarray(t) * 1e3 for case, t in times.items()}
     base50, base99 = np.percentile(ms["direct"], [50, 99])
-    print(f"prompt {len(prompt)} tokens, {MAX_TOKENS} sampled per request, {n} sequential requests per case")
-    print(f"{'case':<18}{'requests/s':>11}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'added p99':>11}")
+    print(
+        f"prompt {len(prompt)} tokens, {MAX_TOKENS} sampled per request, {n} sequential requests per case"
+    )
+    print(
+        f"{'case':<18}{'requests/s':>11}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'added p99':>11}"
+    )
     for case, values in ms.items():
         p50, p99 = np.percentile(values, [50, 99])
         rate = len(values) / (values.sum() / 1e3)
@@ -179,8 +214,10 @@ def main() -> None:
     sequential = statistics.median(r[0] for r in runs)
     parallel = statistics.median(r[1] for r in runs)
     batches = " ".join(str(r[2]) for r in runs)
-    print(f"concurrency  {PARALLEL} openai requests: sequential {sequential * 1e3:.1f} ms, {PARALLEL} threads "
-          f"{parallel * 1e3:.1f} ms, ratio {sequential / parallel:.2f}x  (median of {rounds})")
+    print(
+        f"concurrency  {PARALLEL} openai requests: sequential {sequential * 1e3:.1f} ms, {PARALLEL} threads "
+        f"{parallel * 1e3:.1f} ms, ratio {sequential / parallel:.2f}x  (median of {rounds})"
+    )
     print(f"concurrency  engine batch sizes of the threaded runs: {batches}")
 
 

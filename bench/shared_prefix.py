@@ -31,7 +31,9 @@ def seconds_per_step(model, optimizer, ids, groups, shared: str, steps: int) -> 
     for _ in range(steps + 3):  # 3 warm-up steps
         start = time.perf_counter()
         if shared:
-            logprob = shared_prefix_logprobs(model, ids, mask, plan(ids, mask.sum(-1), groups), packed=shared == "packed")
+            logprob = shared_prefix_logprobs(
+                model, ids, mask, plan(ids, mask.sum(-1), groups), packed=shared == "packed"
+            )
         else:
             logprob = token_logprobs(model(input_ids=ids, attention_mask=mask).logits, ids)
         optimizer.zero_grad()
@@ -44,7 +46,9 @@ def seconds_per_step(model, optimizer, ids, groups, shared: str, steps: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="5 steps per point")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (molt-wb gives a tiny policy one)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (molt-wb gives a tiny policy one)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -52,12 +56,25 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     steps = 5 if args.quick else 30
     groups = torch.arange(8).repeat_interleave(8)
-    print(f"{'reply tokens':>12} {'full s':>8} {'packed s':>8} {'cached s':>8} {'default':>8} {'full / default':>14}")
+    print(
+        f"{'reply tokens':>12} {'full s':>8} {'packed s':>8} {'cached s':>8} {'default':>8} {'full / default':>14}"
+    )
     for reply in (3, 16, 32):
-        ids = torch.cat([torch.randint(10, 500, (8, 22)).repeat_interleave(8, 0), torch.randint(10, 500, (64, reply))], 1)
-        full, packed, cached = (seconds_per_step(model, optimizer, ids, groups, way, steps) for way in ("", "packed", "cached"))
+        ids = torch.cat(
+            [
+                torch.randint(10, 500, (8, 22)).repeat_interleave(8, 0),
+                torch.randint(10, 500, (64, reply)),
+            ],
+            1,
+        )
+        full, packed, cached = (
+            seconds_per_step(model, optimizer, ids, groups, way, steps)
+            for way in ("", "packed", "cached")
+        )
         default = "packed" if 22 + 8 * reply <= 2 * model.config.hidden_size else "cached"
-        print(f"{reply:>12} {full:8.4f} {packed:8.4f} {cached:8.4f} {default:>8} {full / (packed if default == 'packed' else cached):14.2f}")
+        print(
+            f"{reply:>12} {full:8.4f} {packed:8.4f} {cached:8.4f} {default:>8} {full / (packed if default == 'packed' else cached):14.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import argparse
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -32,7 +31,15 @@ from workbench import loop  # noqa: E402
 from workbench.config import compose_config  # noqa: E402
 from workbench.store import open_run  # noqa: E402
 
-KEYS = ("step_s", "rollout_s", "train_s", "generate_s", "learner_compute_s", "tokens_per_s", "store_cpu_s")
+KEYS = (
+    "step_s",
+    "rollout_s",
+    "train_s",
+    "generate_s",
+    "learner_compute_s",
+    "tokens_per_s",
+    "store_cpu_s",
+)
 
 
 class PeakRSS:
@@ -46,9 +53,13 @@ class PeakRSS:
         def sample():
             while not self.done.wait(0.1):
                 try:
-                    self.peak = max(self.peak, sum(p.memory_info().rss for p in [me, *me.children(recursive=True)]))
+                    self.peak = max(
+                        self.peak,
+                        sum(p.memory_info().rss for p in [me, *me.children(recursive=True)]),
+                    )
                 except psutil.Error:
                     pass
+
         self.thread = threading.Thread(target=sample, daemon=True)
         self.thread.start()
         return self
@@ -59,13 +70,31 @@ class PeakRSS:
 
 
 def measure(root: str, name: str, steps: int, overrides: list[str]) -> dict:
-    cfg = compose_config(["+recipe=arith", f"trainer.steps={steps}", "tracking=none", "run.progress=false",
-                          "trainer.checkpoint_every=0", f"run.root={root}", f"run.id={name}", *overrides])
+    cfg = compose_config(
+        [
+            "+recipe=arith",
+            f"trainer.steps={steps}",
+            "tracking=none",
+            "run.progress=false",
+            "trainer.checkpoint_every=0",
+            f"run.root={root}",
+            f"run.id={name}",
+            *overrides,
+        ]
+    )
     with PeakRSS() as memory:
         run_id = loop.train(cfg)
     db = open_run(run_id, root)
-    means = dict(zip(KEYS, db.execute(
-        "select " + ", ".join(f"avg(value) filter (where key = 'perf/{k}')" for k in KEYS) + " from metrics where step > 0").fetchone()))
+    means = dict(
+        zip(
+            KEYS,
+            db.execute(
+                "select "
+                + ", ".join(f"avg(value) filter (where key = 'perf/{k}')" for k in KEYS)
+                + " from metrics where step > 0"
+            ).fetchone(),
+        )
+    )
     means["peak_mb"] = memory.peak / 2**20
     # model compute on the step's critical path: generation then training when synchronous; when rollout runs
     # ahead (async_depth > 0) the two overlap, and the step waits on the slower of them
@@ -77,33 +106,55 @@ def measure(root: str, name: str, steps: int, overrides: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="arith and base only, 3 steps each unless --steps")
+    parser.add_argument(
+        "--quick", action="store_true", help="arith and base only, 3 steps each unless --steps"
+    )
     parser.add_argument("--steps", type=int, help="steps per run (default 12)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
     steps = args.steps or (3 if args.quick else 12)
-    base = ["model.warm_start_steps=0", "engine.max_tokens=32", "trainer.group_size=8", "ray.rollout_workers=1"]
-    runs = {"arith recipe": [], "base": base, "group x2": [*base, "trainer.group_size=16"],
-            "tokens x2": [*base, "engine.max_tokens=64"], "workers x2": [*base, "ray.rollout_workers=2"],
-            "model x10": [*base, "model=small"]}
+    base = [
+        "model.warm_start_steps=0",
+        "engine.max_tokens=32",
+        "trainer.group_size=8",
+        "ray.rollout_workers=1",
+    ]
+    runs = {
+        "arith recipe": [],
+        "base": base,
+        "group x2": [*base, "trainer.group_size=16"],
+        "tokens x2": [*base, "engine.max_tokens=64"],
+        "workers x2": [*base, "ray.rollout_workers=2"],
+        "model x10": [*base, "model=small"],
+    }
     if args.quick:
         runs = dict(list(runs.items())[:2])
     from workbench import runtime
 
-    runtime.init_ray(compose_config(["ray.rollout_workers=2"]))  # one Ray for every run, with a slot per actor of the largest
+    runtime.init_ray(
+        compose_config(["ray.rollout_workers=2"])
+    )  # one Ray for every run, with a slot per actor of the largest
     with tempfile.TemporaryDirectory() as root:
-        results = {name: measure(root, f"run{i}", steps, [*overrides, *args.overrides])
-                   for i, (name, overrides) in enumerate(runs.items())}
-    print(f"{'run':>12} {'step_s':>7} {'rollout':>7} {'train':>6} {'generate':>8} {'learn':>6} "
-          f"{'overhead':>8} {'ms':>5} {'store':>6} {'tokens/s':>8} {'peak_MB':>7} {'x step':>6} {'x mem':>5}")
+        results = {
+            name: measure(root, f"run{i}", steps, [*overrides, *args.overrides])
+            for i, (name, overrides) in enumerate(runs.items())
+        }
+    print(
+        f"{'run':>12} {'step_s':>7} {'rollout':>7} {'train':>6} {'generate':>8} {'learn':>6} "
+        f"{'overhead':>8} {'ms':>5} {'store':>6} {'tokens/s':>8} {'peak_MB':>7} {'x step':>6} {'x mem':>5}"
+    )
     for name, r in results.items():
         scale = results["base"] if name != "arith recipe" else r
-        print(f"{name:>12} {r['step_s']:7.3f} {r['rollout_s']:7.3f} {r['train_s']:6.3f} "
-              f"{r['generate_s']:8.3f} {r['learner_compute_s']:6.3f} {r['overhead']:8.1%} {r['overhead_s'] * 1000:5.0f} {r['store_cpu_s'] / r['step_s']:6.1%} {r['tokens_per_s']:8.0f} "
-              f"{r['peak_mb']:7.0f} {r['step_s'] / scale['step_s']:6.2f} {r['peak_mb'] / scale['peak_mb']:5.2f}")
-    print("overhead = 1 - model compute on the critical path / step: generate + learn when synchronous, the larger "
-          "of the two when async_depth > 0 overlaps them; ms: the same, in milliseconds per step; store: the store actor's "
-          "CPU seconds per step / step (its work runs off the step's path, on the same cores); x step, x mem: against base")
+        print(
+            f"{name:>12} {r['step_s']:7.3f} {r['rollout_s']:7.3f} {r['train_s']:6.3f} "
+            f"{r['generate_s']:8.3f} {r['learner_compute_s']:6.3f} {r['overhead']:8.1%} {r['overhead_s'] * 1000:5.0f} {r['store_cpu_s'] / r['step_s']:6.1%} {r['tokens_per_s']:8.0f} "
+            f"{r['peak_mb']:7.0f} {r['step_s'] / scale['step_s']:6.2f} {r['peak_mb'] / scale['peak_mb']:5.2f}"
+        )
+    print(
+        "overhead = 1 - model compute on the critical path / step: generate + learn when synchronous, the larger "
+        "of the two when async_depth > 0 overlaps them; ms: the same, in milliseconds per step; store: the store actor's "
+        "CPU seconds per step / step (its work runs off the step's path, on the same cores); x step, x mem: against base"
+    )
 
 
 if __name__ == "__main__":

@@ -31,37 +31,93 @@ def write_run(root: Path, segments: int, length: int, steps: int, layers: int = 
     for step in range(steps):
         n, rollout = per_step, np.arange(step * per_step, (step + 1) * per_step)
         columns = {  # one step's shard of each table
-            "segments": dict(step=[step] * n, rollout_id=rollout, segment_idx=[0] * n, group_id=rollout // 8,
-                             reward=rng.integers(0, 2, n).astype(float), advantage=rng.normal(size=n).astype(np.float32),
-                             num_tokens=[length] * n, num_sampled=[length - prompt] * n, min_version=[max(step - 1, 0)] * n,
-                             max_version=[step] * n, learner_version=[step] * n, finish_reason=["stop"] * n,
-                             seal_reason=["end"] * n, turn_spans=[[[prompt, length]]] * n,
-                             prompt_text=[f"What is {i % 9} + {i % 7}?" for i in rollout], response_text=["42"] * n, images=[[]] * n),
-            "tokens": dict(step=np.full(n * length, step, np.int32), rollout_id=np.repeat(rollout, length),
-                           segment_idx=np.zeros(n * length, np.int32), position=np.tile(np.arange(length, dtype=np.int32), n),
-                           token_id=rng.integers(0, 500, n * length).astype(np.int32),
-                           loss_mask=np.tile((np.arange(length) >= prompt).astype(np.uint8), n),
-                           behavior_logprob=-rng.exponential(1.0, n * length).astype(np.float32),
-                           train_logprob=-rng.exponential(1.0, n * length).astype(np.float32),
-                           behavior_version=np.full(n * length, step, np.int32), is_weight=rng.uniform(0.5, 1.5, n * length).astype(np.float32),
-                           advantage=np.zeros(n * length, np.float32)),
-            "gate_decisions": dict(step=[step] * n, rollout_id=rollout, segment_idx=[0] * n, learner_version=[step] * n,
-                                   min_version=[step] * n, max_version=[step] * n, staleness=[0] * n, seq_log_ratio=[0.0] * n,
-                                   geo_ratio=[1.0] * n, decision=rng.choice(["kept", "dropped"], n).tolist(), reason=["ok"] * n,
-                                   tokens_masked=[0] * n),
-            "routing": dict(step=[step] * n * layers, rollout_id=np.repeat(rollout, layers), segment_idx=[0] * n * layers,
-                            layer=np.tile(np.arange(layers), n), tokens=[length] * n * layers, mismatched=[1] * n * layers,
-                            positions=[[prompt + 1]] * n * layers),
-            "metrics": dict(step=[step] * 5, key=["reward/mean", "loss/policy", "gate/kept_frac", "mismatch/kl",
-                                                  "routing/mismatch_token_frac"], value=rng.uniform(size=5), time=[0.0] * 5),
+            "segments": dict(
+                step=[step] * n,
+                rollout_id=rollout,
+                segment_idx=[0] * n,
+                group_id=rollout // 8,
+                reward=rng.integers(0, 2, n).astype(float),
+                advantage=rng.normal(size=n).astype(np.float32),
+                num_tokens=[length] * n,
+                num_sampled=[length - prompt] * n,
+                min_version=[max(step - 1, 0)] * n,
+                max_version=[step] * n,
+                learner_version=[step] * n,
+                finish_reason=["stop"] * n,
+                seal_reason=["end"] * n,
+                turn_spans=[[[prompt, length]]] * n,
+                prompt_text=[f"What is {i % 9} + {i % 7}?" for i in rollout],
+                response_text=["42"] * n,
+                images=[[]] * n,
+            ),
+            "tokens": dict(
+                step=np.full(n * length, step, np.int32),
+                rollout_id=np.repeat(rollout, length),
+                segment_idx=np.zeros(n * length, np.int32),
+                position=np.tile(np.arange(length, dtype=np.int32), n),
+                token_id=rng.integers(0, 500, n * length).astype(np.int32),
+                loss_mask=np.tile((np.arange(length) >= prompt).astype(np.uint8), n),
+                behavior_logprob=-rng.exponential(1.0, n * length).astype(np.float32),
+                train_logprob=-rng.exponential(1.0, n * length).astype(np.float32),
+                behavior_version=np.full(n * length, step, np.int32),
+                is_weight=rng.uniform(0.5, 1.5, n * length).astype(np.float32),
+                advantage=np.zeros(n * length, np.float32),
+            ),
+            "gate_decisions": dict(
+                step=[step] * n,
+                rollout_id=rollout,
+                segment_idx=[0] * n,
+                learner_version=[step] * n,
+                min_version=[step] * n,
+                max_version=[step] * n,
+                staleness=[0] * n,
+                seq_log_ratio=[0.0] * n,
+                geo_ratio=[1.0] * n,
+                decision=rng.choice(["kept", "dropped"], n).tolist(),
+                reason=["ok"] * n,
+                tokens_masked=[0] * n,
+            ),
+            "routing": dict(
+                step=[step] * n * layers,
+                rollout_id=np.repeat(rollout, layers),
+                segment_idx=[0] * n * layers,
+                layer=np.tile(np.arange(layers), n),
+                tokens=[length] * n * layers,
+                mismatched=[1] * n * layers,
+                positions=[[prompt + 1]] * n * layers,
+            ),
+            "metrics": dict(
+                step=[step] * 5,
+                key=[
+                    "reward/mean",
+                    "loss/policy",
+                    "gate/kept_frac",
+                    "mismatch/kl",
+                    "routing/mismatch_token_frac",
+                ],
+                value=rng.uniform(size=5),
+                time=[0.0] * 5,
+            ),
         }
         for name, table in columns.items():
             rows = len(next(iter(table.values())))
-            pq.write_table(pa.table({"run_id": [run_id] * rows, **table}, schema=TABLES[name]),
-                           folder / name / f"part-{step:06d}.parquet")
-    (folder / "run.json").write_text(json.dumps({
-        "run_id": run_id, "recipe": "synthetic", "status": "finished", "created": time.time(), "steps_done": steps, "steps": steps,
-        "config": {"model": {"name": "tiny", "path": None}}}))
+            pq.write_table(
+                pa.table({"run_id": [run_id] * rows, **table}, schema=TABLES[name]),
+                folder / name / f"part-{step:06d}.parquet",
+            )
+    (folder / "run.json").write_text(
+        json.dumps(
+            {
+                "run_id": run_id,
+                "recipe": "synthetic",
+                "status": "finished",
+                "created": time.time(),
+                "steps_done": steps,
+                "steps": steps,
+                "config": {"model": {"name": "tiny", "path": None}},
+            }
+        )
+    )
     return run_id
 
 
@@ -78,8 +134,12 @@ async def drive(root: str, run_id: str) -> dict:
         await pilot.pause()
         figures["open run (overview + all tabs loaded)"] = since(start)
         table = app.screen.query_one("#segments-table", DataTable)
-        for label, keys in (("segments table", ["2"]), ("token view (first open: tokenizer load)", ["enter"]),
-                            ("token view (next open)", ["escape", "down", "enter"]), ("move cursor one token", ["right"])):
+        for label, keys in (
+            ("segments table", ["2"]),
+            ("token view (first open: tokenizer load)", ["enter"]),
+            ("token view (next open)", ["escape", "down", "enter"]),
+            ("move cursor one token", ["right"]),
+        ):
             start = clock()
             await pilot.press(*keys)
             await pilot.pause()
@@ -89,7 +149,9 @@ async def drive(root: str, run_id: str) -> dict:
         app.screen.query_one("#filter").value = "dropped What is 3"
         await pilot.pause()
         figures["filter (dropped + text search)"] = since(start)
-        figures["segments matching the filter"] = int(str(app.screen.query_one("#segments-status").render()).split()[3])
+        figures["segments matching the filter"] = int(
+            str(app.screen.query_one("#segments-status").render()).split()[3]
+        )
     return figures
 
 
@@ -103,11 +165,17 @@ def main():
         start = time.perf_counter()
         run_id = write_run(Path(root), args.segments, args.length, args.steps)
         size = sum(p.stat().st_size for p in Path(root).rglob("*.parquet"))
-        print(f"synthetic run: {args.segments * args.length:,} tokens, {args.segments:,} segments, {args.steps} shards per table, "
-              f"{size / 2**20:.1f} MiB, written in {time.perf_counter() - start:.1f} s")
+        print(
+            f"synthetic run: {args.segments * args.length:,} tokens, {args.segments:,} segments, {args.steps} shards per table, "
+            f"{size / 2**20:.1f} MiB, written in {time.perf_counter() - start:.1f} s"
+        )
         print(f"  {'':<42} {'wall':>8} {'cpu':>8}")
         for label, value in asyncio.run(drive(root, run_id)).items():
-            print(f"  {label:<42} {value[0] * 1000:6.0f} ms {value[1] * 1000:5.0f} ms" if isinstance(value, tuple) else f"  {label:<42} {value:8d}")
+            print(
+                f"  {label:<42} {value[0] * 1000:6.0f} ms {value[1] * 1000:5.0f} ms"
+                if isinstance(value, tuple)
+                else f"  {label:<42} {value:8d}"
+            )
 
 
 if __name__ == "__main__":

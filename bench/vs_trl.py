@@ -29,21 +29,39 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-ASYNC = ["trainer.async_depth=1", "gate.level=token"]  # rollout one version ahead, overlapping the learner; gated
-OFFLINE = {"PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled",
-           "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"}
+ASYNC = [
+    "trainer.async_depth=1",
+    "gate.level=token",
+]  # rollout one version ahead, overlapping the learner; gated
+OFFLINE = {
+    "PYTHONWARNINGS": "ignore",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "WANDB_MODE": "disabled",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
 
 
 def config(steps: int, extra: list[str], root: str = "runs"):
     from workbench.config import compose_config
 
-    return compose_config(["+recipe=arith", f"trainer.steps={steps}", "tracking=none", "run.progress=false",
-                           "trainer.checkpoint_every=0", f"run.root={root}", *extra])
+    return compose_config(
+        [
+            "+recipe=arith",
+            f"trainer.steps={steps}",
+            "tracking=none",
+            "run.progress=false",
+            "trainer.checkpoint_every=0",
+            f"run.root={root}",
+            *extra,
+        ]
+    )
 
 
 def run_molt(steps: int, extra: list[str], model_path: str) -> dict:
@@ -52,12 +70,24 @@ def run_molt(steps: int, extra: list[str], model_path: str) -> dict:
 
     with tempfile.TemporaryDirectory() as root:
         start = time.perf_counter()
-        run_id = loop.train(config(steps, [*extra, f"model.path={model_path}", "run.id=molt"], root))
+        run_id = loop.train(
+            config(steps, [*extra, f"model.path={model_path}", "run.id=molt"], root)
+        )
         wall = time.perf_counter() - start
-        rows = open_run(run_id, root).execute(
-            "pivot (select step, key, value from metrics where key in ('perf/step_s', 'rollout/sampled_tokens', 'reward/mean')) "
-            "on key using first(value) order by step").fetchall()
-    return {"wall_s": wall, "step_s": [r[1] for r in rows], "tokens": [r[3] for r in rows], "reward": [r[2] for r in rows]}
+        rows = (
+            open_run(run_id, root)
+            .execute(
+                "pivot (select step, key, value from metrics where key in ('perf/step_s', 'rollout/sampled_tokens', 'reward/mean')) "
+                "on key using first(value) order by step"
+            )
+            .fetchall()
+        )
+    return {
+        "wall_s": wall,
+        "step_s": [r[1] for r in rows],
+        "tokens": [r[3] for r in rows],
+        "reward": [r[2] for r in rows],
+    }
 
 
 def run_trl(steps: int, extra: list[str], model_path: str) -> dict:
@@ -71,10 +101,19 @@ def run_trl(steps: int, extra: list[str], model_path: str) -> dict:
     cfg = config(steps, extra)
     plugin = load_plugin(cfg.agent.plugin)
     samples = plugin.make_dataset(cfg.data.size, cfg.seed)
-    data = Dataset.from_list([{"prompt": [{"role": "user", "content": plugin.AgentRunner().reset(s)}], "sample": json.dumps(s)}
-                              for s in samples])
+    data = Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": plugin.AgentRunner().reset(s)}],
+                "sample": json.dumps(s),
+            }
+            for s in samples
+        ]
+    )
 
-    def reward(prompts, completions, sample, **_) -> list[float]:  # the recipe's own Env grades each completion
+    def reward(
+        prompts, completions, sample, **_
+    ) -> list[float]:  # the recipe's own Env grades each completion
         scores = []
         for completion, row in zip(completions, sample):
             env = plugin.AgentRunner()
@@ -102,21 +141,51 @@ def run_trl(steps: int, extra: list[str], model_path: str) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     group, prompts = cfg.trainer.group_size, cfg.trainer.prompts_per_step
     with tempfile.TemporaryDirectory() as out:
-        args = GRPOConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=group * prompts, num_generations=group,
-                          max_completion_length=cfg.engine.max_tokens, temperature=cfg.engine.temperature, top_p=cfg.engine.top_p,
-                          learning_rate=cfg.trainer.lr, lr_scheduler_type="constant", weight_decay=cfg.trainer.weight_decay,
-                          max_grad_norm=cfg.trainer.max_grad_norm, epsilon=cfg.algo.clip_low, epsilon_high=cfg.algo.clip_high,
-                          beta=0.0, loss_type="dapo", scale_rewards="group", num_iterations=1, use_cpu=True, bf16=False,
-                          report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True, seed=cfg.seed,
-                          dataloader_num_workers=0)
+        args = GRPOConfig(
+            output_dir=out,
+            max_steps=steps,
+            per_device_train_batch_size=group * prompts,
+            num_generations=group,
+            max_completion_length=cfg.engine.max_tokens,
+            temperature=cfg.engine.temperature,
+            top_p=cfg.engine.top_p,
+            learning_rate=cfg.trainer.lr,
+            lr_scheduler_type="constant",
+            weight_decay=cfg.trainer.weight_decay,
+            max_grad_norm=cfg.trainer.max_grad_norm,
+            epsilon=cfg.algo.clip_low,
+            epsilon_high=cfg.algo.clip_high,
+            beta=0.0,
+            loss_type="dapo",
+            scale_rewards="group",
+            num_iterations=1,
+            use_cpu=True,
+            bf16=False,
+            report_to="none",
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=cfg.seed,
+            dataloader_num_workers=0,
+        )
         clock = Clock()
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tokenizer,
-                              callbacks=[clock])
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=args,
+            train_dataset=data,
+            processing_class=tokenizer,
+            callbacks=[clock],
+        )
         trainer.remove_callback(PrinterCallback)  # its per-step log dicts; the Clock keeps them
         trainer.train()
     wall = time.perf_counter() - start
-    return {"wall_s": wall, "step_s": clock.step_s, "reward": [log["reward"] for log in clock.logs],
-            "tokens": [log["completions/mean_length"] * group * prompts for log in clock.logs]}
+    return {
+        "wall_s": wall,
+        "step_s": clock.step_s,
+        "reward": [log["reward"] for log in clock.logs],
+        "tokens": [log["completions/mean_length"] * group * prompts for log in clock.logs],
+    }
 
 
 def measure(side: str, steps: int, extra: list[str], model_path: str, env: dict) -> dict:
@@ -127,8 +196,22 @@ def measure(side: str, steps: int, extra: list[str], model_path: str, env: dict)
     import psutil
 
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        child = subprocess.Popen([sys.executable, __file__, "--side", side, "--json", out.name, "--model", model_path,
-                                  "--steps", str(steps), *extra], env={**os.environ, **OFFLINE, **env})
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--side",
+                side,
+                "--json",
+                out.name,
+                "--model",
+                model_path,
+                "--steps",
+                str(steps),
+                *extra,
+            ],
+            env={**os.environ, **OFFLINE, **env},
+        )
         peak, peak_pss, pss_at, parent, tick, tree = 0, 0, 0, psutil.Process(child.pid), 0, []
         while child.poll() is None:
             try:
@@ -136,14 +219,23 @@ def measure(side: str, steps: int, extra: list[str], model_path: str, env: dict)
                     tree = [parent, *parent.children(recursive=True)]
                 rss = sum(p.memory_info().rss for p in tree if p.is_running())
                 peak = max(peak, rss)
-                if rss > pss_at * 1.02:  # a new high: PSS splits shared pages among the processes that map them
-                    peak_pss, pss_at = max(peak_pss, sum(p.memory_full_info().pss for p in tree if p.is_running())), rss
+                if (
+                    rss > pss_at * 1.02
+                ):  # a new high: PSS splits shared pages among the processes that map them
+                    peak_pss, pss_at = (
+                        max(
+                            peak_pss, sum(p.memory_full_info().pss for p in tree if p.is_running())
+                        ),
+                        rss,
+                    )
             except psutil.Error:
                 pass
             tick += 1
             time.sleep(0.1)
         if child.returncode:
-            raise SystemExit(f"The {side} run failed (exit {child.returncode}); its output is above.")
+            raise SystemExit(
+                f"The {side} run failed (exit {child.returncode}); its output is above."
+            )
         result = json.loads(Path(out.name).read_text())
     result["peak_rss_mb"], result["peak_pss_mb"] = peak / 2**20, peak_pss / 2**20
     return result
@@ -153,13 +245,29 @@ def summary(r: dict, target: float = 0.75, window: int = 5) -> dict:
     steady = r["step_s"][1:] or r["step_s"]  # the first step warms up
     tokens = sum(r["tokens"][1:] or r["tokens"])
     k = max(1, len(r["reward"]) // 5)
-    times = [sum(steady) / len(steady), *r["step_s"][1:]]  # the warm-up step at the steady mean: its extra is start-up
-    reached = next((end for end in range(window, len(r["reward"]) + 1)
-                    if sum(r["reward"][end - window:end]) / window >= target), None)
-    return {"step_s": sum(steady) / len(steady), "tokens_per_s": tokens / sum(steady), "wall_s": r["wall_s"],
-            "peak_rss_mb": r["peak_rss_mb"], "peak_pss_mb": r["peak_pss_mb"], "reward_first": sum(r["reward"][:k]) / k,
-            "reward_last": sum(r["reward"][-k:]) / k, "steps_to_target": reached,
-            "s_to_target": sum(times[:reached]) if reached else None}
+    times = [
+        sum(steady) / len(steady),
+        *r["step_s"][1:],
+    ]  # the warm-up step at the steady mean: its extra is start-up
+    reached = next(
+        (
+            end
+            for end in range(window, len(r["reward"]) + 1)
+            if sum(r["reward"][end - window : end]) / window >= target
+        ),
+        None,
+    )
+    return {
+        "step_s": sum(steady) / len(steady),
+        "tokens_per_s": tokens / sum(steady),
+        "wall_s": r["wall_s"],
+        "peak_rss_mb": r["peak_rss_mb"],
+        "peak_pss_mb": r["peak_pss_mb"],
+        "reward_first": sum(r["reward"][:k]) / k,
+        "reward_last": sum(r["reward"][-k:]) / k,
+        "steps_to_target": reached,
+        "s_to_target": sum(times[:reached]) if reached else None,
+    }
 
 
 def seed_list(text: str) -> list[int]:
@@ -174,44 +282,67 @@ def compare_seeds(seeds: list[int], steps: int, overrides: list[str], target: fl
 
     sides = {"molt-wb": ("molt", []), "molt-wb async": ("molt", ASYNC), "TRL": ("trl", [])}
     table = {name: [] for name in sides}
-    print(f"{'seed':>4} {'side':>14} {'tokens/s':>9} {'reward last':>11} {'steps to target':>15} {'s to target':>11}")
+    print(
+        f"{'seed':>4} {'side':>14} {'tokens/s':>9} {'reward last':>11} {'steps to target':>15} {'s to target':>11}"
+    )
     for seed in seeds:
         extra = [*overrides, f"seed={seed}"]
         model_path = runtime.policy_path(config(steps, extra))
         for name, (side, more) in sides.items():
             s = summary(measure(side, steps, [*extra, *more], model_path, {}), target)
             table[name].append(s)
-            print(f"{seed:>4} {name:>14} {s['tokens_per_s']:9.0f} {s['reward_last']:11.3f} {s['steps_to_target'] or '-':>15} "
-                  + (f"{s['s_to_target']:11.2f}" if s["s_to_target"] else f"{'-':>11}"), flush=True)
+            print(
+                f"{seed:>4} {name:>14} {s['tokens_per_s']:9.0f} {s['reward_last']:11.3f} {s['steps_to_target'] or '-':>15} "
+                + (f"{s['s_to_target']:11.2f}" if s["s_to_target"] else f"{'-':>11}"),
+                flush=True,
+            )
 
-    both = [i for i in range(len(seeds)) if all(table[name][i]["s_to_target"] for name in sides)]  # seeds all reached
+    both = [
+        i for i in range(len(seeds)) if all(table[name][i]["s_to_target"] for name in sides)
+    ]  # seeds all reached
 
     def mean(name: str, key: str) -> float:
         rows = [table[name][i] for i in both] if key.endswith("to_target") else table[name]
         return sum(s[key] for s in rows) / len(rows) if rows else float("nan")
 
-    print(f"mean over seeds {','.join(map(str, seeds))}; to target (reward {target} over 5 steps): mean over the "
-          f"{len(both)} seeds where every side reached it")
-    print(f"{'side':>14} {'tokens/s':>9} {'reward last':>11} {'reached':>7} {'steps to target':>15} {'s to target':>11} "
-          f"{'tokens/s / TRL':>14} {'TRL s / s, to target':>20}")
+    print(
+        f"mean over seeds {','.join(map(str, seeds))}; to target (reward {target} over 5 steps): mean over the "
+        f"{len(both)} seeds where every side reached it"
+    )
+    print(
+        f"{'side':>14} {'tokens/s':>9} {'reward last':>11} {'reached':>7} {'steps to target':>15} {'s to target':>11} "
+        f"{'tokens/s / TRL':>14} {'TRL s / s, to target':>20}"
+    )
     for name in sides:
         reached = sum(s["s_to_target"] is not None for s in table[name])
-        print(f"{name:>14} {mean(name, 'tokens_per_s'):9.0f} {mean(name, 'reward_last'):11.3f} {reached:>4}/{len(seeds):<2} "
-              f"{mean(name, 'steps_to_target'):15.1f} {mean(name, 's_to_target'):11.2f} "
-              f"{mean(name, 'tokens_per_s') / mean('TRL', 'tokens_per_s'):14.2f} "
-              f"{mean('TRL', 's_to_target') / mean(name, 's_to_target'):20.2f}")
+        print(
+            f"{name:>14} {mean(name, 'tokens_per_s'):9.0f} {mean(name, 'reward_last'):11.3f} {reached:>4}/{len(seeds):<2} "
+            f"{mean(name, 'steps_to_target'):15.1f} {mean(name, 's_to_target'):11.2f} "
+            f"{mean(name, 'tokens_per_s') / mean('TRL', 'tokens_per_s'):14.2f} "
+            f"{mean('TRL', 's_to_target') / mean(name, 's_to_target'):20.2f}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="4 steps per side, for a smoke run")
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--seeds", help="run every side once per seed, e.g. 0-5 or 0,3 (default: the recipe's seed only)")
-    parser.add_argument("--target", type=float, default=0.75, help="the reward (mean over 5 steps) timed to (default 0.75)")
+    parser.add_argument(
+        "--seeds",
+        help="run every side once per seed, e.g. 0-5 or 0,3 (default: the recipe's seed only)",
+    )
+    parser.add_argument(
+        "--target",
+        type=float,
+        default=0.75,
+        help="the reward (mean over 5 steps) timed to (default 0.75)",
+    )
     parser.add_argument("--side", choices=("molt", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides (applied to both sides)")
+    parser.add_argument(
+        "overrides", nargs="*", help="extra Hydra overrides (applied to both sides)"
+    )
     args = parser.parse_args()
     steps = 4 if args.quick else args.steps
     if args.side:
@@ -223,28 +354,48 @@ def main() -> None:
         return
     from workbench import runtime
 
-    model_path = runtime.policy_path(config(steps, args.overrides))  # the warm start, built (once) before either side
-    sides = {"molt-wb": ("molt", {}, []), "molt-wb async": ("molt", {}, ASYNC), "TRL": ("trl", {}, []),
-             "TRL+passive": ("trl", {"OMP_WAIT_POLICY": "PASSIVE"}, [])}
+    model_path = runtime.policy_path(
+        config(steps, args.overrides)
+    )  # the warm start, built (once) before either side
+    sides = {
+        "molt-wb": ("molt", {}, []),
+        "molt-wb async": ("molt", {}, ASYNC),
+        "TRL": ("trl", {}, []),
+        "TRL+passive": ("trl", {"OMP_WAIT_POLICY": "PASSIVE"}, []),
+    }
     if args.quick:
         sides.pop("TRL+passive")
-    results = {name: measure(side, steps, [*args.overrides, *more], model_path, env) for name, (side, env, more) in sides.items()}
+    results = {
+        name: measure(side, steps, [*args.overrides, *more], model_path, env)
+        for name, (side, env, more) in sides.items()
+    }
     summaries = {name: summary(r, args.target) for name, r in results.items()}
-    print(f"{steps} steps of {config(steps, args.overrides).trainer.prompts_per_step} prompts x "
-          f"{config(steps, args.overrides).trainer.group_size} samples, {os.cpu_count()} CPU cores")
-    print(f"{'':>26} {'step_s':>7} {'tokens/s':>9} {'wall_s':>7} {'peak_MB':>8} {'PSS_MB':>7} {'reward first':>12} {'reward last':>11} "
-          f"{'s to target':>11}")
+    print(
+        f"{steps} steps of {config(steps, args.overrides).trainer.prompts_per_step} prompts x "
+        f"{config(steps, args.overrides).trainer.group_size} samples, {os.cpu_count()} CPU cores"
+    )
+    print(
+        f"{'':>26} {'step_s':>7} {'tokens/s':>9} {'wall_s':>7} {'peak_MB':>8} {'PSS_MB':>7} {'reward first':>12} {'reward last':>11} "
+        f"{'s to target':>11}"
+    )
     for name, s in summaries.items():
-        print(f"{name:>26} {s['step_s']:7.3f} {s['tokens_per_s']:9.0f} {s['wall_s']:7.1f} {s['peak_rss_mb']:8.0f} {s['peak_pss_mb']:7.0f} "
-              f"{s['reward_first']:12.3f} {s['reward_last']:11.3f} " + (f"{s['s_to_target']:11.2f}" if s["s_to_target"] else f"{'-':>11}"))
+        print(
+            f"{name:>26} {s['step_s']:7.3f} {s['tokens_per_s']:9.0f} {s['wall_s']:7.1f} {s['peak_rss_mb']:8.0f} {s['peak_pss_mb']:7.0f} "
+            f"{s['reward_first']:12.3f} {s['reward_last']:11.3f} "
+            + (f"{s['s_to_target']:11.2f}" if s["s_to_target"] else f"{'-':>11}")
+        )
     for ours in ("molt-wb", "molt-wb async"):
         for name in [n for n in summaries if n.startswith("TRL")]:
             molt, trl = summaries[ours], summaries[name]
-            print(f"{ours + ' / ' + name:>26} {molt['step_s'] / trl['step_s']:7.2f} {molt['tokens_per_s'] / trl['tokens_per_s']:9.2f} "
-                  f"{molt['wall_s'] / trl['wall_s']:7.2f} {molt['peak_rss_mb'] / trl['peak_rss_mb']:8.2f} "
-                  f"{molt['peak_pss_mb'] / trl['peak_pss_mb']:7.2f}")
-    print(f"reward first / last: mean over the first / last fifth of the steps; s to target: training seconds until the "
-          f"reward over 5 steps first reaches {args.target}")
+            print(
+                f"{ours + ' / ' + name:>26} {molt['step_s'] / trl['step_s']:7.2f} {molt['tokens_per_s'] / trl['tokens_per_s']:9.2f} "
+                f"{molt['wall_s'] / trl['wall_s']:7.2f} {molt['peak_rss_mb'] / trl['peak_rss_mb']:8.2f} "
+                f"{molt['peak_pss_mb'] / trl['peak_pss_mb']:7.2f}"
+            )
+    print(
+        f"reward first / last: mean over the first / last fifth of the steps; s to target: training seconds until the "
+        f"reward over 5 steps first reaches {args.target}"
+    )
     for name, r in results.items():
         print(f"reward curve {name:>13}: " + " ".join(f"{x:.2f}" for x in r["reward"]))
 

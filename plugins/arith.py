@@ -10,7 +10,6 @@ import re
 
 from workbench.api import Env, Result
 
-
 OPERANDS = 5  # operands 0..4: a small table of facts, so each is revisited often within a run
 
 
@@ -22,7 +21,9 @@ class ArithEnv(Env):
     def step(self, action: str) -> Result:
         match = re.search(r"-?\d+", action)
         correct = match is not None and int(match.group()) == self.answer
-        return Result(reward=float(correct), terminated=True, info={"parsed": match and match.group()})
+        return Result(
+            reward=float(correct), terminated=True, info={"parsed": match and match.group()}
+        )
 
 
 AgentRunner = ArithEnv

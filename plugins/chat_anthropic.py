@@ -19,10 +19,17 @@ class SureChat(ChatAgent):
         client = AsyncAnthropic(base_url=ctx.anthropic_base_url, api_key=ctx.api_key, max_retries=0)
         messages = [{"role": "user", "content": ctx.prompt}]
         for _ in range(2):
-            reply = await client.messages.create(model=ctx.model, max_tokens=ctx.max_tokens, messages=messages,
-                                                 extra_body={"temperature": ctx.temperature})
+            reply = await client.messages.create(
+                model=ctx.model,
+                max_tokens=ctx.max_tokens,
+                messages=messages,
+                extra_body={"temperature": ctx.temperature},
+            )
             text = "".join(block.text for block in reply.content if block.type == "text")
-            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Sure?"}]
+            messages += [
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": "Sure?"},
+            ]
         match = re.search(r"-?\d+", text)
         return Result(reward=float(match is not None and int(match.group()) == int(ctx.label)))
 

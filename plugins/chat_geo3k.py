@@ -18,19 +18,40 @@ MAX_TURNS = 3
 
 def openai_content(sample: dict) -> list[dict]:
     """The problem as OpenAI content parts, images inline as data URLs."""
-    return [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(p["image"]).decode()}}
-            if p["type"] == "image" else p for p in geo3k.user_content(sample)]
+    return [
+        {
+            "type": "image_url",
+            "image_url": {"url": "data:image/png;base64," + base64.b64encode(p["image"]).decode()},
+        }
+        if p["type"] == "image"
+        else p
+        for p in geo3k.user_content(sample)
+    ]
 
 
 class Geo3kChat(ChatAgent):
     def run(self, ctx: ChatContext) -> Result:
         client = OpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
-        messages = [{"role": "system", "content": geo3k.SYSTEM}, {"role": "user", "content": openai_content(ctx.sample)}]
+        messages = [
+            {"role": "system", "content": geo3k.SYSTEM},
+            {"role": "user", "content": openai_content(ctx.sample)},
+        ]
         for _ in range(MAX_TURNS):
-            reply = client.chat.completions.create(model=ctx.model, messages=messages, tools=[geo3k.PYTHON_EXECUTOR],
-                                                   max_tokens=ctx.max_tokens, temperature=ctx.temperature).choices[0].message
+            reply = (
+                client.chat.completions.create(
+                    model=ctx.model,
+                    messages=messages,
+                    tools=[geo3k.PYTHON_EXECUTOR],
+                    max_tokens=ctx.max_tokens,
+                    temperature=ctx.temperature,
+                )
+                .choices[0]
+                .message
+            )
             if not reply.tool_calls:
-                reward, info = geo3k_reward(reply.content or "", ctx.label, ctx.sample.get("choices"))
+                reward, info = geo3k_reward(
+                    reply.content or "", ctx.label, ctx.sample.get("choices")
+                )
                 return Result(reward=reward, info=info)
             messages.append(reply.model_dump(exclude_none=True))
             for call in reply.tool_calls:

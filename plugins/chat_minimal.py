@@ -16,8 +16,12 @@ arith = load_plugin("arith")
 class ArithChat(ChatAgent):
     def run(self, ctx: ChatContext) -> Result:
         client = OpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
-        reply = client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": ctx.prompt}],
-                                               max_tokens=ctx.max_tokens, temperature=ctx.temperature)
+        reply = client.chat.completions.create(
+            model=ctx.model,
+            messages=[{"role": "user", "content": ctx.prompt}],
+            max_tokens=ctx.max_tokens,
+            temperature=ctx.temperature,
+        )
         match = re.search(r"-?\d+", reply.choices[0].message.content or "")
         return Result(reward=float(match is not None and int(match.group()) == int(ctx.label)))
 

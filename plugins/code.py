@@ -13,12 +13,26 @@ from workbench.api import Env, Result, run_python
 
 SYSTEM = "Write the Python function. Reply with code only."
 TASKS = [  # (prompt, reference solution, tests); {k} is drawn per sample
-    ("Write a function f(x) that returns x + {k}.", "def f(x):\n    return x + {k}", ["f(0) == {k}", "f(5) == 5 + {k}", "f(-{k}) == 0"]),
-    ("Write a function f(x) that returns x * {k}.", "def f(x):\n    return x * {k}", ["f(0) == 0", "f(1) == {k}", "f(3) == 3 * {k}"]),
-    ("Write a function f(s) that returns s repeated {k} times.", "def f(s):\n    return s * {k}",
-     ["f('a') == 'a' * {k}", "f('') == ''", "f('xy') == 'xy' * {k}"]),
-    ("Write a function f(xs) that returns the sum of xs plus {k}.", "def f(xs):\n    return sum(xs) + {k}",
-     ["f([]) == {k}", "f([1, 2]) == 3 + {k}", "f([-{k}]) == 0"]),
+    (
+        "Write a function f(x) that returns x + {k}.",
+        "def f(x):\n    return x + {k}",
+        ["f(0) == {k}", "f(5) == 5 + {k}", "f(-{k}) == 0"],
+    ),
+    (
+        "Write a function f(x) that returns x * {k}.",
+        "def f(x):\n    return x * {k}",
+        ["f(0) == 0", "f(1) == {k}", "f(3) == 3 * {k}"],
+    ),
+    (
+        "Write a function f(s) that returns s repeated {k} times.",
+        "def f(s):\n    return s * {k}",
+        ["f('a') == 'a' * {k}", "f('') == ''", "f('xy') == 'xy' * {k}"],
+    ),
+    (
+        "Write a function f(xs) that returns the sum of xs plus {k}.",
+        "def f(xs):\n    return sum(xs) + {k}",
+        ["f([]) == {k}", "f([1, 2]) == 3 + {k}", "f([-{k}]) == 0"],
+    ),
 ]
 HARNESS = """
 namespace, passed = {{}}, 0
@@ -43,7 +57,9 @@ def extract_code(text: str) -> str:
 def tests_passed(code: str, tests: list[str]) -> int:
     """How many of `tests` (expressions) are true after running `code`, counted in the sandbox."""
     nonce = secrets.token_hex(8)
-    result = run_python(HARNESS.format(code=code, tests=tests, nonce=nonce), timeout_s=5.0, memory_mb=256)
+    result = run_python(
+        HARNESS.format(code=code, tests=tests, nonce=nonce), timeout_s=5.0, memory_mb=256
+    )
     counts = re.findall(rf"^{nonce} (\d+)$", result.stdout, re.MULTILINE)
     return int(counts[-1]) if counts else 0
 
@@ -57,7 +73,9 @@ class CodeEnv(Env):
 
     def step(self, action: str) -> Result:
         passed = tests_passed(extract_code(action), self.tests)
-        return Result(reward=passed / len(self.tests), info={"passed": passed, "tests": len(self.tests)})
+        return Result(
+            reward=passed / len(self.tests), info={"passed": passed, "tests": len(self.tests)}
+        )
 
 
 AgentRunner = CodeEnv
@@ -68,8 +86,14 @@ def make_dataset(size: int, seed: int) -> list[dict]:
     for index in range(size):
         prompt, solution, tests = TASKS[index % len(TASKS)]
         k = rng.randrange(2, 9)
-        samples.append({"id": index, "problem": prompt.format(k=k), "solution": solution.format(k=k),
-                        "tests": [test.format(k=k) for test in tests]})
+        samples.append(
+            {
+                "id": index,
+                "problem": prompt.format(k=k),
+                "solution": solution.format(k=k),
+                "tests": [test.format(k=k) for test in tests],
+            }
+        )
     return samples
 
 
@@ -78,4 +102,8 @@ def eval_dataset(size: int, seed: int) -> list[dict]:
 
 
 def warm_start(sample: dict, rng: random.Random) -> str:
-    return sample["solution"] if rng.random() < 0.5 else sample["solution"].replace("return ", "return 1 + ")
+    return (
+        sample["solution"]
+        if rng.random() < 0.5
+        else sample["solution"].replace("return ", "return 1 + ")
+    )

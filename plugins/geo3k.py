@@ -16,17 +16,28 @@ import re
 from workbench.api import Env, Result, geo3k_reward, load_plugin, run_python
 
 geo3k_data = load_plugin("geo3k_data")
-SYSTEM = ("Solve the geometry problem shown in the diagram. You may run Python with the python_executor tool. "
-          "Give the final answer as <answer>...</answer>.")
-PYTHON_EXECUTOR = {"type": "function", "function": {
-    "name": "python_executor", "description": "Run Python code in a sandbox and return what it prints.",
-    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+SYSTEM = (
+    "Solve the geometry problem shown in the diagram. You may run Python with the python_executor tool. "
+    "Give the final answer as <answer>...</answer>."
+)
+PYTHON_EXECUTOR = {
+    "type": "function",
+    "function": {
+        "name": "python_executor",
+        "description": "Run Python code in a sandbox and return what it prints.",
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string"}},
+            "required": ["code"],
+        },
+    },
+}
 
 
 def user_content(sample: dict) -> list[dict]:
     """The problem as content parts: each `<image>` marker replaced by the next image (leftovers go first)."""
     pieces, images = sample["problem"].split("<image>"), list(sample["images"])
-    parts = [{"type": "image", "image": image} for image in images[len(pieces) - 1:]]
+    parts = [{"type": "image", "image": image} for image in images[len(pieces) - 1 :]]
     for index, text in enumerate(pieces):
         if index and index - 1 < len(images):
             parts.append({"type": "image", "image": images[index - 1]})
@@ -61,7 +72,12 @@ class Geo3kEnv(Env):
         response = run_tool_call(action)
         if response is not None:
             self.tool_calls += 1
-            return Result(observation=response, role="tool", terminated=False, info={"tool_calls": self.tool_calls})
+            return Result(
+                observation=response,
+                role="tool",
+                terminated=False,
+                info={"tool_calls": self.tool_calls},
+            )
         reward, info = geo3k_reward(action, self.sample["answer"], self.sample.get("choices"))
         return Result(reward=reward, info=dict(info, tool_calls=self.tool_calls))
 
@@ -80,12 +96,21 @@ def load_dataset(path: str) -> list[dict]:
 def program(sample: dict) -> str | None:
     """Python that computes a synthetic sample's answer from its drawn values (None for other samples)."""
     v, kind = sample.get("values") or {}, sample.get("kind")
-    return {"triangle_angle": lambda: f"print(180 - {v['a']} - {v['b']})",
-            "right_triangle": lambda: f"print(({v['a']}**2 + {v['b']}**2) ** 0.5)",
-            "circle": lambda: f"print({v['r']}**2)" if v["asked"] == "area" else f"print(2 * {v['r']})",
-            "parallel_lines": lambda: f"print(180 - {v['g']})" if v["relation"] == "same-side interior" else f"print({v['g']})",
-            "rectangle": lambda: f"print({v['w']} * {v['h']})" if v["asked"] == "area" else f"print(2 * ({v['w']} + {v['h']}))",
-            }.get(kind, lambda: None)()
+    return {
+        "triangle_angle": lambda: f"print(180 - {v['a']} - {v['b']})",
+        "right_triangle": lambda: f"print(({v['a']}**2 + {v['b']}**2) ** 0.5)",
+        "circle": lambda: f"print({v['r']}**2)" if v["asked"] == "area" else f"print(2 * {v['r']})",
+        "parallel_lines": lambda: (
+            f"print(180 - {v['g']})"
+            if v["relation"] == "same-side interior"
+            else f"print({v['g']})"
+        ),
+        "rectangle": lambda: (
+            f"print({v['w']} * {v['h']})"
+            if v["asked"] == "area"
+            else f"print(2 * ({v['w']} + {v['h']}))"
+        ),
+    }.get(kind, lambda: None)()
 
 
 def warm_start(sample: dict, rng: random.Random):
@@ -98,7 +123,14 @@ def warm_start(sample: dict, rng: random.Random):
     if code is None or rng.random() < 0.5:
         return f"I read the values off the diagram. <answer>{answer}</answer>"
     call = json.dumps({"name": "python_executor", "arguments": {"code": code}})
-    output = str(eval(code.removeprefix("print(")[:-1]))  # our own arithmetic: what the sandbox would print
-    final = output + "\\pi" * sample["answer"].endswith("\\pi") if right else answer  # circles: answers in units of π
-    return [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"}, {"role": "tool", "content": output + "\n"},
-            {"role": "assistant", "content": f"The program printed {output}. <answer>{final}</answer>"}]
+    output = str(
+        eval(code.removeprefix("print(")[:-1])
+    )  # our own arithmetic: what the sandbox would print
+    final = (
+        output + "\\pi" * sample["answer"].endswith("\\pi") if right else answer
+    )  # circles: answers in units of π
+    return [
+        {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+        {"role": "tool", "content": output + "\n"},
+        {"role": "assistant", "content": f"The program printed {output}. <answer>{final}</answer>"},
+    ]

@@ -25,11 +25,18 @@ from PIL import Image, ImageDraw, ImageFont
 from workbench.api import Env, Result, geo3k_reward, is_equivalent
 
 SIZE, MARGIN = 112, 16
-FONT = ImageFont.load_default_imagefont()  # the built-in bitmap font: the same pixels with any FreeType
-RELATIONS = {"corresponding": False, "alternate interior": False, "same-side interior": True}  # True: supplementary
+FONT = (
+    ImageFont.load_default_imagefont()
+)  # the built-in bitmap font: the same pixels with any FreeType
+RELATIONS = {
+    "corresponding": False,
+    "alternate interior": False,
+    "same-side interior": True,
+}  # True: supplementary
 
 
 # ---- drawing ---------------------------------------------------------------------------------------
+
 
 def _fit(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """Scale and centre points given in maths coordinates (y up) into the image (y down)."""
@@ -44,21 +51,35 @@ def _label(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str) -> Non
     """Write text centred at `at`."""
     x, y = at
     left, top, right, bottom = draw.textbbox((0, 0), text, font=FONT)
-    draw.text((round(x - (right - left) / 2), round(y - (bottom - top) / 2)), text, fill="black", font=FONT)
+    draw.text(
+        (round(x - (right - left) / 2), round(y - (bottom - top) / 2)),
+        text,
+        fill="black",
+        font=FONT,
+    )
 
 
 def _angle(draw: ImageDraw.ImageDraw, vertex, toward1, toward2, text: str) -> None:
     """Mark the angle at `vertex` between the rays to `toward1` and `toward2` with an arc and a label on its bisector."""
-    units = [((p[0] - vertex[0]) / math.dist(p, vertex), (p[1] - vertex[1]) / math.dist(p, vertex)) for p in (toward1, toward2)]
+    units = [
+        ((p[0] - vertex[0]) / math.dist(p, vertex), (p[1] - vertex[1]) / math.dist(p, vertex))
+        for p in (toward1, toward2)
+    ]
     directions = sorted(math.degrees(math.atan2(u[1], u[0])) % 360 for u in units)
     start, end = directions if directions[1] - directions[0] <= 180 else directions[::-1]
     draw.arc([vertex[0] - 7, vertex[1] - 7, vertex[0] + 7, vertex[1] + 7], start, end, fill="black")
     half = math.radians((end - start) % 360 / 2)
     left, top, right, bottom = draw.textbbox((0, 0), text, font=FONT)
-    distance = min(30.0, math.hypot(right - left, bottom - top) / 2 / math.sin(half) + 3)  # clear of both rays
+    distance = min(
+        30.0, math.hypot(right - left, bottom - top) / 2 / math.sin(half) + 3
+    )  # clear of both rays
     bisector = (units[0][0] + units[1][0], units[0][1] + units[1][1])
     norm = math.hypot(*bisector)
-    _label(draw, (vertex[0] + distance * bisector[0] / norm, vertex[1] + distance * bisector[1] / norm), text)
+    _label(
+        draw,
+        (vertex[0] + distance * bisector[0] / norm, vertex[1] + distance * bisector[1] / norm),
+        text,
+    )
 
 
 def _png(draw_fn) -> bytes:
@@ -82,20 +103,30 @@ def _pi(coefficient: int) -> str:
 
 # ---- the five kinds: each returns (values, answer, distractor answers, problem text, PNG) -----------
 
+
 def _triangle_angle(rng: random.Random):
     a, b = 90, 90
     while a + b > 140:  # every angle at least 40°, so the labels have room
         a, b = rng.randrange(40, 80, 5), rng.randrange(40, 80, 5)
     x = 180 - a - b
     tan_a, tan_b = math.tan(math.radians(a)), math.tan(math.radians(b))
-    A, B, C = _fit([(0, 0), (1, 0), (tan_b / (tan_a + tan_b), tan_a * tan_b / (tan_a + tan_b))])  # angle a at A, b at B
+    A, B, C = _fit(
+        [(0, 0), (1, 0), (tan_b / (tan_a + tan_b), tan_a * tan_b / (tan_a + tan_b))]
+    )  # angle a at A, b at B
 
     def draw(d):
         d.polygon([A, B, C], outline="black", width=2)
         for vertex, text, others in ((A, f"{a}°", (B, C)), (B, f"{b}°", (A, C)), (C, "x", (A, B))):
             _angle(d, vertex, *others, text)
+
     text = f"Two angles of the triangle measure {a}° and {b}°. Find x, the third angle, in degrees."
-    return {"a": a, "b": b}, str(x), [str(v) for v in (a + b, 180 - a, 180 - b, x + 10, abs(x - 10), 360 - a - b)], text, _png(draw)
+    return (
+        {"a": a, "b": b},
+        str(x),
+        [str(v) for v in (a + b, 180 - a, 180 - b, x + 10, abs(x - 10), 360 - a - b)],
+        text,
+        _png(draw),
+    )
 
 
 def _right_triangle(rng: random.Random):
@@ -111,9 +142,22 @@ def _right_triangle(rng: random.Random):
         _label(d, (A[0] - 8, (A[1] + C[1]) / 2), str(b))
         middle = (B[0] + C[0]) / 2, (B[1] + C[1]) / 2
         outward = math.dist(middle, A) / 10  # the label 10 pixels outside the hypotenuse
-        _label(d, (middle[0] + (middle[0] - A[0]) / outward, middle[1] + (middle[1] - A[1]) / outward), "x")
+        _label(
+            d,
+            (middle[0] + (middle[0] - A[0]) / outward, middle[1] + (middle[1] - A[1]) / outward),
+            "x",
+        )
+
     text = f"The legs of the right triangle measure {a} and {b}. Find x, the hypotenuse."
-    wrong = [_radical(s) for s in (a * a + b * b + 1, (a + 1) ** 2 + b * b, a * a + (b + 1) ** 2, abs(a * a - b * b) or 2)]
+    wrong = [
+        _radical(s)
+        for s in (
+            a * a + b * b + 1,
+            (a + 1) ** 2 + b * b,
+            a * a + (b + 1) ** 2,
+            abs(a * a - b * b) or 2,
+        )
+    ]
     return {"a": a, "b": b}, _radical(a * a + b * b), wrong + [str(a + b)], text, _png(draw)
 
 
@@ -125,21 +169,38 @@ def _circle(rng: random.Random):
         d.ellipse([SIZE / 2 - 2, SIZE / 2 - 2, SIZE / 2 + 2, SIZE / 2 + 2], fill="black")
         d.line([(SIZE / 2, SIZE / 2), (SIZE - MARGIN, SIZE / 2)], fill="black", width=2)
         _label(d, (SIZE * 3 / 4 - MARGIN / 2, SIZE / 2 - 8), str(r))
+
     coefficient = r * r if asked == "area" else 2 * r
     text = f"The radius of the circle is {r}. Find the {asked} of the circle, in terms of \\pi."
-    return {"r": r, "asked": asked}, _pi(coefficient), [_pi(c) for c in (r, 2 * r, r * r, 4 * r * r, 2 * r * r, coefficient + 1)], text, _png(draw)
+    return (
+        {"r": r, "asked": asked},
+        _pi(coefficient),
+        [_pi(c) for c in (r, 2 * r, r * r, 4 * r * r, 2 * r * r, coefficient + 1)],
+        text,
+        _png(draw),
+    )
 
 
 def _parallel_lines(rng: random.Random):
     g, relation = rng.randrange(40, 141, 10), rng.choice(sorted(RELATIONS))
     g = 100 if g == 90 else g
     x = 180 - g if RELATIONS[relation] else g
-    top, bottom, rise = 34, 78, math.tan(math.radians(g))  # the transversal climbs at g degrees from the right ray
+    top, bottom, rise = (
+        34,
+        78,
+        math.tan(math.radians(g)),
+    )  # the transversal climbs at g degrees from the right ray
     top_x, bottom_x = SIZE / 2 + (bottom - top) / 2 / rise, SIZE / 2 - (bottom - top) / 2 / rise
     # label spots: given angle g in the lower-left quadrant at the top crossing; x at the bottom crossing
-    spot_x = {"corresponding": (-1, 1), "alternate interior": (1, -1), "same-side interior": (-1, -1)}[relation]
+    spot_x = {
+        "corresponding": (-1, 1),
+        "alternate interior": (1, -1),
+        "same-side interior": (-1, -1),
+    }[relation]
 
-    def quadrant(d, cx, cy, sx, sy, text):  # mark a quadrant at a crossing (sx: +1 right; sy: +1 below the line)
+    def quadrant(
+        d, cx, cy, sx, sy, text
+    ):  # mark a quadrant at a crossing (sx: +1 right; sy: +1 below the line)
         up = math.cos(math.radians(g)), -math.sin(math.radians(g))  # the transversal's upward ray
         ray = up if sy < 0 else (-up[0], -up[1])
         _angle(d, (cx, cy), (cx + sx, cy), (cx + ray[0], cy + ray[1]), text)
@@ -148,11 +209,22 @@ def _parallel_lines(rng: random.Random):
         for y in (top, bottom):
             d.line([(6, y), (SIZE - 6, y)], fill="black", width=2)
         span = (bottom - top) / 2 + 26
-        d.line([(SIZE / 2 - span / rise, SIZE / 2 + span), (SIZE / 2 + span / rise, SIZE / 2 - span)], fill="black", width=2)
+        d.line(
+            [(SIZE / 2 - span / rise, SIZE / 2 + span), (SIZE / 2 + span / rise, SIZE / 2 - span)],
+            fill="black",
+            width=2,
+        )
         quadrant(d, top_x, top, -1, 1, f"{g}°")
         quadrant(d, bottom_x, bottom, *spot_x, "x")
+
     text = f"Two parallel lines are cut by a transversal. An angle measures {g}°, and x is its {relation} angle. Find x in degrees."
-    return {"g": g, "relation": relation}, str(x), [str(v) for v in (180 - x, x + 10, x - 10, 360 - x, x + 20)], text, _png(draw)
+    return (
+        {"g": g, "relation": relation},
+        str(x),
+        [str(v) for v in (180 - x, x + 10, x - 10, 360 - x, x + 20)],
+        text,
+        _png(draw),
+    )
 
 
 def _rectangle(rng: random.Random):
@@ -163,13 +235,25 @@ def _rectangle(rng: random.Random):
         d.rectangle([x0, y1, x1, y0], outline="black", width=2)
         _label(d, ((x0 + x1) / 2, y0 + 8), str(w))
         _label(d, (x1 + 8, (y0 + y1) / 2), str(h))
+
     answer = w * h if asked == "area" else 2 * (w + h)
     text = f"The rectangle has sides {w} and {h}. Find its {asked}."
-    return {"w": w, "h": h, "asked": asked}, str(answer), [str(v) for v in (w + h, 2 * (w + h), w * h, 2 * w * h, answer + 2)], text, _png(draw)
+    return (
+        {"w": w, "h": h, "asked": asked},
+        str(answer),
+        [str(v) for v in (w + h, 2 * (w + h), w * h, 2 * w * h, answer + 2)],
+        text,
+        _png(draw),
+    )
 
 
-KINDS = {"triangle_angle": _triangle_angle, "right_triangle": _right_triangle, "circle": _circle,
-         "parallel_lines": _parallel_lines, "rectangle": _rectangle}
+KINDS = {
+    "triangle_angle": _triangle_angle,
+    "right_triangle": _right_triangle,
+    "circle": _circle,
+    "parallel_lines": _parallel_lines,
+    "rectangle": _rectangle,
+}
 
 
 def make_dataset(size: int, seed: int) -> list[dict]:
@@ -183,12 +267,22 @@ def make_dataset(size: int, seed: int) -> list[dict]:
             if len(choices) < 4 and not any(is_equivalent(candidate, c) for c in choices):
                 choices.append(candidate)
         rng.shuffle(choices)
-        samples.append({"id": f"synthetic-{seed}-{index}", "problem": f"<image>{text}", "answer": answer, "images": [png],
-                        "choices": choices, "kind": kind, "values": values})
+        samples.append(
+            {
+                "id": f"synthetic-{seed}-{index}",
+                "problem": f"<image>{text}",
+                "answer": answer,
+                "images": [png],
+                "choices": choices,
+                "kind": kind,
+                "values": values,
+            }
+        )
     return samples
 
 
 # ---- the real data set ---------------------------------------------------------------------------
+
 
 def _image_bytes(item, folder: Path) -> bytes:
     """An image given as bytes, a {"bytes", "path"} dict, a path relative to the data file, or base64 text."""
@@ -196,7 +290,9 @@ def _image_bytes(item, folder: Path) -> bytes:
         item = item.get("bytes") or item.get("path")
     if isinstance(item, (bytes, bytearray)):
         return bytes(item)
-    if isinstance(item, str) and (item.startswith("data:") or re.fullmatch(r"[A-Za-z0-9+/=\s]+", item)):
+    if isinstance(item, str) and (
+        item.startswith("data:") or re.fullmatch(r"[A-Za-z0-9+/=\s]+", item)
+    ):
         return base64.b64decode(item.split(",", 1)[-1])
     if isinstance(item, str):
         return (folder / item).read_bytes()
@@ -206,33 +302,51 @@ def _image_bytes(item, folder: Path) -> bytes:
 def _samples(rows: list[dict], folder: Path, where: Path) -> list[dict]:
     """Rows of the real shape as samples: images to bytes (each opened once), a letter answer to its choice's value."""
     if not all(isinstance(row, dict) for row in rows):
-        raise ValueError(f"Data set {where} holds rows that are not objects: give one object with images, problem and answer per row.")
-    rows = [{**row, "answer": row.get("ground_truth") if row.get("answer") is None else row["answer"]} for row in rows]
+        raise ValueError(
+            f"Data set {where} holds rows that are not objects: give one object with images, problem and answer per row."
+        )
+    rows = [
+        {**row, "answer": row.get("ground_truth") if row.get("answer") is None else row["answer"]}
+        for row in rows
+    ]
     absent = [c for c in ("images", "problem", "answer") if all(row.get(c) is None for row in rows)]
     if absent:
-        raise ValueError(f"Data set {where} has no {', '.join(absent)} column: a geo3k data set needs images, problem and answer "
-                         f"(or ground_truth); molt-wb prepare geo3k SRC OUT converts the original release.")
+        raise ValueError(
+            f"Data set {where} has no {', '.join(absent)} column: a geo3k data set needs images, problem and answer "
+            f"(or ground_truth); molt-wb prepare geo3k SRC OUT converts the original release."
+        )
     samples = []
     for index, row in enumerate(rows):
         missing = [c for c in ("images", "problem", "answer") if row.get(c) is None]
         if missing:
-            raise ValueError(f"Data set {where} row {index} (id {row.get('id', index)}) has no {', '.join(missing)}: fill it or drop that row.")
+            raise ValueError(
+                f"Data set {where} row {index} (id {row.get('id', index)}) has no {', '.join(missing)}: fill it or drop that row."
+            )
         images = []
         for number, item in enumerate(row["images"]):
             try:
                 images.append(_image_bytes(item, folder))
                 Image.open(io.BytesIO(images[-1])).verify()
             except Exception as error:
-                raise ValueError(f"Data set {where} row {index} (id {row.get('id', index)}): image {number} cannot be opened "
-                                 f"({error}); fix or drop that row.") from None
+                raise ValueError(
+                    f"Data set {where} row {index} (id {row.get('id', index)}): image {number} cannot be opened "
+                    f"({error}); fix or drop that row."
+                ) from None
         choices = [str(c) for c in row["choices"]] if isinstance(row.get("choices"), list) else None
         answer = str(row["answer"]).strip()
         if choices and re.fullmatch(r"[A-H]", answer) and "ABCDEFGH".index(answer) < len(choices):
             answer = choices["ABCDEFGH".index(answer)]  # a choice letter becomes the choice's value
         problem = str(row["problem"])
-        samples.append({"id": str(row.get("id", index)), "answer": answer, "images": images, "choices": choices,
-                        "problem": problem if "<image>" in problem else "<image>" * len(images) + problem,
-                        "kind": row.get("kind") or "geo3k"})
+        samples.append(
+            {
+                "id": str(row.get("id", index)),
+                "answer": answer,
+                "images": images,
+                "choices": choices,
+                "problem": problem if "<image>" in problem else "<image>" * len(images) + problem,
+                "kind": row.get("kind") or "geo3k",
+            }
+        )
     return samples
 
 
@@ -240,8 +354,10 @@ def load_dataset(path: str | Path) -> list[dict]:
     """Read a Geometry3K Parquet or JSONL file (the hiyouga/geometry3k shape) into samples; ValueError names any problem."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"Data set {path} does not exist: give data.path as a .parquet or .jsonl file "
-                         f"(molt-wb prepare geo3k SRC OUT converts the public Geometry3K release).")
+        raise ValueError(
+            f"Data set {path} does not exist: give data.path as a .parquet or .jsonl file "
+            f"(molt-wb prepare geo3k SRC OUT converts the public Geometry3K release)."
+        )
     if path.suffix == ".parquet":
         import pyarrow.parquet
 
@@ -249,9 +365,15 @@ def load_dataset(path: str | Path) -> list[dict]:
     elif path.suffix in (".jsonl", ".json"):
         text = path.read_text(encoding="utf-8")
         try:
-            rows = json.loads(text) if text.lstrip().startswith("[") else [json.loads(line) for line in text.splitlines() if line.strip()]
+            rows = (
+                json.loads(text)
+                if text.lstrip().startswith("[")
+                else [json.loads(line) for line in text.splitlines() if line.strip()]
+            )
         except json.JSONDecodeError as error:
-            raise ValueError(f"Data set {path} is not JSON lines ({error}): write one JSON object per line.") from None
+            raise ValueError(
+                f"Data set {path} is not JSON lines ({error}): write one JSON object per line."
+            ) from None
     else:
         raise ValueError(f"Data set {path} has an unknown format: give a .parquet or .jsonl file.")
     if not rows:
@@ -268,12 +390,21 @@ def save_dataset(samples: list[dict], out: str | Path) -> None:
         import pyarrow
         import pyarrow.parquet
 
-        rows = [{**{k: s.get(k) for k in keys}, "images": [{"bytes": b, "path": None} for b in s["images"]]} for s in samples]
+        rows = [
+            {
+                **{k: s.get(k) for k in keys},
+                "images": [{"bytes": b, "path": None} for b in s["images"]],
+            }
+            for s in samples
+        ]
         pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), out)
     elif out.suffix == ".jsonl":
         with out.open("w", encoding="utf-8") as handle:
             for s in samples:
-                row = {**{k: s.get(k) for k in keys}, "images": [base64.b64encode(b).decode() for b in s["images"]]}
+                row = {
+                    **{k: s.get(k) for k in keys},
+                    "images": [base64.b64encode(b).decode() for b in s["images"]],
+                }
                 handle.write(json.dumps(row) + "\n")
     else:
         raise ValueError(f"Output {out} has an unknown format: name it .parquet or .jsonl.")
@@ -285,24 +416,41 @@ def prepare(src: str | Path, out: str | Path) -> int:
     if src.is_file():
         samples = load_dataset(src)
     elif src.is_dir():
-        splits = [name for name in ("train", "val", "test") if any((src / name).glob("*/data.json"))]
+        splits = [
+            name for name in ("train", "val", "test") if any((src / name).glob("*/data.json"))
+        ]
         if len(splits) > 1:
-            raise ValueError(f"{src} holds several splits ({', '.join(splits)}): give one split folder, e.g. {src / splits[0]}.")
+            raise ValueError(
+                f"{src} holds several splits ({', '.join(splits)}): give one split folder, e.g. {src / splits[0]}."
+            )
         found = sorted(src.rglob("data.json"), key=lambda p: (len(p.parent.name), p.parent.name))
         if not found:
-            raise ValueError(f"{src} holds no <id>/data.json: give a split folder of the Geometry3K release or a .parquet/.jsonl file.")
+            raise ValueError(
+                f"{src} holds no <id>/data.json: give a split folder of the Geometry3K release or a .parquet/.jsonl file."
+            )
         rows = []
         for data_path in found:
             data = json.loads(data_path.read_text(encoding="utf-8"))
             missing = [k for k in ("problem_text", "choices", "answer") if k not in data]
             if missing or not (data_path.parent / "img_diagram.png").is_file():
-                raise ValueError(f"{data_path} lacks {', '.join(missing) or 'its img_diagram.png'}: "
-                                 f"give a folder of the original Geometry3K release.")
-            rows.append({"id": str(data.get("id", data_path.parent.name)), "problem": "<image>" + data["problem_text"],
-                         "answer": data["answer"], "choices": data["choices"], "images": [str(data_path.parent / "img_diagram.png")]})
+                raise ValueError(
+                    f"{data_path} lacks {', '.join(missing) or 'its img_diagram.png'}: "
+                    f"give a folder of the original Geometry3K release."
+                )
+            rows.append(
+                {
+                    "id": str(data.get("id", data_path.parent.name)),
+                    "problem": "<image>" + data["problem_text"],
+                    "answer": data["answer"],
+                    "choices": data["choices"],
+                    "images": [str(data_path.parent / "img_diagram.png")],
+                }
+            )
         samples = _samples(rows, src, src)
     else:
-        raise ValueError(f"{src} does not exist: give a split folder of the Geometry3K release or a .parquet/.jsonl file.")
+        raise ValueError(
+            f"{src} does not exist: give a split folder of the Geometry3K release or a .parquet/.jsonl file."
+        )
     save_dataset(samples, out)
     return len(samples)
 

@@ -12,21 +12,42 @@ from openai import OpenAI
 
 from workbench.api import ChatAgent, ChatContext, Result
 
-JUDGE = ("You grade answers. Question: {question}\nReference answer: {reference}\nStudent answer: {answer}\n"
-         "Is the student answer correct? Reply YES or NO.")
+JUDGE = (
+    "You grade answers. Question: {question}\nReference answer: {reference}\nStudent answer: {answer}\n"
+    "Is the student answer correct? Reply YES or NO."
+)
 
 
 class JudgedAgent(ChatAgent):
     def run(self, ctx: ChatContext) -> Result:
         policy = OpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
-        answer = policy.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": ctx.prompt}],
-                                                max_tokens=ctx.max_tokens, temperature=ctx.temperature).choices[0].message.content
+        answer = (
+            policy.chat.completions.create(
+                model=ctx.model,
+                messages=[{"role": "user", "content": ctx.prompt}],
+                max_tokens=ctx.max_tokens,
+                temperature=ctx.temperature,
+            )
+            .choices[0]
+            .message.content
+        )
         judge = OpenAI(base_url=ctx.judge["base_url"], api_key=ctx.judge["api_key"], max_retries=0)
         prompt = JUDGE.format(question=ctx.prompt, reference=ctx.label, answer=answer)
-        verdict = judge.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": prompt}],
-                                                max_tokens=4, temperature=ctx.temperature).choices[0].message.content or ""
+        verdict = (
+            judge.chat.completions.create(
+                model=ctx.model,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=4,
+                temperature=ctx.temperature,
+            )
+            .choices[0]
+            .message.content
+            or ""
+        )
         score = float("YES" in verdict.upper())
-        return Result(reward=score, info={"judge_prompt": prompt, "verdict": verdict, "score": score})
+        return Result(
+            reward=score, info={"judge_prompt": prompt, "verdict": verdict, "score": score}
+        )
 
 
 AgentRunner = JudgedAgent
@@ -34,8 +55,10 @@ AgentRunner = JudgedAgent
 
 def make_dataset(size: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
-    return [{"id": i, "prompt": f"What is {a} + {b}?", "answer": a + b}
-            for i, (a, b) in enumerate((rng.randrange(10), rng.randrange(10)) for _ in range(size))]
+    return [
+        {"id": i, "prompt": f"What is {a} + {b}?", "answer": a + b}
+        for i, (a, b) in enumerate((rng.randrange(10), rng.randrange(10)) for _ in range(size))
+    ]
 
 
 def eval_dataset(size: int, seed: int) -> list[dict]:

@@ -21,7 +21,10 @@ class MathEnv(Env):
         return sample["problem"]
 
     def step(self, action: str) -> Result:
-        return Result(reward=float(grade(action, self.answer)), info={"pred": extract_answer(action), "answer": self.answer})
+        return Result(
+            reward=float(grade(action, self.answer)),
+            info={"pred": extract_answer(action), "answer": self.answer},
+        )
 
 
 AgentRunner = MathEnv

@@ -11,9 +11,17 @@ import re
 from workbench.api import Env, Result, load_plugin
 
 arith = load_plugin("arith")
-ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.",
-                                        "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
-                                                                                       "b": {"type": "integer"}}}}}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        },
+    },
+}
 
 
 class ToolEnv(Env):

@@ -7,7 +7,9 @@ from workbench.config import ConfigError, compose_config, expand_sweep
 
 def test_defaults_compose_with_the_documented_keys():
     cfg = compose_config([])
-    assert cfg.seed == 0 and cfg.trainer.steps == 20 and cfg.run.root == "runs" and cfg.run.id is None
+    assert (
+        cfg.seed == 0 and cfg.trainer.steps == 20 and cfg.run.root == "runs" and cfg.run.id is None
+    )
     assert cfg.model.name == "tiny" and cfg.engine.name == "torch" and cfg.agent.plugin == "arith"
     assert cfg.gate.level == "off" and cfg.tracking.wandb.mode == "offline"
 
@@ -15,7 +17,9 @@ def test_defaults_compose_with_the_documented_keys():
 def test_recipe_sets_its_values_and_the_command_line_wins_over_it():
     cfg = compose_config(["+recipe=arith"])
     assert cfg.recipe == "arith" and cfg.trainer.steps == 80 and cfg.model.warm_start_steps == 600
-    cfg = compose_config(["+recipe=arith", "trainer.steps=5", "seed=3", "run.id=abc", "engine.temperature=0.7"])
+    cfg = compose_config(
+        ["+recipe=arith", "trainer.steps=5", "seed=3", "run.id=abc", "engine.temperature=0.7"]
+    )
     assert (cfg.trainer.steps, cfg.seed, cfg.run.id, cfg.engine.temperature) == (5, 3, "abc", 0.7)
 
 
@@ -28,27 +32,35 @@ def test_group_options_select_presets():
     assert compose_config(["model=small"]).model.name == "small"
 
 
-@pytest.mark.parametrize("override, words", [
-    ("trainer.stepz=3", "Bad config override"),
-    ("+recipe=nope", "Bad config override"),
-    ("trainer.steps=abc", "Bad config override"),
-    ("engine.temperature=0", "engine.temperature"),
-    ("algo.advantage=ppo", "algo.advantage"),
-    ("trainer.group_size=1", "trainer.group_size"),
-    ("algo.aggregation=constant", "constant_denominator"),
-    ("trainer.async_depth=2", "gate.level=token, seq or geo"),
-    ("rollout.partial=true", "gate.level=token, seq or geo"),
-    ("gate.level=token", "engine.top_p=1"),
-    ("gate.level=geo gate.mode=clip", "gate.mode=mask"),
-    ("gate.band=[2.0,0.5]", "gate.band"),
-    ("trainer.timeout_s=0", "trainer.timeout_s"),
-    ("gate.level=tokens", "gate.level=tokens is unknown"),
-    ("engine.name=sglang", "engine=sglang is unknown"),
-    ("engine=vllm +recipe=geo3k", "engine=vllm"),  # not installed, or no image prompts: one sentence either way
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("trainer.stepz=3", "Bad config override"),
+        ("+recipe=nope", "Bad config override"),
+        ("trainer.steps=abc", "Bad config override"),
+        ("engine.temperature=0", "engine.temperature"),
+        ("algo.advantage=ppo", "algo.advantage"),
+        ("trainer.group_size=1", "trainer.group_size"),
+        ("algo.aggregation=constant", "constant_denominator"),
+        ("trainer.async_depth=2", "gate.level=token, seq or geo"),
+        ("rollout.partial=true", "gate.level=token, seq or geo"),
+        ("gate.level=token", "engine.top_p=1"),
+        ("gate.level=geo gate.mode=clip", "gate.mode=mask"),
+        ("gate.band=[2.0,0.5]", "gate.band"),
+        ("trainer.timeout_s=0", "trainer.timeout_s"),
+        ("gate.level=tokens", "gate.level=tokens is unknown"),
+        ("engine.name=sglang", "engine=sglang is unknown"),
+        (
+            "engine=vllm +recipe=geo3k",
+            "engine=vllm",
+        ),  # not installed, or no image prompts: one sentence either way
+    ],
+)
 def test_bad_config_is_one_sentence_naming_the_key(override, words):
     with pytest.raises(ConfigError) as error:
-        compose_config({"gate.level=token": [override, "engine.top_p=0.9"]}.get(override, override.split()))
+        compose_config(
+            {"gate.level=token": [override, "engine.top_p=0.9"]}.get(override, override.split())
+        )
     message = str(error.value)
     assert words in message and "\n" not in message
 
@@ -56,16 +68,23 @@ def test_bad_config_is_one_sentence_naming_the_key(override, words):
 def test_multirun_line_expands_to_every_combination():
     jobs = [job for job, _ in expand_sweep(["+recipe=arith", "trainer.lr=1e-3,2e-3", "seed=0,1,2"])]
     assert len(jobs) == 6
-    assert {tuple(sorted(j)) for j in jobs} == {tuple(sorted(["+recipe=arith", f"trainer.lr={lr}", f"seed={s}"]))
-                                                for lr in ("0.001", "0.002") for s in (0, 1, 2)}
+    assert {tuple(sorted(j)) for j in jobs} == {
+        tuple(sorted(["+recipe=arith", f"trainer.lr={lr}", f"seed={s}"]))
+        for lr in ("0.001", "0.002")
+        for s in (0, 1, 2)
+    }
     assert [compose_config(j).seed for j in jobs[:3]] == [0, 1, 2]
 
 
 def test_sweep_grammar_lists_ranges_and_swept_values():
-    jobs = expand_sweep(["+recipe=arith", "gate.level=token", "gate.band=[0.5,2.0],[0.9,1.1]", "seed=range(0,3)"])
+    jobs = expand_sweep(
+        ["+recipe=arith", "gate.level=token", "gate.band=[0.5,2.0],[0.9,1.1]", "seed=range(0,3)"]
+    )
     assert len(jobs) == 6
     swept = [values for _, values in jobs]
-    assert {v["gate.band"] for v in swept} == {"[0.5,2.0]", "[0.9,1.1]"} and {v["seed"] for v in swept} == {"0", "1", "2"}
+    assert {v["gate.band"] for v in swept} == {"[0.5,2.0]", "[0.9,1.1]"} and {
+        v["seed"] for v in swept
+    } == {"0", "1", "2"}
     assert all(set(v) == {"gate.band", "seed"} for v in swept)  # fixed keys are not "swept"
     bands = {tuple(compose_config(job).gate.band) for job, _ in jobs}
     assert bands == {(0.5, 2.0), (0.9, 1.1)}

@@ -46,9 +46,18 @@ def test_on_policy_distillation_lowers_the_kl_to_the_teacher():
 
 
 def test_kl_penalty_uniform_group_filter_and_cispo_reach_the_learner(tiny_path):
-    cfg = compose_config(["tracking=none", "algo.kl_coef=0.1", "algo.kl_estimator=k2", "algo.filter_uniform_groups=true",
-                          "algo.policy_loss=cispo", "trainer.prompts_per_step=2",
-                          "trainer.group_size=2", "engine.max_tokens=4"])
+    cfg = compose_config(
+        [
+            "tracking=none",
+            "algo.kl_coef=0.1",
+            "algo.kl_estimator=k2",
+            "algo.filter_uniform_groups=true",
+            "algo.policy_loss=cispo",
+            "trainer.prompts_per_step=2",
+            "trainer.group_size=2",
+            "engine.max_tokens=4",
+        ]
+    )
     OmegaConf.update(cfg, "run.id", "wired")
     worker, learner = RolloutWorker(cfg, tiny_path), Learner(cfg, tiny_path)
     segments = worker.rollout(runtime.Prompts(cfg).next_jobs(1)[0])
@@ -59,5 +68,6 @@ def test_kl_penalty_uniform_group_filter_and_cispo_reach_the_learner(tiny_path):
     assert first["filter/dropped_frac"] == 0.5
     # the reference is the starting policy: KL 0 before the first step, > 0 once the policy has moved
     assert first["loss/kl_ref"] == 0 and 0 < second["loss/kl_ref"] < 5
-    assert learner.reference is not learner.model and not any(p.requires_grad and p.grad is not None
-                                                              for p in learner.reference.parameters())
+    assert learner.reference is not learner.model and not any(
+        p.requires_grad and p.grad is not None for p in learner.reference.parameters()
+    )

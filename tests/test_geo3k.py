@@ -66,33 +66,58 @@ def test_rollout_and_learner_compute_the_same_model_with_images(engine, samples)
     from workbench.models.multimodal import forward_inputs
 
     tokenizer = AutoTokenizer.from_pretrained(engine.model.name_or_path)
-    episodes = [TokenAccumulator(tokenizer, [{"role": "system", "content": geo3k.SYSTEM},
-                                             {"role": "user", "content": geo3k.user_content(s)}], codec=engine.codec)
-                for s in samples[:3]]
-    episodes[1].add_messages([{"role": "user", "content": "Look again, carefully, at the figure."}])  # unequal lengths
+    episodes = [
+        TokenAccumulator(
+            tokenizer,
+            [
+                {"role": "system", "content": geo3k.SYSTEM},
+                {"role": "user", "content": geo3k.user_content(s)},
+            ],
+            codec=engine.codec,
+        )
+        for s in samples[:3]
+    ]
+    episodes[1].add_messages(
+        [{"role": "user", "content": "Look again, carefully, at the figure."}]
+    )  # unequal lengths
     params = SamplingParams(max_tokens=10, stop_token_ids=(tokenizer.eos_token_id,))
-    generations = engine.generate([e.token_ids for e in episodes], params, [e.open.images for e in episodes])
+    generations = engine.generate(
+        [e.token_ids for e in episodes], params, [e.open.images for e in episodes]
+    )
     for episode, generation in zip(episodes, generations):
-        episode.add_sampled(generation.token_ids, generation.logprobs, generation.versions,
-                            {"role": "assistant", "content": "x"}, generation.finish_reason)
+        episode.add_sampled(
+            generation.token_ids,
+            generation.logprobs,
+            generation.versions,
+            {"role": "assistant", "content": "x"},
+            generation.finish_reason,
+        )
     longest = max(len(e.open.token_ids) for e in episodes)
     ids = torch.zeros((3, longest), dtype=torch.long)
     attention = torch.zeros((3, longest), dtype=torch.long)
     for row, episode in enumerate(episodes):
-        ids[row, :len(episode.open.token_ids)] = torch.tensor(episode.open.token_ids)
-        attention[row, :len(episode.open.token_ids)] = 1
+        ids[row, : len(episode.open.token_ids)] = torch.tensor(episode.open.token_ids)
+        attention[row, : len(episode.open.token_ids)] = 1
     with torch.no_grad():
-        inputs = forward_inputs(engine.model, ids, attention, [e.open.images for e in episodes], engine.codec)
+        inputs = forward_inputs(
+            engine.model, ids, attention, [e.open.images for e in episodes], engine.codec
+        )
         learner = token_logprobs(engine.model(**inputs).logits, ids, 1.0)
     for row, episode in enumerate(episodes):
         mask = np.asarray(episode.open.loss_mask, dtype=bool)
         behavior = np.asarray(episode.open.behavior_logprob)[mask]
         assert mask.sum() >= 1
-        np.testing.assert_allclose(learner[row, :len(mask)].numpy()[mask], behavior, atol=1e-4)
+        np.testing.assert_allclose(learner[row, : len(mask)].numpy()[mask], behavior, atol=1e-4)
     # the image matters: the same ids with another image give other log-probs
     other = [samples[5]["images"], episodes[1].open.images, episodes[2].open.images]
     with torch.no_grad():
-        changed = token_logprobs(engine.model(**forward_inputs(engine.model, ids, attention, other, engine.codec)).logits, ids, 1.0)
+        changed = token_logprobs(
+            engine.model(
+                **forward_inputs(engine.model, ids, attention, other, engine.codec)
+            ).logits,
+            ids,
+            1.0,
+        )
     assert not torch.allclose(changed[0], learner[0])
 
 
@@ -105,8 +130,15 @@ def test_env_runs_the_tool_in_the_sandbox_and_grades_the_answer(samples):
     turn = env.step(f"Let me compute. <tool_call>{call}</tool_call>")
     assert (turn.terminated, turn.role) == (False, "tool")
     assert turn.observation.strip() == sample["answer"]
-    assert "Error: ZeroDivisionError" in env.step('<tool_call>{"name": "python_executor", "arguments": {"code": "1/0"}}</tool_call>').observation
-    assert "Error: call python_executor" in env.step("<tool_call>{not json}</tool_call>").observation
+    assert (
+        "Error: ZeroDivisionError"
+        in env.step(
+            '<tool_call>{"name": "python_executor", "arguments": {"code": "1/0"}}</tool_call>'
+        ).observation
+    )
+    assert (
+        "Error: call python_executor" in env.step("<tool_call>{not json}</tool_call>").observation
+    )
     final = env.step(f"The third angle is <answer>{sample['answer']}°</answer>")
     assert final.terminated and final.reward == pytest.approx(1.0)
     wrong = next(c for c in sample["choices"] if c != sample["answer"])
@@ -122,10 +154,20 @@ def test_warm_start_demonstrates_tool_episodes_token_exactly(vl_path, samples):
     from workbench.models.multimodal import ImageCodec
     from workbench.models.warm_start import demonstration
 
-    tokenizer, codec, rng = AutoTokenizer.from_pretrained(vl_path), ImageCodec(vl_path), random.Random(0)
+    tokenizer, codec, rng = (
+        AutoTokenizer.from_pretrained(vl_path),
+        ImageCodec(vl_path),
+        random.Random(0),
+    )
     episodes = [geo3k.warm_start(samples[k % 5], rng) for k in range(40)]
     tool_episode = next(e for e in episodes if isinstance(e, list))
-    ids, mask, images = demonstration(tokenizer, codec, geo3k.AgentRunner(), samples[episodes.index(tool_episode) % 5], tool_episode)
+    ids, mask, images = demonstration(
+        tokenizer,
+        codec,
+        geo3k.AgentRunner(),
+        samples[episodes.index(tool_episode) % 5],
+        tool_episode,
+    )
     trained = tokenizer.decode([i for i, m in zip(ids, mask) if m])
     assert "<tool_call>" in trained and "<answer>" in trained
     assert "<tool_response>" not in trained  # the tool's output is context, not a target
@@ -136,21 +178,35 @@ def _data_url(image: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(image).decode()
 
 
-def test_openai_image_blocks_reach_the_engine_and_bad_images_are_refused(engine, samples, tiny_path):
+def test_openai_image_blocks_reach_the_engine_and_bad_images_are_refused(
+    engine, samples, tiny_path
+):
     from transformers import AutoTokenizer
 
     from workbench.engines.torch_engine import TorchEngine
     from workbench.server.loopback import LoopbackServer
 
     tokenizer = AutoTokenizer.from_pretrained(engine.model.name_or_path)
-    server = LoopbackServer(engine, tokenizer, SamplingParams(max_tokens=6, stop_token_ids=(tokenizer.eos_token_id,)))
-    text_server = LoopbackServer(TorchEngine(tiny_path), AutoTokenizer.from_pretrained(tiny_path), SamplingParams(max_tokens=4))
+    server = LoopbackServer(
+        engine, tokenizer, SamplingParams(max_tokens=6, stop_token_ids=(tokenizer.eos_token_id,))
+    )
+    text_server = LoopbackServer(
+        TorchEngine(tiny_path),
+        AutoTokenizer.from_pretrained(tiny_path),
+        SamplingParams(max_tokens=4),
+    )
     try:
         session = server.open_session(0)
-        client = OpenAI(base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0)
-        content = [{"type": "image_url", "image_url": {"url": _data_url(samples[0]["images"][0])}},
-                   {"type": "text", "text": "Find x."}]
-        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": content}], max_tokens=6)
+        client = OpenAI(
+            base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0
+        )
+        content = [
+            {"type": "image_url", "image_url": {"url": _data_url(samples[0]["images"][0])}},
+            {"type": "text", "text": "Find x."},
+        ]
+        client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": content}], max_tokens=6
+        )
         (segment,), requests = server.close_session(session["session"])
         assert segment.images == samples[0]["images"]
         assert segment.token_ids.count(engine.codec.placeholder_id) == 16
@@ -158,13 +214,23 @@ def test_openai_image_blocks_reach_the_engine_and_bad_images_are_refused(engine,
         client = OpenAI(base_url=bad["openai_base_url"], api_key=bad["api_key"], max_retries=0)
         for url in ("https://example.com/x.png", "data:image/png;base64,bm90IGFuIGltYWdl"):
             with pytest.raises(BadRequestError, match="inline base64"):
-                client.chat.completions.create(model="policy", max_tokens=4, messages=[
-                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+                client.chat.completions.create(
+                    model="policy",
+                    max_tokens=4,
+                    messages=[
+                        {
+                            "role": "user",
+                            "content": [{"type": "image_url", "image_url": {"url": url}}],
+                        }
+                    ],
+                )
         assert server.close_session(bad["session"])[0] == []  # nothing recorded
         text = text_server.open_session(2)
         client = OpenAI(base_url=text["openai_base_url"], api_key=text["api_key"], max_retries=0)
         with pytest.raises(BadRequestError, match="no vision tower"):
-            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": content}], max_tokens=4)
+            client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": content}], max_tokens=4
+            )
     finally:
         server.stop()
         text_server.stop()
@@ -178,8 +244,14 @@ def test_real_shape_file_trains_through_the_plugin_reader(tmp_path, samples):
     from workbench.config import compose_config
     from workbench.runtime import Prompts
 
-    rows = [{"images": [{"bytes": s["images"][0], "path": None}], "problem": s["problem"], "answer": s["answer"]}
-            for s in samples[:4]]
+    rows = [
+        {
+            "images": [{"bytes": s["images"][0], "path": None}],
+            "problem": s["problem"],
+            "answer": s["answer"],
+        }
+        for s in samples[:4]
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
     cfg = compose_config(["+recipe=geo3k", f"data.path={tmp_path / 'train.parquet'}"])
     prompts = Prompts(cfg)
@@ -191,10 +263,26 @@ def test_real_shape_file_trains_through_the_plugin_reader(tmp_path, samples):
 @pytest.mark.parametrize("plugin", ["geo3k", "chat_geo3k"])
 def test_geo3k_recipe_runs_end_to_end(tmp_path, plugin):
     """Both agent forms, a few steps from the warm-started tiny VL policy: segments hold images, tool turns, rewards."""
-    run = subprocess.run([sys.executable, "-m", "workbench.cli", "train", "+recipe=geo3k", f"agent.plugin={plugin}",
-                          "trainer.steps=2", "trainer.prompts_per_step=2", "trainer.group_size=4", "model.warm_start_steps=120",
-                          f"run.root={tmp_path}", "run.id=geo", "tracking.wandb.mode=disabled"],
-                         capture_output=True, text=True, timeout=1200)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "workbench.cli",
+            "train",
+            "+recipe=geo3k",
+            f"agent.plugin={plugin}",
+            "trainer.steps=2",
+            "trainer.prompts_per_step=2",
+            "trainer.group_size=4",
+            "model.warm_start_steps=120",
+            f"run.root={tmp_path}",
+            "run.id=geo",
+            "tracking.wandb.mode=disabled",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "molt-wb inspect geo" in run.stdout + run.stderr
     from workbench.store import open_run
@@ -202,8 +290,13 @@ def test_geo3k_recipe_runs_end_to_end(tmp_path, plugin):
     db = open_run("geo", root=str(tmp_path))
     rows = db.execute("select images, turn_spans, reward, num_sampled from segments").fetchall()
     assert len(rows) == 16
-    assert all(len(images) == 1 and (tmp_path / "geo" / "images" / images[0]).exists() for images, *_ in rows)
-    assert max(len(spans) for _, spans, _, _ in rows) >= 2  # some episode called the tool and answered after it
+    assert all(
+        len(images) == 1 and (tmp_path / "geo" / "images" / images[0]).exists()
+        for images, *_ in rows
+    )
+    assert (
+        max(len(spans) for _, spans, _, _ in rows) >= 2
+    )  # some episode called the tool and answered after it
     assert all(0.0 <= reward <= 1.0 for *_, reward, _ in rows)
     assert db.execute("select max(reward) from segments").fetchone()[0] > 0
 

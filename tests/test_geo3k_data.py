@@ -30,6 +30,7 @@ def png(color: str, size=(20, 10)) -> bytes:
 
 # ---- synthetic ---------------------------------------------------------------------------------------
 
+
 def test_the_same_seed_gives_byte_identical_samples_and_another_seed_others(synthetic):
     again = geo3k_data.make_dataset(60, seed=3)
     assert again == synthetic  # images included, byte for byte
@@ -46,18 +47,26 @@ def expected_value(kind: str, values: dict) -> float:
     if kind == "right_triangle":
         return math.hypot(values["a"], values["b"])
     if kind == "circle":
-        return math.pi * values["r"] ** 2 if values["asked"] == "area" else 2 * math.pi * values["r"]
+        return (
+            math.pi * values["r"] ** 2 if values["asked"] == "area" else 2 * math.pi * values["r"]
+        )
     if kind == "parallel_lines":
         return 180 - values["g"] if values["relation"] == "same-side interior" else values["g"]
     if kind == "rectangle":
-        return values["w"] * values["h"] if values["asked"] == "area" else 2 * (values["w"] + values["h"])
+        return (
+            values["w"] * values["h"]
+            if values["asked"] == "area"
+            else 2 * (values["w"] + values["h"])
+        )
     raise AssertionError(kind)
 
 
 def test_every_answer_is_what_the_drawn_values_give(synthetic):
     assert {s["kind"] for s in synthetic} == set(geo3k_data.KINDS)
     for sample in synthetic:
-        assert is_equivalent(sample["answer"], repr(expected_value(sample["kind"], sample["values"]))), sample
+        assert is_equivalent(
+            sample["answer"], repr(expected_value(sample["kind"], sample["values"]))
+        ), sample
         assert all(0 < value < 200 for value in sample["values"].values() if isinstance(value, int))
 
 
@@ -110,25 +119,54 @@ def test_the_single_turn_env_grades_a_reply_with_the_geo3k_reward(synthetic):
 
 # ---- the real shape ----------------------------------------------------------------------------------
 
-IMAGE_STRUCT = pyarrow.list_(pyarrow.struct([("bytes", pyarrow.binary()), ("path", pyarrow.string())]))
+IMAGE_STRUCT = pyarrow.list_(
+    pyarrow.struct([("bytes", pyarrow.binary()), ("path", pyarrow.string())])
+)
 
 
 def write_hiyouga_parquet(path, rows):
     """The hiyouga/geometry3k layout: images as a list of {"bytes", "path"} structs, problem, answer."""
-    schema = pyarrow.schema([("images", IMAGE_STRUCT), ("problem", pyarrow.string()), ("answer", pyarrow.string())])
+    schema = pyarrow.schema(
+        [("images", IMAGE_STRUCT), ("problem", pyarrow.string()), ("answer", pyarrow.string())]
+    )
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows, schema=schema), path)
 
 
 def test_a_hiyouga_parquet_loads_into_samples(tmp_path):
     red, blue = png("red"), png("blue")
-    write_hiyouga_parquet(tmp_path / "train.parquet", [
-        {"images": [{"bytes": red, "path": "0.png"}], "problem": "<image>Find x.", "answer": "2\\sqrt{221}"},
-        {"images": [{"bytes": blue, "path": None}], "problem": "Find the area.", "answer": "25\\pi"},
-    ])
+    write_hiyouga_parquet(
+        tmp_path / "train.parquet",
+        [
+            {
+                "images": [{"bytes": red, "path": "0.png"}],
+                "problem": "<image>Find x.",
+                "answer": "2\\sqrt{221}",
+            },
+            {
+                "images": [{"bytes": blue, "path": None}],
+                "problem": "Find the area.",
+                "answer": "25\\pi",
+            },
+        ],
+    )
     samples = geo3k_data.load_dataset(tmp_path / "train.parquet")
     assert samples == [
-        {"id": "0", "problem": "<image>Find x.", "answer": "2\\sqrt{221}", "images": [red], "choices": None, "kind": "geo3k"},
-        {"id": "1", "problem": "<image>Find the area.", "answer": "25\\pi", "images": [blue], "choices": None, "kind": "geo3k"},
+        {
+            "id": "0",
+            "problem": "<image>Find x.",
+            "answer": "2\\sqrt{221}",
+            "images": [red],
+            "choices": None,
+            "kind": "geo3k",
+        },
+        {
+            "id": "1",
+            "problem": "<image>Find the area.",
+            "answer": "25\\pi",
+            "images": [blue],
+            "choices": None,
+            "kind": "geo3k",
+        },
     ]
 
 
@@ -137,15 +175,29 @@ def test_a_jsonl_with_base64_images_file_paths_letters_and_ground_truth_loads(tm
     (tmp_path / "img").mkdir()
     (tmp_path / "img" / "7.png").write_bytes(blue)
     rows = [
-        {"id": 41, "images": [base64.b64encode(red).decode()], "problem": "<image>Find x.", "answer": "B",
-         "choices": ["3", "4", "5", "6"]},
+        {
+            "id": 41,
+            "images": [base64.b64encode(red).decode()],
+            "problem": "<image>Find x.",
+            "answer": "B",
+            "choices": ["3", "4", "5", "6"],
+        },
         {"images": ["img/7.png"], "problem": "<image>Find y.", "ground_truth": "12"},
-        {"images": ["data:image/png;base64," + base64.b64encode(red).decode()], "problem": "<image>Find z.", "answer": "1"},
+        {
+            "images": ["data:image/png;base64," + base64.b64encode(red).decode()],
+            "problem": "<image>Find z.",
+            "answer": "1",
+        },
     ]
     (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(row) for row in rows) + "\n")
     samples = geo3k_data.load_dataset(tmp_path / "data.jsonl")
     assert [s["id"] for s in samples] == ["41", "1", "2"]
-    assert samples[0]["answer"] == "4" and samples[0]["choices"] == ["3", "4", "5", "6"]  # the letter became its value
+    assert samples[0]["answer"] == "4" and samples[0]["choices"] == [
+        "3",
+        "4",
+        "5",
+        "6",
+    ]  # the letter became its value
     assert [s["images"] for s in samples] == [[red], [blue], [red]]
     assert samples[1]["answer"] == "12"
 
@@ -162,29 +214,58 @@ def test_bad_files_are_refused_with_one_sentence_naming_problem_and_fix(tmp_path
     message = sentence_of(tmp_path / "missing.parquet")
     assert "missing.parquet does not exist" in message and "molt-wb prepare geo3k" in message
 
-    pyarrow.parquet.write_table(pyarrow.table({"question": ["Find x."], "label": ["3"]}), tmp_path / "cols.parquet")
+    pyarrow.parquet.write_table(
+        pyarrow.table({"question": ["Find x."], "label": ["3"]}), tmp_path / "cols.parquet"
+    )
     message = sentence_of(tmp_path / "cols.parquet")
-    assert "has no images, problem, answer column" in message and "needs images, problem and answer" in message
+    assert (
+        "has no images, problem, answer column" in message
+        and "needs images, problem and answer" in message
+    )
 
-    write_hiyouga_parquet(tmp_path / "broken.parquet", [
-        {"images": [{"bytes": png("red"), "path": None}], "problem": "<image>ok", "answer": "1"},
-        {"images": [{"bytes": b"not an image at all", "path": None}], "problem": "<image>bad", "answer": "2"},
-    ])
+    write_hiyouga_parquet(
+        tmp_path / "broken.parquet",
+        [
+            {
+                "images": [{"bytes": png("red"), "path": None}],
+                "problem": "<image>ok",
+                "answer": "1",
+            },
+            {
+                "images": [{"bytes": b"not an image at all", "path": None}],
+                "problem": "<image>bad",
+                "answer": "2",
+            },
+        ],
+    )
     message = sentence_of(tmp_path / "broken.parquet")
-    assert "row 1" in message and "image 0 cannot be opened" in message and "fix or drop that row" in message
+    assert (
+        "row 1" in message
+        and "image 0 cannot be opened" in message
+        and "fix or drop that row" in message
+    )
 
     write_hiyouga_parquet(tmp_path / "empty.parquet", [])
     assert "has no rows" in sentence_of(tmp_path / "empty.parquet")
     (tmp_path / "empty.jsonl").write_text("\n")
     assert "has no rows" in sentence_of(tmp_path / "empty.jsonl")
 
-    (tmp_path / "gone.jsonl").write_text(json.dumps({"images": ["nowhere.png"], "problem": "p", "answer": "1"}) + "\n")
+    (tmp_path / "gone.jsonl").write_text(
+        json.dumps({"images": ["nowhere.png"], "problem": "p", "answer": "1"}) + "\n"
+    )
     message = sentence_of(tmp_path / "gone.jsonl")
     assert "row 0" in message and "cannot be opened" in message and "nowhere.png" in message
 
-    (tmp_path / "nulls.jsonl").write_text("\n".join(json.dumps(r) for r in [
-        {"images": [base64.b64encode(png("red")).decode()], "problem": "p", "answer": "1"},
-        {"id": "q7", "images": [base64.b64encode(png("red")).decode()], "problem": "p"}]) + "\n")
+    (tmp_path / "nulls.jsonl").write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"images": [base64.b64encode(png("red")).decode()], "problem": "p", "answer": "1"},
+                {"id": "q7", "images": [base64.b64encode(png("red")).decode()], "problem": "p"},
+            ]
+        )
+        + "\n"
+    )
     assert "row 1 (id q7) has no answer" in sentence_of(tmp_path / "nulls.jsonl")
 
     (tmp_path / "bad.jsonl").write_text("{not json\n")
@@ -195,18 +276,37 @@ def test_bad_files_are_refused_with_one_sentence_naming_problem_and_fix(tmp_path
 
 # ---- prepare -----------------------------------------------------------------------------------------
 
+
 def write_release_split(folder, problems):
     """The original Geometry3K release: <split>/<id>/data.json and img_diagram.png."""
     for pid, (text, choices, letter, image) in problems.items():
         (folder / str(pid)).mkdir(parents=True)
         (folder / str(pid) / "img_diagram.png").write_bytes(image)
-        (folder / str(pid) / "data.json").write_text(json.dumps({
-            "id": pid, "problem_text": text, "choices": choices, "answer": letter, "precise_value": [0, 0, 0, 0],
-            "problem_type_graph": ["Triangle"], "problem_type_goal": ["Angle"], "data_type": folder.name}))
+        (folder / str(pid) / "data.json").write_text(
+            json.dumps(
+                {
+                    "id": pid,
+                    "problem_text": text,
+                    "choices": choices,
+                    "answer": letter,
+                    "precise_value": [0, 0, 0, 0],
+                    "problem_type_graph": ["Triangle"],
+                    "problem_type_goal": ["Angle"],
+                    "data_type": folder.name,
+                }
+            )
+        )
 
 
-PROBLEMS = {2: ("Find x.", ["30", "45", "60", "75"], "C", png("red")),
-            10: ("Find the area of the circle.", ["4\\pi", "8\\pi", "16\\pi", "2\\pi"], "A", png("blue", (30, 30)))}
+PROBLEMS = {
+    2: ("Find x.", ["30", "45", "60", "75"], "C", png("red")),
+    10: (
+        "Find the area of the circle.",
+        ["4\\pi", "8\\pi", "16\\pi", "2\\pi"],
+        "A",
+        png("blue", (30, 30)),
+    ),
+}
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
@@ -219,7 +319,9 @@ def test_prepare_converts_a_release_split_and_the_result_loads_back(tmp_path, su
         ("2", "<image>Find x.", "60", PROBLEMS[2][1], [PROBLEMS[2][3]]),
         ("10", "<image>Find the area of the circle.", "4\\pi", PROBLEMS[10][1], [PROBLEMS[10][3]]),
     ]
-    again = tmp_path / f"again{'.jsonl' if suffix == '.parquet' else '.parquet'}"  # Parquet <-> JSONL round trip
+    again = (
+        tmp_path / f"again{'.jsonl' if suffix == '.parquet' else '.parquet'}"
+    )  # Parquet <-> JSONL round trip
     assert geo3k_data.prepare(out, again) == 2 and geo3k_data.load_dataset(again) == samples
 
 
@@ -230,7 +332,9 @@ def test_prepare_round_trips_the_synthetic_set_and_refuses_mixed_splits(tmp_path
 
     write_release_split(tmp_path / "release" / "train", PROBLEMS)
     write_release_split(tmp_path / "release" / "test", PROBLEMS)
-    with pytest.raises(ValueError, match=r"holds several splits \(train, test\): give one split folder"):
+    with pytest.raises(
+        ValueError, match=r"holds several splits \(train, test\): give one split folder"
+    ):
         geo3k_data.prepare(tmp_path / "release", tmp_path / "out.jsonl")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="holds no <id>/data.json"):
@@ -242,10 +346,24 @@ def test_prepare_round_trips_the_synthetic_set_and_refuses_mixed_splits(tmp_path
 def test_the_cli_prepares_geo3k_and_refuses_bad_input_in_one_line(tmp_path):
     write_release_split(tmp_path / "train", PROBLEMS)
     cli = [sys.executable, "-m", "workbench.cli", "prepare", "geo3k"]
-    result = subprocess.run([*cli, str(tmp_path / "train"), str(tmp_path / "out.parquet")], capture_output=True, text=True)
+    result = subprocess.run(
+        [*cli, str(tmp_path / "train"), str(tmp_path / "out.parquet")],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"wrote 2 samples to {tmp_path / 'out.parquet'}"
-    assert [s["answer"] for s in geo3k_data.load_dataset(tmp_path / "out.parquet")] == ["60", "4\\pi"]
-    result = subprocess.run([*cli, str(tmp_path / "nowhere"), str(tmp_path / "out.parquet")], capture_output=True, text=True)
+    assert [s["answer"] for s in geo3k_data.load_dataset(tmp_path / "out.parquet")] == [
+        "60",
+        "4\\pi",
+    ]
+    result = subprocess.run(
+        [*cli, str(tmp_path / "nowhere"), str(tmp_path / "out.parquet")],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip() == f"error: {tmp_path / 'nowhere'} does not exist: give a split folder of the Geometry3K release or a .parquet/.jsonl file."
+    assert (
+        result.stderr.strip()
+        == f"error: {tmp_path / 'nowhere'} does not exist: give a split folder of the Geometry3K release or a .parquet/.jsonl file."
+    )

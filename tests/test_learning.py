@@ -15,12 +15,26 @@ from workbench.store import open_run
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_arith_recipe_reward_rises(tmp_path, seed):
-    command = [sys.executable, "-m", "workbench.cli", "train", "+recipe=arith", f"seed={seed}", f"run.root={tmp_path}",
-               "run.id=learn", "tracking=none", "run.progress=false"]
+    command = [
+        sys.executable,
+        "-m",
+        "workbench.cli",
+        "train",
+        "+recipe=arith",
+        f"seed={seed}",
+        f"run.root={tmp_path}",
+        "run.id=learn",
+        "tracking=none",
+        "run.progress=false",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-2000:]
-    rewards = [r for (r,) in open_run("learn", str(tmp_path)).execute(
-        "select value from metrics where key = 'reward/mean' order by step").fetchall()]
+    rewards = [
+        r
+        for (r,) in open_run("learn", str(tmp_path))
+        .execute("select value from metrics where key = 'reward/mean' order by step")
+        .fetchall()
+    ]
     assert len(rewards) == 80
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last - first >= 0.2, (first, last)

@@ -6,7 +6,9 @@ from transformers import AutoModelForCausalLM
 from workbench.models.tiny import tiny_model_path
 
 
-def test_small_is_a_dense_qwen3_with_about_ten_times_tiny_parameters_and_the_same_tokenizer(tiny_path):
+def test_small_is_a_dense_qwen3_with_about_ten_times_tiny_parameters_and_the_same_tokenizer(
+    tiny_path,
+):
     tiny = AutoModelForCausalLM.from_pretrained(tiny_path)
     small = AutoModelForCausalLM.from_pretrained(tiny_model_path("small"))
     ratio = sum(p.numel() for p in small.parameters()) / sum(p.numel() for p in tiny.parameters())

@@ -30,16 +30,46 @@ def cluster():
     port, temp = free_port(), tempfile.mkdtemp(prefix="rc-", dir="/tmp")
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
     common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--block", "--disable-usage-stats"]
-    nodes = [subprocess.Popen([ray_cli, "start", "--head", f"--port={port}", "--include-dashboard=false",
-                               f"--temp-dir={temp}", *common], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)]
+    nodes = [
+        subprocess.Popen(
+            [
+                ray_cli,
+                "start",
+                "--head",
+                f"--port={port}",
+                "--include-dashboard=false",
+                f"--temp-dir={temp}",
+                *common,
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    ]
     address = f"127.0.0.1:{port}"
     try:
-        wait = f"import ray, time; ray.init(address='{address}', logging_level='ERROR'); print('up')"
-        subprocess.run([sys.executable, "-c", wait], env=env, check=True, capture_output=True, timeout=120)
-        nodes.append(subprocess.Popen([ray_cli, "start", f"--address={address}", "--resources={\"rollout_node\": 2}",
-                                       *common], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      start_new_session=True))
+        wait = (
+            f"import ray, time; ray.init(address='{address}', logging_level='ERROR'); print('up')"
+        )
+        subprocess.run(
+            [sys.executable, "-c", wait], env=env, check=True, capture_output=True, timeout=120
+        )
+        nodes.append(
+            subprocess.Popen(
+                [
+                    ray_cli,
+                    "start",
+                    f"--address={address}",
+                    '--resources={"rollout_node": 2}',
+                    *common,
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        )
         yield address, env
     finally:  # always: each node's process group (raylet, GCS, workers) by its id
         for node in reversed(nodes):
@@ -55,17 +85,40 @@ def cluster():
 @pytest.mark.slow
 def test_rollout_workers_run_on_the_node_that_offers_their_resource(cluster, tmp_path):
     address, env = cluster
-    train = [sys.executable, "-m", "workbench.cli", "train", f"ray.address={address}", "trainer.steps=2",
-             "trainer.prompts_per_step=2", "trainer.group_size=2", "ray.rollout_workers=2", "ray.rollout_cpus=0.5",
-             "+ray.rollout_resources.rollout_node=1", f"run.root={tmp_path}", "run.id=two-nodes",
-             "tracking.wandb.mode=disabled", "run.progress=false"]
+    train = [
+        sys.executable,
+        "-m",
+        "workbench.cli",
+        "train",
+        f"ray.address={address}",
+        "trainer.steps=2",
+        "trainer.prompts_per_step=2",
+        "trainer.group_size=2",
+        "ray.rollout_workers=2",
+        "ray.rollout_cpus=0.5",
+        "+ray.rollout_resources.rollout_node=1",
+        f"run.root={tmp_path}",
+        "run.id=two-nodes",
+        "tracking.wandb.mode=disabled",
+        "run.progress=false",
+    ]
     result = subprocess.run(train, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     run = json.loads((tmp_path / "two-nodes" / "run.json").read_text())
     assert run["status"] == "finished" and run["steps_done"] == 2
-    nodes = subprocess.run([sys.executable, "-c", f"import ray, json; ray.init(address='{address}', logging_level='ERROR'); "
-                            "print(json.dumps({n['NodeID']: n['Resources'] for n in ray.nodes() if n['Alive']}))"],
-                           env=env, capture_output=True, text=True, timeout=120, check=True)
+    nodes = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import ray, json; ray.init(address='{address}', logging_level='ERROR'); "
+            "print(json.dumps({n['NodeID']: n['Resources'] for n in ray.nodes() if n['Alive']}))",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     resources = json.loads(nodes.stdout.strip().splitlines()[-1])
     assert len(resources) == 2
     placement = run["placement"]
@@ -82,8 +135,16 @@ def test_colocated_placement_packs_learner_and_workers_onto_one_node(cluster):
     from workbench.config import compose_config
 
     address, _ = cluster
-    cfg = compose_config([f"ray.address={address}", "ray.colocate=true", "ray.rollout_workers=2", "ray.learner_cpus=0.5",
-                          "ray.rollout_cpus=0.25", "run.id=packed"])
+    cfg = compose_config(
+        [
+            f"ray.address={address}",
+            "ray.colocate=true",
+            "ray.rollout_workers=2",
+            "ray.learner_cpus=0.5",
+            "ray.rollout_cpus=0.25",
+            "run.id=packed",
+        ]
+    )
     ray.init(address=address, logging_level="ERROR")
     try:
         learner, *workers = runtime.placement(cfg)

@@ -15,8 +15,17 @@ from workbench.store import list_runs, open_run
 
 FAULTY = str(Path(__file__).parent / "fixtures" / "faulty.py")
 FAULTY_CHAT = str(Path(__file__).parent / "fixtures" / "faulty_chat.py")
-FAST = ["+recipe=arith", f"agent.plugin={FAULTY}", "model.warm_start_steps=0", "tracking=none", "run.progress=false",
-        "trainer.prompts_per_step=2", "trainer.group_size=2", "engine.max_tokens=4", "run.flush_seconds=0"]
+FAST = [
+    "+recipe=arith",
+    f"agent.plugin={FAULTY}",
+    "model.warm_start_steps=0",
+    "tracking=none",
+    "run.progress=false",
+    "trainer.prompts_per_step=2",
+    "trainer.group_size=2",
+    "engine.max_tokens=4",
+    "run.flush_seconds=0",
+]
 
 
 def data_file(path: Path, rows: list[dict]) -> str:
@@ -25,7 +34,10 @@ def data_file(path: Path, rows: list[dict]) -> str:
 
 
 def rows(count: int, **fields) -> list[dict]:
-    return [dict({"id": i, "problem": f"What is {i % 5} + 1?", "answer": i % 5 + 1}, **fields) for i in range(count)]
+    return [
+        dict({"id": i, "problem": f"What is {i % 5} + 1?", "answer": i % 5 + 1}, **fields)
+        for i in range(count)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -56,41 +68,86 @@ def run_json(root, run_id) -> dict:
 
 @pytest.mark.slow
 def test_a_run_killed_with_sigkill_resumes_into_the_uninterrupted_run(tmp_path, in_process):
-    from workbench.checkpoint import resume_config
     from workbench import loop
+    from workbench.checkpoint import resume_config
 
     common = ["trainer.steps=4", "trainer.checkpoint_every=2"]
     # killed: this worker's 13th episode (the 4th step) never ends; SIGKILL once step 3 is written
     killed_data = data_file(tmp_path / "killed.jsonl", rows(8, hang_at=13))
-    process = subprocess.Popen([sys.executable, "-m", "workbench.cli", "train", *FAST, *common, f"run.root={tmp_path}",
-                                "run.id=killed", f"data.path={killed_data}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "workbench.cli",
+            "train",
+            *FAST,
+            *common,
+            f"run.root={tmp_path}",
+            "run.id=killed",
+            f"data.path={killed_data}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
-        wait_for(lambda: run_json(tmp_path, "killed").get("steps_done") == 3 or process.poll() is not None)
+        wait_for(
+            lambda: (
+                run_json(tmp_path, "killed").get("steps_done") == 3 or process.poll() is not None
+            )
+        )
         process.send_signal(signal.SIGKILL)
         process.wait(timeout=60)
     finally:
         process.kill()
     assert [p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()] == ["step-000002"]
     assert [r["status"] for r in list_runs(str(tmp_path))] == ["crashed"]
-    assert open_run("killed", str(tmp_path)).execute("select max(step) from segments").fetchone()[0] == 2  # past the checkpoint
+    assert (
+        open_run("killed", str(tmp_path)).execute("select max(step) from segments").fetchone()[0]
+        == 2
+    )  # past the checkpoint
 
-    in_process(tmp_path, *common, "run.id=whole", f"data.path={data_file(tmp_path / 'whole.jsonl', rows(8))}")
+    in_process(
+        tmp_path,
+        *common,
+        "run.id=whole",
+        f"data.path={data_file(tmp_path / 'whole.jsonl', rows(8))}",
+    )
     loop.train(resume_config("killed", [f"run.root={tmp_path}"]))
 
     killed, whole = open_run("killed", str(tmp_path)), open_run("whole", str(tmp_path))
     for db in (killed, whole):
         assert db.execute("select status, steps_done from runs").fetchone() == ("finished", 4)
-        assert db.execute("select count(*) - count(distinct (rollout_id, segment_idx)) from segments").fetchone()[0] == 0
-        assert db.execute("select count(*) - count(distinct (step, key)) from metrics").fetchone()[0] == 0
-        assert db.execute("select count(*) from tokens").fetchone()[0] == db.execute("select sum(num_tokens) from segments").fetchone()[0]
+        assert (
+            db.execute(
+                "select count(*) - count(distinct (rollout_id, segment_idx)) from segments"
+            ).fetchone()[0]
+            == 0
+        )
+        assert (
+            db.execute("select count(*) - count(distinct (step, key)) from metrics").fetchone()[0]
+            == 0
+        )
+        assert (
+            db.execute("select count(*) from tokens").fetchone()[0]
+            == db.execute("select sum(num_tokens) from segments").fetchone()[0]
+        )
         # versions continue: step s was sampled and consumed at version s, and left version s + 1
-        assert db.execute("select count(*) from segments where min_version <> step or max_version <> step "
-                          "or learner_version <> step").fetchone()[0] == 0
-        assert db.execute("select list(value order by step) from metrics where key = 'train/version'").fetchone()[0] == [1, 2, 3, 4]
+        assert (
+            db.execute(
+                "select count(*) from segments where min_version <> step or max_version <> step "
+                "or learner_version <> step"
+            ).fetchone()[0]
+            == 0
+        )
+        assert db.execute(
+            "select list(value order by step) from metrics where key = 'train/version'"
+        ).fetchone()[0] == [1, 2, 3, 4]
     # same data and ids step by step; and the checkpointed prefix is the very same rows
     ids = "select step, rollout_id, group_id, prompt_text from segments order by all"
     assert killed.execute(ids).fetchall() == whole.execute(ids).fetchall()
-    prefix = "select step, rollout_id, response_text, reward from segments where step < 2 order by all"
+    prefix = (
+        "select step, rollout_id, response_text, reward from segments where step < 2 order by all"
+    )
     assert killed.execute(prefix).fetchall() == whole.execute(prefix).fetchall()
     assert run_json(tmp_path, "killed")["resumes"] == 1
 
@@ -100,13 +157,24 @@ def test_dead_hung_and_raising_episodes_are_recorded_and_the_run_goes_on(tmp_pat
     from workbench.runtime import Prompts
 
     path = tmp_path / "faults.jsonl"
-    overrides = ["trainer.steps=3", "rollout.timeout_s=5", f"data.path={data_file(path, rows(6))}", "run.id=faults"]
+    overrides = [
+        "trainer.steps=3",
+        "rollout.timeout_s=5",
+        f"data.path={data_file(path, rows(6))}",
+        "run.id=faults",
+    ]
     draws = Prompts(compose_config([*FAST, *overrides]))
-    first = [[job.sample["id"] for job in draws.next_jobs(1)[0]][0] for _ in range(3)]  # first sample of batches 0-2
+    first = [
+        [job.sample["id"] for job in draws.next_jobs(1)[0]][0] for _ in range(3)
+    ]  # first sample of batches 0-2
     faults = rows(6)
     faults[first[0]]["fault"] = "raise"  # step 0: one group's reward code raises
-    faults[first[1]].update(fault="exit", marker=str(tmp_path / "exited"))  # step 1: the worker dies ...
-    faults[first[2]].update(fault="hang", marker=str(tmp_path / "hung"))  # ... its batch drawn again hangs
+    faults[first[1]].update(
+        fault="exit", marker=str(tmp_path / "exited")
+    )  # step 1: the worker dies ...
+    faults[first[2]].update(
+        fault="hang", marker=str(tmp_path / "hung")
+    )  # ... its batch drawn again hangs
     data_file(path, faults)
 
     in_process(tmp_path, *overrides)
@@ -114,19 +182,41 @@ def test_dead_hung_and_raising_episodes_are_recorded_and_the_run_goes_on(tmp_pat
     db = open_run("faults", str(tmp_path))
     assert db.execute("select status, steps_done from runs").fetchone() == ("finished", 3)
     assert db.execute("select count(distinct step) from segments").fetchone()[0] == 3
-    failed = db.execute("select kind, step, count(*) from failed_episodes group by all order by all").fetchall()
-    assert {("env_error", 0, 2), ("worker_died", 1, 4), ("timeout", 1, 4)} <= set(failed)  # (the raising row may come again)
+    failed = db.execute(
+        "select kind, step, count(*) from failed_episodes group by all order by all"
+    ).fetchall()
+    assert {("env_error", 0, 2), ("worker_died", 1, 4), ("timeout", 1, 4)} <= set(
+        failed
+    )  # (the raising row may come again)
     assert {kind for kind, _, _ in failed} == {"env_error", "worker_died", "timeout"}
-    error, trace = db.execute("select error, traceback from failed_episodes where kind = 'env_error'").fetchone()
-    assert error == "ValueError: reward code failed on purpose" and "faulty.py" in trace and "in step" in trace
-    assert "rollout.timeout_s=5" in db.execute("select any_value(error) from failed_episodes where kind = 'timeout'").fetchone()[0]
+    error, trace = db.execute(
+        "select error, traceback from failed_episodes where kind = 'env_error'"
+    ).fetchone()
+    assert (
+        error == "ValueError: reward code failed on purpose"
+        and "faulty.py" in trace
+        and "in step" in trace
+    )
+    assert (
+        "rollout.timeout_s=5"
+        in db.execute(
+            "select any_value(error) from failed_episodes where kind = 'timeout'"
+        ).fetchone()[0]
+    )
     # a failed episode never reaches the batch
-    assert db.execute("select count(*) from segments join failed_episodes using (rollout_id)").fetchone()[0] == 0
+    assert (
+        db.execute(
+            "select count(*) from segments join failed_episodes using (rollout_id)"
+        ).fetchone()[0]
+        == 0
+    )
     # the restarted worker samples with the learner's current weights, not the first ones
     assert db.execute("select count(*) from segments where min_version <> step").fetchone()[0] == 0
 
 
-def test_a_dead_learner_fails_the_run_with_one_sentence_and_keeps_what_was_written(tmp_path, in_process, monkeypatch):
+def test_a_dead_learner_fails_the_run_with_one_sentence_and_keeps_what_was_written(
+    tmp_path, in_process, monkeypatch
+):
     import psutil
 
     from workbench import runtime
@@ -141,18 +231,25 @@ def test_a_dead_learner_fails_the_run_with_one_sentence_and_keeps_what_was_writt
                     process.kill()
 
     monkeypatch.setattr(runtime.Progress, "update", kill_the_learner_after_step_2)
-    with pytest.raises(runtime.RunFailed, match=r"^The learner process died .* molt-wb resume dead-learner$"):
+    with pytest.raises(
+        runtime.RunFailed, match=r"^The learner process died .* molt-wb resume dead-learner$"
+    ):
         in_process(tmp_path, "trainer.steps=30", "run.id=dead-learner")
     db = open_run("dead-learner", str(tmp_path))
     assert db.execute("select status from runs").fetchone()[0] == "failed"
     assert db.execute("select count(distinct step) from segments where step < 2").fetchone()[0] == 2
 
 
-def test_a_learner_step_past_trainer_timeout_s_fails_the_run_with_one_sentence(tmp_path, in_process):
+def test_a_learner_step_past_trainer_timeout_s_fails_the_run_with_one_sentence(
+    tmp_path, in_process
+):
     from workbench.runtime import RunFailed
 
-    with pytest.raises(RunFailed, match=r"^Step 0: the learner gave no result within trainer.timeout_s=0.001 s .* "
-                                        r"molt-wb resume hung-learner$"):
+    with pytest.raises(
+        RunFailed,
+        match=r"^Step 0: the learner gave no result within trainer.timeout_s=0.001 s .* "
+        r"molt-wb resume hung-learner$",
+    ):
         in_process(tmp_path, "trainer.steps=3", "trainer.timeout_s=0.001", "run.id=hung-learner")
     assert run_json(tmp_path, "hung-learner")["status"] == "failed"
 
@@ -160,13 +257,29 @@ def test_a_learner_step_past_trainer_timeout_s_fails_the_run_with_one_sentence(t
 def test_a_chat_agent_that_raises_or_returns_no_result_fails_only_its_episode(tiny_path):
     from workbench.rollout import Job, RolloutWorker
 
-    cfg = compose_config(["+recipe=arith", f"agent.plugin={FAULTY_CHAT}", "model.warm_start_steps=0", "engine.max_tokens=4"])
+    cfg = compose_config(
+        [
+            "+recipe=arith",
+            f"agent.plugin={FAULTY_CHAT}",
+            "model.warm_start_steps=0",
+            "engine.max_tokens=4",
+        ]
+    )
     worker = RolloutWorker(cfg, tiny_path)
-    jobs = [Job({"problem": "Say 1.", "fault": fault}, group, group) for group, fault in enumerate(["raise", None, "none"])]
+    jobs = [
+        Job({"problem": "Say 1.", "fault": fault}, group, group)
+        for group, fault in enumerate(["raise", None, "none"])
+    ]
     segments, failures = worker.rollout_with_failures(jobs)
     assert [s.rollout_id for s in segments] == [1]
-    assert [(f["rollout_id"], f["kind"]) for f in failures] == [(0, "agent_error"), (2, "agent_error")]
-    assert failures[0]["error"] == "RuntimeError: agent failed on purpose" and "faulty_chat.py" in failures[0]["traceback"]
+    assert [(f["rollout_id"], f["kind"]) for f in failures] == [
+        (0, "agent_error"),
+        (2, "agent_error"),
+    ]
+    assert (
+        failures[0]["error"] == "RuntimeError: agent failed on purpose"
+        and "faulty_chat.py" in failures[0]["traceback"]
+    )
     assert failures[1]["error"] == "TypeError: FaultyChat.run returned dict, not a Result"
     assert not worker.server().sessions  # every session closed, nothing left half-open
 
@@ -187,23 +300,36 @@ def test_sigterm_stops_a_run_cleanly_marked_interrupted(tmp_path, in_process):
         in_process(tmp_path, "trainer.steps=3", "run.id=term", f"data.path={data}")
     db = open_run("term", str(tmp_path))
     assert db.execute("select status, steps_done from runs").fetchone() == ("interrupted", 1)
-    assert db.execute("select count(*) from segments where step = 0").fetchone()[0] == 4  # flushed at the stop
+    assert (
+        db.execute("select count(*) from segments where step = 0").fetchone()[0] == 4
+    )  # flushed at the stop
 
 
-@pytest.mark.parametrize("plugin, content, words", [
-    ("arith", "", "has no samples"),
-    ("arith", '{"question": "1 + 1?", "answer": 2}\n', "has no 'problem' column"),
-    ("arith", '{"problem": "1 + 1?"\n', "is not JSON lines"),
-    ("arith", '[1, 2]\n', "not objects"),
-    ("geo3k", '{"images": ["bm90IGFuIGltYWdl"], "problem": "x?", "answer": "1"}\n', "image 0 cannot be opened"),
-])
+@pytest.mark.parametrize(
+    "plugin, content, words",
+    [
+        ("arith", "", "has no samples"),
+        ("arith", '{"question": "1 + 1?", "answer": 2}\n', "has no 'problem' column"),
+        ("arith", '{"problem": "1 + 1?"\n', "is not JSON lines"),
+        ("arith", "[1, 2]\n", "not objects"),
+        (
+            "geo3k",
+            '{"images": ["bm90IGFuIGltYWdl"], "problem": "x?", "answer": "1"}\n',
+            "image 0 cannot be opened",
+        ),
+    ],
+)
 def test_bad_data_is_refused_before_anything_starts(tmp_path, plugin, content, words):
     from workbench import loop
 
     path = tmp_path / "data.jsonl"
     path.write_text(content)
     with pytest.raises(ConfigError, match=words):
-        loop.train(compose_config([*FAST[:1], f"agent.plugin={plugin}", f"data.path={path}", f"run.root={tmp_path}"]))
+        loop.train(
+            compose_config(
+                [*FAST[:1], f"agent.plugin={plugin}", f"data.path={path}", f"run.root={tmp_path}"]
+            )
+        )
     assert not list(tmp_path.glob("*/run.json"))  # no run was started
 
 
@@ -229,7 +355,9 @@ def test_bad_resumes_are_refused_with_one_sentence(tmp_path):
     import os
     import socket
 
-    (run / "run.json").write_text(json.dumps({"status": "running", "pid": os.getpid(), "host": socket.gethostname()}))
+    (run / "run.json").write_text(
+        json.dumps({"status": "running", "pid": os.getpid(), "host": socket.gethostname()})
+    )
     with pytest.raises(ConfigError, match="still running"):
         resume_config("r", [f"run.root={tmp_path}", "trainer.steps=8"])
 
@@ -239,10 +367,19 @@ def test_the_writer_flushes_on_a_schedule_without_being_asked(tmp_path):
 
     from workbench.store.writer import RunWriter
 
-    writer = RunWriter(tmp_path / "r", {"run_id": "r", "created": 1.0, "status": "running"}, flush_seconds=0.2)
+    writer = RunWriter(
+        tmp_path / "r", {"run_id": "r", "created": 1.0, "status": "running"}, flush_seconds=0.2
+    )
     writer.flush_every(0.2)
-    writer.append("metrics", pa.table({"run_id": ["r"], "step": [0], "key": ["reward/mean"], "value": [0.5], "time": [1.0]}))
+    writer.append(
+        "metrics",
+        pa.table(
+            {"run_id": ["r"], "step": [0], "key": ["reward/mean"], "value": [0.5], "time": [1.0]}
+        ),
+    )
     db = open_run("r", str(tmp_path))
-    wait_for(lambda: db.execute("select count(*) from metrics").fetchone()[0] == 1, seconds=60)  # no flush() call
+    wait_for(
+        lambda: db.execute("select count(*) from metrics").fetchone()[0] == 1, seconds=60
+    )  # no flush() call
     writer.close("finished")
     assert db.execute("select count(*) from metrics").fetchone()[0] == 1  # once, not again at close

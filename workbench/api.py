@@ -43,7 +43,9 @@ class Env:
     """One episode of an environment the framework drives turn by turn."""
 
     system_prompt: str | None = None
-    tools: list[dict] | None = None  # OpenAI-style tool schemas the chat template lists for the policy
+    tools: list[dict] | None = (
+        None  # OpenAI-style tool schemas the chat template lists for the policy
+    )
 
     def reset(self, sample: dict) -> str | list[dict]:
         """Start an episode on `sample`; return the first user message: its text, or a list of content parts
@@ -60,7 +62,9 @@ class ChatContext:
     """What a ChatAgent gets for one episode."""
 
     base_url: str  # OpenAI SDK: OpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
-    anthropic_base_url: str  # Anthropic SDK: Anthropic(base_url=ctx.anthropic_base_url, api_key=ctx.api_key)
+    anthropic_base_url: (
+        str  # Anthropic SDK: Anthropic(base_url=ctx.anthropic_base_url, api_key=ctx.api_key)
+    )
     api_key: str
     model: str
     prompt: str  # the sample's "prompt" (or "problem") field
@@ -68,7 +72,9 @@ class ChatContext:
     sample: dict
     max_tokens: int
     temperature: float
-    judge: dict | None = None  # LLM-as-judge: {"base_url", "api_key"} of a session on the same engine that is never trained
+    judge: dict | None = (
+        None  # LLM-as-judge: {"base_url", "api_key"} of a session on the same engine that is never trained
+    )
 
 
 class ChatAgent:
@@ -93,10 +99,14 @@ def load_plugin(spec: str) -> ModuleType:
         try:
             module = importlib.import_module(spec)
         except ModuleNotFoundError:
-            raise ValueError(f"Agent plugin {spec!r} was not found: give agent.plugin as a name in plugins/, "
-                             f"a dotted module path or a .py file.") from None
+            raise ValueError(
+                f"Agent plugin {spec!r} was not found: give agent.plugin as a name in plugins/, "
+                f"a dotted module path or a .py file."
+            ) from None
     if not hasattr(module, "AgentRunner"):
-        raise ValueError(f"Agent plugin {spec!r} does not export AgentRunner: add `AgentRunner = YourEnv`.")
+        raise ValueError(
+            f"Agent plugin {spec!r} does not export AgentRunner: add `AgentRunner = YourEnv`."
+        )
     return module
 
 

@@ -42,10 +42,21 @@ def save_learner(learner, folder: str, driver_state: dict) -> int:
     policy = Path(folder, "policy")
     learner.model.save_pretrained(policy)
     for file in Path(learner.model_path).iterdir():  # tokenizer, chat template, image processor
-        if file.is_file() and not (policy / file.name).exists() and not file.name.endswith(WEIGHT_SUFFIXES + (".index.json",)):
+        if (
+            file.is_file()
+            and not (policy / file.name).exists()
+            and not file.name.endswith(WEIGHT_SUFFIXES + (".index.json",))
+        ):
             shutil.copy2(file, policy / file.name)
-    torch.save(dict(driver_state, version=learner.version, optimizer=learner.optimizer.state_dict(),
-                    torch_rng=torch.get_rng_state()), Path(folder, "trainer.pt"))
+    torch.save(
+        dict(
+            driver_state,
+            version=learner.version,
+            optimizer=learner.optimizer.state_dict(),
+            torch_rng=torch.get_rng_state(),
+        ),
+        Path(folder, "trainer.pt"),
+    )
     return learner.version
 
 
@@ -73,14 +84,19 @@ def maybe_save(cfg, run_dir: Path, step: int, learner, store, data_state: dict) 
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir(parents=True)
     marks = store.checkpoint.remote()  # after this step's rows: the store runs its calls in order
-    driver = {"step": step, "data": data_state, "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}
+    driver = {
+        "step": step,
+        "data": data_state,
+        "python_rng": random.getstate(),
+        "numpy_rng": np.random.get_state(),
+    }
     version = ray.get(learner.save_checkpoint.remote(str(temporary), driver))
     (temporary / "writer.json").write_text(json.dumps(ray.get(marks)))
     final = folder / f"step-{version:06d}"
     if final.exists():  # written before a crash and now again by the resumed run
         shutil.rmtree(final)
     os.replace(temporary, final)
-    for old in sorted(folder.glob("step-" + "[0-9]" * 6))[:-cfg.trainer.keep_checkpoints]:
+    for old in sorted(folder.glob("step-" + "[0-9]" * 6))[: -cfg.trainer.keep_checkpoints]:
         shutil.rmtree(old)
     return final
 
@@ -103,22 +119,37 @@ def resume_config(run_id: str, overrides: list[str]):
         raise ConfigError(str(error)) from None
     checkpoint = latest(run_dir)
     if checkpoint is None:
-        raise ConfigError(f"Run {run_dir.name} has no checkpoint in {run_dir}/checkpoints, so it cannot be resumed: "
-                          f"start a new run with trainer.checkpoint_every=N.")
+        raise ConfigError(
+            f"Run {run_dir.name} has no checkpoint in {run_dir}/checkpoints, so it cannot be resumed: "
+            f"start a new run with trainer.checkpoint_every=N."
+        )
     row = json.loads((run_dir / "run.json").read_text())
-    if row.get("status") == "running" and row.get("host") == socket.gethostname() and _alive(row.get("pid")):
-        raise ConfigError(f"Run {run_dir.name} is still running (pid {row.get('pid')}): stop it before resuming it.")
+    if (
+        row.get("status") == "running"
+        and row.get("host") == socket.gethostname()
+        and _alive(row.get("pid"))
+    ):
+        raise ConfigError(
+            f"Run {run_dir.name} is still running (pid {row.get('pid')}): stop it before resuming it."
+        )
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml"),
-                              OmegaConf.from_dotlist(list(overrides)))
+        cfg = OmegaConf.merge(
+            OmegaConf.structured(Config),
+            OmegaConf.load(run_dir / "config.yaml"),
+            OmegaConf.from_dotlist(list(overrides)),
+        )
     except OmegaConfBaseException as error:
-        raise ConfigError(f"Bad override for a resume ({str(error).splitlines()[0]}): give key=value pairs of the "
-                          f"run's config.") from None
+        raise ConfigError(
+            f"Bad override for a resume ({str(error).splitlines()[0]}): give key=value pairs of the "
+            f"run's config."
+        ) from None
     cfg.run.id, cfg.run.root, cfg.run.resume = run_dir.name, root, True
     done = int(checkpoint.name.split("-")[1])
     if cfg.trainer.steps <= done:
-        raise ConfigError(f"Run {run_dir.name} already has {done} of trainer.steps={cfg.trainer.steps} steps "
-                          f"checkpointed: resume it with a larger trainer.steps.")
+        raise ConfigError(
+            f"Run {run_dir.name} already has {done} of trainer.steps={cfg.trainer.steps} steps "
+            f"checkpointed: resume it with a larger trainer.steps."
+        )
     validate(cfg)
     return cfg
 
@@ -136,9 +167,15 @@ def reopen(cfg) -> tuple[Path, dict]:
                 shard.unlink()
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     row = json.loads((run_dir / "run.json").read_text())
-    row.update(status="running", pid=os.getpid(), host=socket.gethostname(), steps=cfg.trainer.steps,
-               steps_done=int(checkpoint.name.split("-")[1]), resumes=row.get("resumes", 0) + 1,
-               config=OmegaConf.to_container(cfg, resolve=True))
+    row.update(
+        status="running",
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        steps=cfg.trainer.steps,
+        steps_done=int(checkpoint.name.split("-")[1]),
+        resumes=row.get("resumes", 0) + 1,
+        config=OmegaConf.to_container(cfg, resolve=True),
+    )
     return run_dir, row
 
 

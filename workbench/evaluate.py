@@ -25,7 +25,7 @@ def eval_samples(cfg) -> tuple[str, list[dict]]:
     plugin = load_plugin(cfg.agent.plugin)
     if cfg.eval.path:
         reader = getattr(plugin, "load_dataset", load_samples)
-        return Path(cfg.eval.path).name, reader(cfg.eval.path)[:cfg.eval.size]
+        return Path(cfg.eval.path).name, reader(cfg.eval.path)[: cfg.eval.size]
     if hasattr(plugin, "eval_dataset"):
         return "eval_dataset", plugin.eval_dataset(cfg.eval.size, cfg.seed)
     return "make_dataset", plugin.make_dataset(cfg.eval.size, cfg.seed + 7919)
@@ -33,14 +33,22 @@ def eval_samples(cfg) -> tuple[str, list[dict]]:
 
 def eval_jobs(cfg, samples: list[dict], workers: int) -> list[list[Job]]:
     """`eval.samples` episodes per held-out sample, split among the workers."""
-    jobs = [Job(sample, -1 - g, -1 - (g * cfg.eval.samples + k)) for g, sample in enumerate(samples) for k in range(cfg.eval.samples)]
+    jobs = [
+        Job(sample, -1 - g, -1 - (g * cfg.eval.samples + k))
+        for g, sample in enumerate(samples)
+        for k in range(cfg.eval.samples)
+    ]
     return [jobs[w::workers] for w in range(workers)]
 
 
 def score(rewards: list[float], threshold: float) -> dict:
     """n, mean reward and accuracy (the fraction of episodes whose reward is at least `threshold`)."""
     n = len(rewards)
-    return {"n": n, "mean_reward": sum(rewards) / max(n, 1), "accuracy": sum(r >= threshold for r in rewards) / max(n, 1)}
+    return {
+        "n": n,
+        "mean_reward": sum(rewards) / max(n, 1),
+        "accuracy": sum(r >= threshold for r in rewards) / max(n, 1),
+    }
 
 
 def eval_tables(run_id: str, step: int, row: dict) -> dict[str, pa.Table]:
@@ -49,11 +57,31 @@ def eval_tables(run_id: str, step: int, row: dict) -> dict[str, pa.Table]:
 
     now = time.time()
     metrics = {"eval/reward": row["mean_reward"], "eval/accuracy": row["accuracy"]}
-    return {"eval": pa.table({"run_id": [run_id], "step": [step], "checkpoint": [row["checkpoint"]], "split": [row["split"]],
-                              "n": [row["n"]], "mean_reward": [row["mean_reward"]], "accuracy": [row["accuracy"]],
-                              "time": [now]}, schema=EVAL),
-            "metrics": pa.table({"run_id": [run_id] * 2, "step": [step] * 2, "key": list(metrics),
-                                 "value": list(metrics.values()), "time": [now] * 2}, schema=METRICS)}
+    return {
+        "eval": pa.table(
+            {
+                "run_id": [run_id],
+                "step": [step],
+                "checkpoint": [row["checkpoint"]],
+                "split": [row["split"]],
+                "n": [row["n"]],
+                "mean_reward": [row["mean_reward"]],
+                "accuracy": [row["accuracy"]],
+                "time": [now],
+            },
+            schema=EVAL,
+        ),
+        "metrics": pa.table(
+            {
+                "run_id": [run_id] * 2,
+                "step": [step] * 2,
+                "key": list(metrics),
+                "value": list(metrics.values()),
+                "time": [now] * 2,
+            },
+            schema=METRICS,
+        ),
+    }
 
 
 def at_step(cfg, workers, store, step: int, weights) -> None:
@@ -64,9 +92,17 @@ def at_step(cfg, workers, store, step: int, weights) -> None:
         return
     split, samples = eval_samples(cfg)
     max_tokens = cfg.eval.max_tokens or cfg.engine.max_tokens
-    rewards = ray.get([w.evaluate.remote(jobs, max_tokens, cfg.eval.temperature, weights)
-                       for w, jobs in zip(workers, eval_jobs(cfg, samples, len(workers)))])
-    row = dict(score([r for worker in rewards for r in worker], cfg.eval.threshold), checkpoint="live", split=split)
+    rewards = ray.get(
+        [
+            w.evaluate.remote(jobs, max_tokens, cfg.eval.temperature, weights)
+            for w, jobs in zip(workers, eval_jobs(cfg, samples, len(workers)))
+        ]
+    )
+    row = dict(
+        score([r for worker in rewards for r in worker], cfg.eval.threshold),
+        checkpoint="live",
+        split=split,
+    )
     store.write_eval.remote(step, row)
 
 
@@ -85,19 +121,25 @@ def resolve_checkpoint(run_dir: Path, checkpoint: str | None) -> tuple[Path | No
         path = run_dir / "checkpoints" / f"step-{int(checkpoint):06d}" / "policy"
         if not path.exists():
             steps = ", ".join(str(int(p.name[5:])) for p in saved) or "none"
-            raise ValueError(f"Run {run_dir.name} has no checkpoint at step {checkpoint} (saved steps: {steps}); give one of those.")
+            raise ValueError(
+                f"Run {run_dir.name} has no checkpoint at step {checkpoint} (saved steps: {steps}); give one of those."
+            )
     else:
         path = Path(checkpoint)
         if not (path / "config.json").exists() and (path / "policy" / "config.json").exists():
             path = path / "policy"
         if not (path / "config.json").exists():
-            raise ValueError(f"Checkpoint {checkpoint} is not a Hugging Face checkpoint folder (no config.json): give a "
-                             f"checkpoints/step-NNNNNN/policy folder or a step number.")
+            raise ValueError(
+                f"Checkpoint {checkpoint} is not a Hugging Face checkpoint folder (no config.json): give a "
+                f"checkpoints/step-NNNNNN/policy folder or a step number."
+            )
     match = re.search(r"step-(\d{6})", str(path))
     return path, int(match.group(1)) if match else 0
 
 
-def from_checkpoint(run_id: str, checkpoint: str | None = None, root: str = "runs", overrides: list[str] = ()) -> dict:
+def from_checkpoint(
+    run_id: str, checkpoint: str | None = None, root: str = "runs", overrides: list[str] = ()
+) -> dict:
     """`molt-wb eval`: score a checkpoint of a run on its held-out split, without training; the result joins the run's store."""
     import pyarrow.parquet as pq
     from omegaconf import OmegaConf
@@ -108,18 +150,31 @@ def from_checkpoint(run_id: str, checkpoint: str | None = None, root: str = "run
     from workbench.store.query import resolve_run
 
     run_dir = resolve_run(run_id, root)
-    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml"),
-                          OmegaConf.from_dotlist(list(overrides)))
+    cfg = OmegaConf.merge(
+        OmegaConf.structured(Config),
+        OmegaConf.load(run_dir / "config.yaml"),
+        OmegaConf.from_dotlist(list(overrides)),
+    )
     validate(cfg)
     path, version = resolve_checkpoint(run_dir, checkpoint)
-    step = version // cfg.trainer.minibatches - 1  # the loop step whose weights these are; -1 = the starting policy
+    step = (
+        version // cfg.trainer.minibatches - 1
+    )  # the loop step whose weights these are; -1 = the starting policy
     model_path = str(path) if path else runtime.policy_path(cfg)
     split, samples = eval_samples(cfg)
     worker = RolloutWorker(cfg, model_path)
-    rewards = worker.evaluate(eval_jobs(cfg, samples, 1)[0], cfg.eval.max_tokens or cfg.engine.max_tokens, cfg.eval.temperature)
+    rewards = worker.evaluate(
+        eval_jobs(cfg, samples, 1)[0],
+        cfg.eval.max_tokens or cfg.engine.max_tokens,
+        cfg.eval.temperature,
+    )
     row = dict(score(rewards, cfg.eval.threshold), checkpoint=model_path, split=split, step=step)
-    for name, table in eval_tables(run_dir.name, step, row).items():  # a shard of its own, written whole
-        final = run_dir / name / f"eval-{time.time_ns()}.parquet"  # not part-*: the writer and resume leave it be
+    for name, table in eval_tables(
+        run_dir.name, step, row
+    ).items():  # a shard of its own, written whole
+        final = (
+            run_dir / name / f"eval-{time.time_ns()}.parquet"
+        )  # not part-*: the writer and resume leave it be
         final.parent.mkdir(exist_ok=True)
         pq.write_table(table, final.with_name(f".{final.name}.tmp"))
         os.replace(final.with_name(f".{final.name}.tmp"), final)

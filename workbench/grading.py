@@ -13,13 +13,16 @@ import math
 import re
 
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-UNITS = re.compile(r"(?<![a-z])(?:square|sq|cubic|units?|cm|mm|km|m|in|inch|inches|ft|feet|foot|yd|yards?|miles?|"
-                   r"(?:centi|milli|kilo)?meters?|degrees?|deg|radians?)(?:\s*\^?\s*\{?[23]\}?|²|³)?(?![a-z])")
+UNITS = re.compile(
+    r"(?<![a-z])(?:square|sq|cubic|units?|cm|mm|km|m|in|inch|inches|ft|feet|foot|yd|yards?|miles?|"
+    r"(?:centi|milli|kilo)?meters?|degrees?|deg|radians?)(?:\s*\^?\s*\{?[23]\}?|²|³)?(?![a-z])"
+)
 TOKEN = re.compile(r"\s*(\d+\.\d*|\.\d+|\d+|pi|sqrt|\*\*|[-+*/()])")
 LETTERS = "ABCDEFGH"
 
 
 # ---- extraction ----------------------------------------------------------------------------------
+
 
 def _group(text: str, start: int) -> tuple[str, int] | None:
     """The content of the brace group opening at text[start] == '{', and the index after it."""
@@ -27,7 +30,7 @@ def _group(text: str, start: int) -> tuple[str, int] | None:
     for index in range(start, len(text)):
         depth += {"{": 1, "}": -1}.get(text[index], 0)
         if depth == 0:
-            return text[start + 1:index], index + 1
+            return text[start + 1 : index], index + 1
     return None
 
 
@@ -43,7 +46,7 @@ def _answer_spans(text: str) -> list[tuple[int, int, str]]:
     for match in re.finditer(r"\\boxed\s*(?=\{)", text):
         end = closing.get(match.end())
         if end is not None and not any(start <= match.start() < stop for start, stop, _ in spans):
-            spans.append((match.start(), end + 1, text[match.end() + 1:end]))
+            spans.append((match.start(), end + 1, text[match.end() + 1 : end]))
     return sorted(spans)
 
 
@@ -63,7 +66,7 @@ def format_ok(text: str) -> bool:
     spans = _answer_spans(text or "")
     if len(spans) != 1 or not spans[0][2].strip():
         return False
-    before, after = text[:spans[0][0]], text[spans[0][1]:]
+    before, after = text[: spans[0][0]], text[spans[0][1] :]
     if "<think>" in before and "</think>" not in before:
         return False
     reasoning = re.sub(r"</?think>", "", before).strip(" \n\t$\\[(")
@@ -72,6 +75,7 @@ def format_ok(text: str) -> bool:
 
 # ---- evaluation ----------------------------------------------------------------------------------
 
+
 def _latex(text: str) -> str:
     """Rewrite \\frac, \\sqrt and brace groups as bracketed Python-like text, recursively."""
     out, index = [], 0
@@ -79,25 +83,33 @@ def _latex(text: str) -> str:
         command = re.match(r"\\[dt]?frac|\\sqrt", text[index:])
         if command:
             index += command.end()
-            root = re.match(r"\s*\[([^\]]*)\]", text[index:]) if command.group() == "\\sqrt" else None
+            root = (
+                re.match(r"\s*\[([^\]]*)\]", text[index:]) if command.group() == "\\sqrt" else None
+            )
             if root:
                 index += root.end()
             parts = []
             for _ in range(2 if "frac" in command.group() else 1):
                 while index < len(text) and text[index] == " ":
                     index += 1
-                group = _group(text, index) if text[index:index + 1] == "{" else None
+                group = _group(text, index) if text[index : index + 1] == "{" else None
                 if group:
                     parts.append(_latex(group[0]))
                     index = group[1]
                 else:  # \frac12, \sqrt 3: a single digit for \frac, a digit run for \sqrt
-                    token = re.match(r"\d+" if "sqrt" in command.group() else r".", text[index:], re.DOTALL)
+                    token = re.match(
+                        r"\d+" if "sqrt" in command.group() else r".", text[index:], re.DOTALL
+                    )
                     parts.append(token.group() if token else "")
                     index += len(parts[-1])
             if "frac" in command.group():
                 out.append(f"(({parts[0]})/({parts[1]}))")
             else:
-                out.append(f"(({parts[0]})**(1/({_latex(root.group(1))})))" if root else f"sqrt({parts[0]})")
+                out.append(
+                    f"(({parts[0]})**(1/({_latex(root.group(1))})))"
+                    if root
+                    else f"sqrt({parts[0]})"
+                )
         elif text[index] == "{":
             group = _group(text, index)
             if group is None:
@@ -128,7 +140,12 @@ def _number(answer: object) -> tuple[float, int | None] | None:
     if not text or len(text) > 200:
         return None
     plain = re.fullmatch(r"[-+]?\d*\.(\d+)", text)
-    text = re.sub(r"\\cdot|\\times|×|·", "*", _latex(text)).replace("\\pi", "pi").replace("^", "**").replace("÷", "/")
+    text = (
+        re.sub(r"\\cdot|\\times|×|·", "*", _latex(text))
+        .replace("\\pi", "pi")
+        .replace("^", "**")
+        .replace("÷", "/")
+    )
     tokens, index = [], 0
     while index < len(text.rstrip()):
         match = TOKEN.match(text, index)
@@ -138,13 +155,18 @@ def _number(answer: object) -> tuple[float, int | None] | None:
         index = match.end()
     expression = []
     for previous, token in zip([None, *tokens], tokens):
-        if previous and (previous[0].isdigit() or previous[0] in ".)" or previous == "pi") and \
-                (token[0].isdigit() or token[0] == "." or token in ("pi", "sqrt", "(")):
+        if (
+            previous
+            and (previous[0].isdigit() or previous[0] in ".)" or previous == "pi")
+            and (token[0].isdigit() or token[0] == "." or token in ("pi", "sqrt", "("))
+        ):
             expression.append("*")  # 2\sqrt{3}, 4\pi, 2(3)
         expression.append(repr(float(token)) if token[0].isdigit() or token[0] == "." else token)
     try:  # safe: only float literals, pi, sqrt, + - * / ** and brackets reach eval; float ** overflows, never hangs
         value = eval("".join(expression), {"__builtins__": {}, "pi": math.pi, "sqrt": math.sqrt})
-        return (float(value), len(plain.group(1)) if plain else None) if math.isfinite(value) else None
+        return (
+            (float(value), len(plain.group(1)) if plain else None) if math.isfinite(value) else None
+        )
     except (ArithmeticError, ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
         return None
 
@@ -155,16 +177,28 @@ def is_equivalent(pred: object, truth: object) -> bool:
         return False
     numbers = _number(pred), _number(truth)
     if None in numbers:
-        return numbers == (None, None) and re.sub(r"\s+", "", _normalise(pred)) == re.sub(r"\s+", "", _normalise(truth))
+        return numbers == (None, None) and re.sub(r"\s+", "", _normalise(pred)) == re.sub(
+            r"\s+", "", _normalise(truth)
+        )
     (value, places), (true_value, true_places) = numbers
-    rounded_to = true_places if true_places is not None else places  # a decimal matches what rounds to it
-    tolerance = max(1e-4 * abs(true_value), 1e-9, 0.5 * 10.0 ** -rounded_to + 1e-12 if rounded_to is not None else 0)
+    rounded_to = (
+        true_places if true_places is not None else places
+    )  # a decimal matches what rounds to it
+    tolerance = max(
+        1e-4 * abs(true_value),
+        1e-9,
+        0.5 * 10.0**-rounded_to + 1e-12 if rounded_to is not None else 0,
+    )
     return abs(value - true_value) <= tolerance
 
 
 def _choice(answer: object, choices: list | None) -> object:
     """A choice letter (`B`, `(B)`, `B.`, `\\text{B}`) mapped to its choice's value; anything else unchanged."""
-    letter = re.fullmatch(r"\s*(?:\\text(?:bf)?\{)?\(?([A-Ha-h])[).:]?\}?\s*", str(answer)) if choices else None
+    letter = (
+        re.fullmatch(r"\s*(?:\\text(?:bf)?\{)?\(?([A-Ha-h])[).:]?\}?\s*", str(answer))
+        if choices
+        else None
+    )
     if letter and LETTERS.index(letter.group(1).upper()) < len(choices):
         return choices[LETTERS.index(letter.group(1).upper())]
     return answer
@@ -178,4 +212,8 @@ def grade(text: str, answer: object, choices: list | None = None) -> bool:
 def geo3k_reward(text: str, answer: object, choices: list | None = None) -> tuple[float, dict]:
     """The common Geometry3K reward, 0.9·accuracy + 0.1·format, and what it saw."""
     accuracy, formatted = float(grade(text, answer, choices)), float(format_ok(text))
-    return 0.9 * accuracy + 0.1 * formatted, {"pred": extract_answer(text), "accuracy": accuracy, "format": formatted}
+    return 0.9 * accuracy + 0.1 * formatted, {
+        "pred": extract_answer(text),
+        "accuracy": accuracy,
+        "format": formatted,
+    }

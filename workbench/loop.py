@@ -20,19 +20,29 @@ def train(cfg) -> str:
     import ray
 
     prompts = runtime.Prompts(cfg)  # a bad data set is refused before anything starts
-    run_dir, run_row = runtime.start_run(cfg)  # or, resuming, the run cut back to its latest checkpoint
+    run_dir, run_row = runtime.start_run(
+        cfg
+    )  # or, resuming, the run cut back to its latest checkpoint
     cfg = runtime.plain(cfg)  # final from here on, and read every step by every process
     model_path = runtime.policy_path(cfg)
     runtime.init_ray(cfg)
     store, learner, workers = runtime.start_actors(cfg, model_path, run_dir, run_row)
     progress, status = runtime.Progress(cfg), "failed"
-    start, batches = checkpoint.restore(cfg, run_dir, learner, workers, prompts), cfg.trainer.steps // cfg.trainer.minibatches
-    in_flight = deque(faults.submit(workers, prompts) for _ in range(min(cfg.trainer.async_depth + 1, batches - start)))
+    start, batches = (
+        checkpoint.restore(cfg, run_dir, learner, workers, prompts),
+        cfg.trainer.steps // cfg.trainer.minibatches,
+    )
+    in_flight = deque(
+        faults.submit(workers, prompts)
+        for _ in range(min(cfg.trainer.async_depth + 1, batches - start))
+    )
     try:
         for step in range(start, batches):
             clock = runtime.StepClock()
             # ---- generate and score: the oldest batch in flight, sampled by up to async_depth older versions
-            segments = faults.collect(in_flight.popleft(), step, cfg, store, learner, workers, prompts)
+            segments = faults.collect(
+                in_flight.popleft(), step, cfg, store, learner, workers, prompts
+            )
             clock.lap("rollout")
             # ---- gate and train: recompute log-probs, version gate, advantages, PPO steps (version += minibatches)
             # ---- sync: the step's new weights and version travel with the next batch, which Ray starts once they
@@ -48,7 +58,14 @@ def train(cfg) -> str:
             # ---- log: the single writer stores segments, tokens, gate decisions and metrics
             metrics = clock.metrics(metrics)
             store.write_step.remote(step, metrics, rows, *segments)
-            checkpoint.maybe_save(cfg, run_dir, step, learner, store, in_flight[0].data_state if in_flight else prompts.state())
+            checkpoint.maybe_save(
+                cfg,
+                run_dir,
+                step,
+                learner,
+                store,
+                in_flight[0].data_state if in_flight else prompts.state(),
+            )
             progress.update(metrics)
             # ---- evaluate: every eval.every steps, the held-out split under its own sampling settings
             evaluate.at_step(cfg, workers, store, step, weights)
@@ -56,12 +73,17 @@ def train(cfg) -> str:
     except KeyboardInterrupt:
         status = "interrupted"
         raise
-    except ray.exceptions.RayActorError as error:  # the learner or the store died (a rollout worker's death: faults.py)
+    except (
+        ray.exceptions.RayActorError
+    ) as error:  # the learner or the store died (a rollout worker's death: faults.py)
         raise runtime.died(error, cfg.run.id, store, learner) from error
     except ray.exceptions.GetTimeoutError as error:
-        raise runtime.run_failed(f"Step {step}: the learner gave no result within trainer.timeout_s="
-                                 f"{cfg.trainer.timeout_s:g} s (hung, or steps longer than that)", cfg.run.id,
-                                 "raise trainer.timeout_s if steps take longer, then ") from error
+        raise runtime.run_failed(
+            f"Step {step}: the learner gave no result within trainer.timeout_s="
+            f"{cfg.trainer.timeout_s:g} s (hung, or steps longer than that)",
+            cfg.run.id,
+            "raise trainer.timeout_s if steps take longer, then ",
+        ) from error
     finally:
         progress.close()
         runtime.stop_actors(cfg.run.id, status, store, learner, workers)

@@ -48,40 +48,63 @@ class RolloutWorker:
         from workbench.engines import make_engine
         from workbench.engines.torch_engine import set_threads
 
-        self.run_id, self.max_turns, self.worker_index = cfg.run.id, cfg.agent.max_turns, worker_index
+        self.run_id, self.max_turns, self.worker_index = (
+            cfg.run.id,
+            cfg.agent.max_turns,
+            worker_index,
+        )
         self.seed = cfg.seed * 1000 + worker_index
         self.engine = make_engine(cfg, model_path, seed=self.seed)
         set_threads(cfg, getattr(self.engine, "model", None))
-        self.lock = threading.Lock()  # one rollout at a time; weight pushes arrive on another thread
-        self.pool = ThreadPoolExecutor(max_workers=8)  # Env steps (tools, a sandbox) run side by side
+        self.lock = (
+            threading.Lock()
+        )  # one rollout at a time; weight pushes arrive on another thread
+        self.pool = ThreadPoolExecutor(
+            max_workers=8
+        )  # Env steps (tools, a sandbox) run side by side
         self._server = None
-        self.openings: OrderedDict = OrderedDict()  # first prompts rendered and encoded, by messages: data repeats each epoch
+        self.openings: OrderedDict = (
+            OrderedDict()
+        )  # first prompts rendered and encoded, by messages: data repeats each epoch
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.plugin = load_plugin(cfg.agent.plugin)
-        self.params = SamplingParams(max_tokens=cfg.engine.max_tokens, temperature=cfg.engine.temperature,
-                                     top_p=cfg.engine.top_p, stop_token_ids=(self.tokenizer.eos_token_id,))
+        self.params = SamplingParams(
+            max_tokens=cfg.engine.max_tokens,
+            temperature=cfg.engine.temperature,
+            top_p=cfg.engine.top_p,
+            stop_token_ids=(self.tokenizer.eos_token_id,),
+        )
 
     def load_weights(self, weights: dict) -> int:
         """Adopt the learner's weights (`state_dict`, in `to_wire` form) and their `version`."""
         self.engine.load_weights(from_wire(weights["state_dict"]), weights["version"])
         return weights["version"]
 
-    def rollout(self, jobs: list[Job], params: SamplingParams | None = None, weights: dict | None = None) -> list[Segment]:
+    def rollout(
+        self, jobs: list[Job], params: SamplingParams | None = None, weights: dict | None = None
+    ) -> list[Segment]:
         """Run the episodes of `jobs` to the end (with `params`, else the training sampling settings; on
         `weights` when given, else the engine's). Without partial rollout, one weight version serves them all."""
         return self.rollout_with_failures(jobs, params, weights)[0]
 
-    def evaluate(self, jobs: list[Job], max_tokens: int, temperature: float, weights: dict | None = None) -> list[float]:
+    def evaluate(
+        self, jobs: list[Job], max_tokens: int, temperature: float, weights: dict | None = None
+    ) -> list[float]:
         """The reward of each held-out episode, sampled with evaluation settings; nothing of it is trained."""
-        segments = self.rollout(jobs, replace(self.params, max_tokens=max_tokens, temperature=temperature), weights)
+        segments = self.rollout(
+            jobs, replace(self.params, max_tokens=max_tokens, temperature=temperature), weights
+        )
         return list({s.rollout_id: s.reward for s in segments}.values())
 
-    def rollout_with_failures(self, jobs: list[Job], params: SamplingParams | None = None,
-                              weights: dict | None = None) -> tuple[list[Segment], list[dict]]:
+    def rollout_with_failures(
+        self, jobs: list[Job], params: SamplingParams | None = None, weights: dict | None = None
+    ) -> tuple[list[Segment], list[dict]]:
         """(segments of the episodes that ended, a failure row for each one whose plugin code raised).
         `weights` (as `load_weights` takes them) travel with the call, so the batch starts on exactly them
         whenever Ray starts it; the loop sends each batch the weights async_depth versions behind."""
-        chat = isinstance(self.plugin.AgentRunner, type) and issubclass(self.plugin.AgentRunner, ChatAgent)
+        chat = isinstance(self.plugin.AgentRunner, type) and issubclass(
+            self.plugin.AgentRunner, ChatAgent
+        )
         failures: dict[int, dict] = {}
         with self.lock:
             if weights is not None and weights["version"] != self.engine.version:
@@ -89,15 +112,27 @@ class RolloutWorker:
             with contextlib.nullcontext() if self.engine.partial else self.engine.hold():
                 generated = getattr(self.engine, "compute_s", None)
                 self.active = params or self.params
-                segments = self._chat_rollout(jobs, failures) if chat else self._env_rollout(jobs, failures)
-        if segments and generated is not None:  # this call's generation seconds, for the learner's perf/generate_s
+                segments = (
+                    self._chat_rollout(jobs, failures)
+                    if chat
+                    else self._env_rollout(jobs, failures)
+                )
+        if (
+            segments and generated is not None
+        ):  # this call's generation seconds, for the learner's perf/generate_s
             segments[0].audit["generate_s"] = self.engine.compute_s - generated
         return Batch(segments), list(failures.values())
 
     def _failed(self, job: Job, kind: str, error: BaseException) -> dict:
-        return {"rollout_id": job.rollout_id, "group_id": job.group_id, "worker": self.worker_index, "kind": kind,
-                "error": f"{type(error).__name__}: {error}", "traceback": "".join(traceback.format_exception(error)),
-                "time": time.time()}
+        return {
+            "rollout_id": job.rollout_id,
+            "group_id": job.group_id,
+            "worker": self.worker_index,
+            "kind": kind,
+            "error": f"{type(error).__name__}: {error}",
+            "traceback": "".join(traceback.format_exception(error)),
+            "time": time.time(),
+        }
 
     def server(self):
         """This worker's loopback server, started on first use."""
@@ -111,29 +146,48 @@ class RolloutWorker:
         """Every job's ChatAgent runs at once on its own session; their requests share engine calls."""
         server = self.server()
         sessions = [server.open_session(job.rollout_id) for job in jobs]
-        judges = [server.open_session(job.rollout_id) for job in jobs]  # judge calls: same engine, never trained
+        judges = [
+            server.open_session(job.rollout_id) for job in jobs
+        ]  # judge calls: same engine, never trained
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-            results = list(pool.map(lambda *args: _caught(self._run_agent, *args), jobs, sessions, judges))
+            results = list(
+                pool.map(lambda *args: _caught(self._run_agent, *args), jobs, sessions, judges)
+            )
         segments = []
         for index, (job, session, judge, result) in enumerate(zip(jobs, sessions, judges, results)):
             server.close_session(judge["session"])
             pieces, requests = server.close_session(session["session"])
             if not isinstance(result, Result):
-                error = result if isinstance(result, BaseException) else TypeError(
-                    f"{self.plugin.AgentRunner.__name__}.run returned {type(result).__name__}, not a Result")
+                error = (
+                    result
+                    if isinstance(result, BaseException)
+                    else TypeError(
+                        f"{self.plugin.AgentRunner.__name__}.run returned {type(result).__name__}, not a Result"
+                    )
+                )
                 failures[index] = self._failed(job, "agent_error", error)
                 continue
-            episode = self._segments(job, pieces, result.reward, pieces[-1].finish if pieces else "", result.info)
+            episode = self._segments(
+                job, pieces, result.reward, pieces[-1].finish if pieces else "", result.info
+            )
             if episode:
                 episode[0].requests = requests
             segments += episode
         return segments
 
     def _run_agent(self, job: Job, session: dict, judge: dict):
-        ctx = ChatContext(session["openai_base_url"], session["anthropic_base_url"], session["api_key"], "policy",
-                          job.sample.get("prompt", job.sample.get("problem", "")), job.sample.get("answer"), job.sample,
-                          self.active.max_tokens, self.active.temperature,
-                          {"base_url": judge["openai_base_url"], "api_key": judge["api_key"]})
+        ctx = ChatContext(
+            session["openai_base_url"],
+            session["anthropic_base_url"],
+            session["api_key"],
+            "policy",
+            job.sample.get("prompt", job.sample.get("problem", "")),
+            job.sample.get("answer"),
+            job.sample,
+            self.active.max_tokens,
+            self.active.temperature,
+            {"base_url": judge["openai_base_url"], "api_key": judge["api_key"]},
+        )
         result = self.plugin.AgentRunner().run(ctx)
         return asyncio.run(result) if inspect.iscoroutine(result) else result
 
@@ -141,18 +195,31 @@ class RolloutWorker:
         env = self.plugin.AgentRunner()
         system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
         messages = system + [{"role": "user", "content": env.reset(job.sample)}]
-        key = hashlib.sha256(repr((messages, env.tools)).encode()).digest()  # an image's bytes: not kept twice
-        if key in self.openings:  # a group's episodes open on the same prompt, and so does each epoch: render it once
+        key = hashlib.sha256(
+            repr((messages, env.tools)).encode()
+        ).digest()  # an image's bytes: not kept twice
+        if (
+            key in self.openings
+        ):  # a group's episodes open on the same prompt, and so does each epoch: render it once
             self.openings.move_to_end(key)
         else:
-            self.openings[key] = TokenAccumulator(self.tokenizer, copy.deepcopy(messages), tools=copy.deepcopy(env.tools),
-                                                  codec=self.engine.codec)  # its own copy: later episodes fork it
+            self.openings[key] = TokenAccumulator(
+                self.tokenizer,
+                copy.deepcopy(messages),
+                tools=copy.deepcopy(env.tools),
+                codec=self.engine.codec,
+            )  # its own copy: later episodes fork it
             if len(self.openings) > 4096:
                 self.openings.popitem(last=False)
         return env, self.openings[key].fork()
 
     def _env_rollout(self, jobs: list[Job], failures: dict) -> list[Segment]:
-        envs, episodes, rewards, infos = [None] * len(jobs), [None] * len(jobs), [0.0] * len(jobs), [{} for _ in jobs]
+        envs, episodes, rewards, infos = (
+            [None] * len(jobs),
+            [None] * len(jobs),
+            [0.0] * len(jobs),
+            [{} for _ in jobs],
+        )
         for index, job in enumerate(jobs):
             started = _caught(self._start_env, job)
             if isinstance(started, BaseException):
@@ -163,46 +230,87 @@ class RolloutWorker:
         for turn in range(self.max_turns):
             if not open_:
                 break
-            generations = self.engine.generate([episodes[i].token_ids for i in open_], self._seeded(jobs, turn),
-                                               [episodes[i].open.images for i in open_])
-            still_open, texts = [], [reply_text(self.tokenizer, g.token_ids, g.finish_reason) for g in generations]
-            results = list(self.pool.map(lambda i, text: _caught(envs[i].step, text), open_, texts))  # tools side by side
+            generations = self.engine.generate(
+                [episodes[i].token_ids for i in open_],
+                self._seeded(jobs, turn),
+                [episodes[i].open.images for i in open_],
+            )
+            still_open, texts = (
+                [],
+                [reply_text(self.tokenizer, g.token_ids, g.finish_reason) for g in generations],
+            )
+            results = list(
+                self.pool.map(lambda i, text: _caught(envs[i].step, text), open_, texts)
+            )  # tools side by side
             for i, generation, text, result in zip(open_, generations, texts, results):
                 if not isinstance(result, Result):
-                    failures[i] = self._failed(jobs[i], "env_error", result if isinstance(result, BaseException) else
-                                               TypeError(f"Env.step returned {type(result).__name__}, not a Result"))
+                    failures[i] = self._failed(
+                        jobs[i],
+                        "env_error",
+                        result
+                        if isinstance(result, BaseException)
+                        else TypeError(f"Env.step returned {type(result).__name__}, not a Result"),
+                    )
                     continue
-                episodes[i].add_sampled(generation.token_ids, generation.logprobs, generation.versions,
-                                        {"role": "assistant", "content": text}, generation.finish_reason,
-                                        generation.extras.get("routed_experts"))
+                episodes[i].add_sampled(
+                    generation.token_ids,
+                    generation.logprobs,
+                    generation.versions,
+                    {"role": "assistant", "content": text},
+                    generation.finish_reason,
+                    generation.extras.get("routed_experts"),
+                )
                 rewards[i], infos[i] = rewards[i] + result.reward, result.info
                 if not (result.terminated or result.truncated) and turn + 1 < self.max_turns:
-                    episodes[i].add_messages([{"role": result.role, "content": result.observation or ""}])
+                    episodes[i].add_messages(
+                        [{"role": result.role, "content": result.observation or ""}]
+                    )
                     still_open.append(i)
             open_ = still_open
-        return [segment for index, (job, episode, reward, info) in enumerate(zip(jobs, episodes, rewards, infos))
-                if index not in failures for segment in self._segments(job, episode.finish(), reward, episode.last_finish, info)]
+        return [
+            segment
+            for index, (job, episode, reward, info) in enumerate(
+                zip(jobs, episodes, rewards, infos)
+            )
+            if index not in failures
+            for segment in self._segments(job, episode.finish(), reward, episode.last_finish, info)
+        ]
 
     def _seeded(self, jobs: list[Job], turn: int) -> SamplingParams:
         """The sampling settings of one engine call, seeded by the batch (its first episode id) and turn:
         a run samples the same whichever order its queued batches reach the worker, and after a resume."""
         if self.active.seed is not None:
             return self.active
-        entropy = [value % 2**64 for value in (self.seed, jobs[0].rollout_id, turn)]  # held-out episodes have ids < 0
+        entropy = [
+            value % 2**64 for value in (self.seed, jobs[0].rollout_id, turn)
+        ]  # held-out episodes have ids < 0
         return replace(self.active, seed=int(np.random.SeedSequence(entropy).generate_state(1)[0]))
 
-    def _segments(self, job: Job, pieces: list, reward: float, finish_reason: str, info: dict | None = None) -> list[Segment]:
+    def _segments(
+        self, job: Job, pieces: list, reward: float, finish_reason: str, info: dict | None = None
+    ) -> list[Segment]:
         """Segment records of one episode, each audited: sampled ids intact, and would text round-trip?"""
         segments = []
         for index, piece in enumerate(pieces):
             prompt_end = piece.turn_spans[0][0] if piece.turn_spans else len(piece.token_ids)
             response = self.tokenizer.decode(piece.token_ids[prompt_end:])
             drift = retokenize_drift(self.tokenizer, piece.token_ids)
-            segments.append(Segment(self.run_id, job.rollout_id, index, job.group_id, **piece.arrays(), reward=reward,
-                                    turn_spans=piece.turn_spans, finish_reason=finish_reason,
-                                    seal_reason=piece.seal_reason, images=piece.images,
-                                    display={"prompt": piece.prompt_text, "response": response, "info": info or {}},
-                                    audit={"identity": piece.identity_holds(), "retokenize_drift": drift}))
+            segments.append(
+                Segment(
+                    self.run_id,
+                    job.rollout_id,
+                    index,
+                    job.group_id,
+                    **piece.arrays(),
+                    reward=reward,
+                    turn_spans=piece.turn_spans,
+                    finish_reason=finish_reason,
+                    seal_reason=piece.seal_reason,
+                    images=piece.images,
+                    display={"prompt": piece.prompt_text, "response": response, "info": info or {}},
+                    audit={"identity": piece.identity_holds(), "retokenize_drift": drift},
+                )
+            )
         return segments
 
 

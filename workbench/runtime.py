@@ -30,14 +30,21 @@ class RunFailed(RuntimeError):
 
 def run_failed(cause: str, run_id: str, fix: str = "") -> RunFailed:
     """`cause`, then what became of the run and how it goes on (`fix` first, when given)."""
-    return RunFailed(f"{cause}: the run is marked failed and keeps every step it wrote; {fix}continue it from its "
-                     f"latest checkpoint with: molt-wb resume {run_id}")
+    return RunFailed(
+        f"{cause}: the run is marked failed and keeps every step it wrote; {fix}continue it from its "
+        f"latest checkpoint with: molt-wb resume {run_id}"
+    )
 
 
 def died(error, run_id: str, store, learner) -> RunFailed:
     """The `RunFailed` of an actor's death (`error`, a RayActorError) that the loop cannot ride out."""
-    role = {store._actor_id.hex(): "The store", learner._actor_id.hex(): "The learner"}.get(error.actor_id, "A rollout worker")
-    return run_failed(f"{role} process died (killed, out of memory or crashed; Ray's worker logs say which)", run_id)
+    role = {store._actor_id.hex(): "The store", learner._actor_id.hex(): "The learner"}.get(
+        error.actor_id, "A rollout worker"
+    )
+    return run_failed(
+        f"{role} process died (killed, out of memory or crashed; Ray's worker logs say which)",
+        run_id,
+    )
 
 
 def new_run_id() -> str:
@@ -46,10 +53,20 @@ def new_run_id() -> str:
 
 def code_version() -> str:
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                             text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
         return (sha + ("-dirty" if dirty else "")) or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -67,13 +84,26 @@ def start_run(cfg) -> tuple[Path, dict]:
         cfg.run.id = cfg.run.id or new_run_id()
     run_dir = Path(cfg.run.root) / cfg.run.id
     if (run_dir / "run.json").exists():
-        raise ConfigError(f"Run {cfg.run.id} already exists under {cfg.run.root}/: pick another run.id or leave it unset.")
+        raise ConfigError(
+            f"Run {cfg.run.id} already exists under {cfg.run.root}/: pick another run.id or leave it unset."
+        )
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    row = {"run_id": cfg.run.id, "recipe": cfg.recipe, "status": "running", "created": time.time(),
-           "pid": os.getpid(), "host": socket.gethostname(),
-           "code_version": code_version(), "sweep_id": cfg.run.sweep_id, "swept": dict(cfg.run.swept), "steps_done": 0, "steps": cfg.trainer.steps,
-           "reward_mean": None, "config": OmegaConf.to_container(cfg, resolve=True)}
+    row = {
+        "run_id": cfg.run.id,
+        "recipe": cfg.recipe,
+        "status": "running",
+        "created": time.time(),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "code_version": code_version(),
+        "sweep_id": cfg.run.sweep_id,
+        "swept": dict(cfg.run.swept),
+        "steps_done": 0,
+        "steps": cfg.trainer.steps,
+        "reward_mean": None,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
     return run_dir, row
 
 
@@ -109,9 +139,18 @@ def policy_path(cfg) -> str:
     path = tiny_model_path(cfg.model.name)
     if cfg.model.warm_start_steps:
         plugin = load_plugin(cfg.agent.plugin)
-        plugin = getattr(plugin, "WARM_START_AS", plugin)  # a ChatAgent plugin names the Env plugin it shares demos with
-        path = warm_started_path(path, plugin, Path(plugin.__file__).read_text(), cfg.model.warm_start_steps,
-                                 cfg.model.warm_start_lr, cfg.seed, cfg.model.warm_start_batch)
+        plugin = getattr(
+            plugin, "WARM_START_AS", plugin
+        )  # a ChatAgent plugin names the Env plugin it shares demos with
+        path = warm_started_path(
+            path,
+            plugin,
+            Path(plugin.__file__).read_text(),
+            cfg.model.warm_start_steps,
+            cfg.model.warm_start_lr,
+            cfg.seed,
+            cfg.model.warm_start_batch,
+        )
     return str(path)
 
 
@@ -129,8 +168,16 @@ def teacher_path(cfg) -> str:
     if cfg.algo.teacher_path:
         return str(cfg.algo.teacher_path)
     plugin = load_plugin(cfg.agent.plugin)
-    return str(warm_started_path(tiny_model_path(cfg.model.name), plugin, Path(plugin.__file__).read_text(),
-                                 cfg.algo.teacher_warm_start_steps, cfg.model.warm_start_lr, cfg.seed))
+    return str(
+        warm_started_path(
+            tiny_model_path(cfg.model.name),
+            plugin,
+            Path(plugin.__file__).read_text(),
+            cfg.algo.teacher_warm_start_steps,
+            cfg.model.warm_start_lr,
+            cfg.seed,
+        )
+    )
 
 
 def init_ray(cfg) -> None:
@@ -140,23 +187,46 @@ def init_ray(cfg) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if not ray.is_initialized():
         _start_ray(cfg)
-    if threading.current_thread() is threading.main_thread():  # after ray.init, which sets its own handler
+    if (
+        threading.current_thread() is threading.main_thread()
+    ):  # after ray.init, which sets its own handler
         signal.signal(signal.SIGTERM, _interrupt)
 
 
 def _start_ray(cfg) -> None:
     import ray
 
-    runtime_env = {"env_vars": {"PYTHONPATH": str(REPO_ROOT), "MOLT_WB_CACHE": os.environ.get("MOLT_WB_CACHE", ""),
-                                # idle OpenMP threads sleep instead of spinning: actors share the cores (bench/README.md)
-                                "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}}
-    if cfg.ray.address:  # a cluster's nodes share the repository and the model cache at the same paths
-        ray.init(address=cfg.ray.address, log_to_driver=False, logging_level=logging.WARNING, runtime_env=runtime_env)
+    runtime_env = {
+        "env_vars": {
+            "PYTHONPATH": str(REPO_ROOT),
+            "MOLT_WB_CACHE": os.environ.get("MOLT_WB_CACHE", ""),
+            # idle OpenMP threads sleep instead of spinning: actors share the cores (bench/README.md)
+            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+        }
+    }
+    if (
+        cfg.ray.address
+    ):  # a cluster's nodes share the repository and the model cache at the same paths
+        ray.init(
+            address=cfg.ray.address,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+            runtime_env=runtime_env,
+        )
         return
-    cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, (cfg.ray.rollout_workers + 1) * cfg.sweep.parallel)
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
-             _node_ip_address="127.0.0.1",
-             object_store_memory=cfg.ray.object_store_mb * 2**20, runtime_env=runtime_env)
+    cpus = cfg.ray.num_cpus or max(
+        os.cpu_count() or 1, (cfg.ray.rollout_workers + 1) * cfg.sweep.parallel
+    )
+    ray.init(
+        address="local",
+        num_cpus=cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=cfg.ray.object_store_mb * 2**20,
+        runtime_env=runtime_env,
+    )
 
 
 class StoreActor:
@@ -170,7 +240,9 @@ class StoreActor:
         self.writer = RunWriter(run_dir, run_row, cfg.run.flush_rows, cfg.run.flush_seconds)
         if cfg.run.flush_seconds > 0:
             self.writer.flush_every(cfg.run.flush_seconds)
-        self.sinks = make_sinks(cfg.tracking, run_dir, cfg.run.id, run_row["config"], group=cfg.run.sweep_id)
+        self.sinks = make_sinks(
+            cfg.tracking, run_dir, cfg.run.id, run_row["config"], group=cfg.run.sweep_id
+        )
         self.cpu_mark = time.process_time()
 
     def write_step(self, step: int, metrics: dict, rows: dict, *worker_segments) -> None:
@@ -182,10 +254,16 @@ class StoreActor:
         metrics = dict(metrics, **{"perf/store_cpu_s": self.cpu_mark - cpu})
         segments = [s for batch in worker_segments for s in batch]
         self.writer.save_images([image for s in segments for image in s.images])
-        for name, table in step_tables(self.run_id, step, rows["learner_version"], segments, rows).items():
+        for name, table in step_tables(
+            self.run_id, step, rows["learner_version"], segments, rows
+        ).items():
             self.writer.append(name, table)
         self.log(step, metrics)
-        self.writer.update_run(at_flush=True, steps_done=int(metrics["train/version"]), reward_mean=metrics.get("reward/mean"))
+        self.writer.update_run(
+            at_flush=True,
+            steps_done=int(metrics["train/version"]),
+            reward_mean=metrics.get("reward/mean"),
+        )
         self.writer.maybe_flush()
 
     def write_failures(self, step: int, rows: list[dict]) -> None:
@@ -203,9 +281,18 @@ class StoreActor:
         import pyarrow as pa
 
         now = time.time()
-        self.writer.append("metrics", pa.table({"run_id": [self.run_id] * len(metrics), "step": [step] * len(metrics),
-                                                "key": list(metrics), "value": [float(v) for v in metrics.values()],
-                                                "time": [now] * len(metrics)}))
+        self.writer.append(
+            "metrics",
+            pa.table(
+                {
+                    "run_id": [self.run_id] * len(metrics),
+                    "step": [step] * len(metrics),
+                    "key": list(metrics),
+                    "value": [float(v) for v in metrics.values()],
+                    "time": [now] * len(metrics),
+                }
+            ),
+        )
         for sink in self.sinks:
             sink.log(metrics, step)
 
@@ -232,16 +319,37 @@ def placement(cfg) -> list[dict]:
 
     r = cfg.ray
     learner = {"num_cpus": r.learner_cpus, "num_gpus": r.learner_gpus}
-    worker = {"num_cpus": r.rollout_cpus, "num_gpus": r.rollout_gpus, "resources": dict(r.rollout_resources)}
+    worker = {
+        "num_cpus": r.rollout_cpus,
+        "num_gpus": r.rollout_gpus,
+        "resources": dict(r.rollout_resources),
+    }
     options = [learner] + [worker] * r.rollout_workers
     if not r.colocate:
         return options
-    bundles = [{k: v for k, v in {"CPU": o["num_cpus"], "GPU": o["num_gpus"], **o.get("resources", {})}.items() if v}
-               for o in options]
+    bundles = [
+        {
+            k: v
+            for k, v in {
+                "CPU": o["num_cpus"],
+                "GPU": o["num_gpus"],
+                **o.get("resources", {}),
+            }.items()
+            if v
+        }
+        for o in options
+    ]
     group = ray.util.placement_group(bundles, strategy="STRICT_PACK", name=f"molt-wb-{cfg.run.id}")
     ray.get(group.ready(), timeout=600)
-    return [dict(o, scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i))
-            for i, o in enumerate(options)]
+    return [
+        dict(
+            o,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=i
+            ),
+        )
+        for i, o in enumerate(options)
+    ]
 
 
 def start_actors(cfg, model_path: str, run_dir: Path, run_row: dict):
@@ -255,11 +363,26 @@ def start_actors(cfg, model_path: str, run_dir: Path, run_row: dict):
     store = ray.remote(num_cpus=0)(StoreActor).remote(cfg, str(run_dir), run_row)
     learner_options, *worker_options = placement(cfg)
     learner = ray.remote(Learner).options(**learner_options).remote(cfg, model_path)
-    worker_cls = ray.remote(max_concurrency=cfg.trainer.async_depth + 2,
-                            max_restarts=cfg.rollout.max_restarts)(RolloutWorker)  # + weight pushes
-    workers = [worker_cls.options(**options).remote(cfg, model_path, i) for i, options in enumerate(worker_options)]
-    nodes = ray.get([a.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id()) for a in (learner, *workers)])
-    ray.get(store.__ray_call__.remote(lambda s: s.writer.update_run(placement={"learner": nodes[0], "rollout_workers": nodes[1:]})))
+    worker_cls = ray.remote(
+        max_concurrency=cfg.trainer.async_depth + 2, max_restarts=cfg.rollout.max_restarts
+    )(RolloutWorker)  # + weight pushes
+    workers = [
+        worker_cls.options(**options).remote(cfg, model_path, i)
+        for i, options in enumerate(worker_options)
+    ]
+    nodes = ray.get(
+        [
+            a.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
+            for a in (learner, *workers)
+        ]
+    )
+    ray.get(
+        store.__ray_call__.remote(
+            lambda s: s.writer.update_run(
+                placement={"learner": nodes[0], "rollout_workers": nodes[1:]}
+            )
+        )
+    )
     return store, learner, workers
 
 
@@ -269,13 +392,18 @@ def stop_actors(run_id: str, status: str, store, learner, workers) -> None:
 
     try:
         ray.get(store.close.remote(status), timeout=120)
-    except ray.exceptions.RayActorError as error:  # the store died; when the run failed already, that error stands
+    except (
+        ray.exceptions.RayActorError
+    ) as error:  # the store died; when the run failed already, that error stands
         if status != "failed":
             raise died(error, run_id, store, learner) from error
     finally:
         group = None
         with contextlib.suppress(Exception):  # a dead learner has no group to report
-            group = ray.get(learner.__ray_call__.remote(lambda _: ray.util.get_current_placement_group()), timeout=60)
+            group = ray.get(
+                learner.__ray_call__.remote(lambda _: ray.util.get_current_placement_group()),
+                timeout=60,
+            )
         for actor in (store, learner, *workers):
             ray.kill(actor)
         if group is not None:  # a colocated run's placement group
@@ -292,7 +420,11 @@ class Prompts:
         plugin = load_plugin(cfg.agent.plugin)
         try:
             if cfg.data.path:  # the plugin's own reader when it has one (images, real-set layouts), else plain rows
-                self.samples = plugin.load_dataset(cfg.data.path) if hasattr(plugin, "load_dataset") else load_samples(cfg.data.path)
+                self.samples = (
+                    plugin.load_dataset(cfg.data.path)
+                    if hasattr(plugin, "load_dataset")
+                    else load_samples(cfg.data.path)
+                )
             else:
                 self.samples = plugin.make_dataset(cfg.data.size, cfg.seed)
         except ValueError as error:  # the plugin's readers and load_samples name the problem
@@ -307,16 +439,32 @@ class Prompts:
         groups = []
         for _ in range(self.per_step):
             if self.cursor == len(self.order):
-                self.order, self.cursor = self.rng.sample(range(len(self.samples)), len(self.samples)), 0
+                self.order, self.cursor = (
+                    self.rng.sample(range(len(self.samples)), len(self.samples)),
+                    0,
+                )
             sample, self.cursor = self.samples[self.order[self.cursor]], self.cursor + 1
-            groups.append([Job(sample, self.next_group, self.next_rollout + k) for k in range(self.group_size)])
-            self.next_group, self.next_rollout = self.next_group + 1, self.next_rollout + self.group_size
+            groups.append(
+                [
+                    Job(sample, self.next_group, self.next_rollout + k)
+                    for k in range(self.group_size)
+                ]
+            )
+            self.next_group, self.next_rollout = (
+                self.next_group + 1,
+                self.next_rollout + self.group_size,
+            )
         return [[job for group in groups[w::workers] for job in group] for w in range(workers)]
 
     def state(self) -> dict:
         """The data position (what a checkpoint saves): order of sample indices, cursor, next ids, RNG."""
-        return {"rng": self.rng.getstate(), "order": list(self.order), "cursor": self.cursor,
-                "next_group": self.next_group, "next_rollout": self.next_rollout}
+        return {
+            "rng": self.rng.getstate(),
+            "order": list(self.order),
+            "cursor": self.cursor,
+            "next_group": self.next_group,
+            "next_rollout": self.next_rollout,
+        }
 
     def restore(self, state: dict) -> None:
         self.rng.setstate(state["rng"])
@@ -331,17 +479,23 @@ def check_samples(samples: list, plugin, where: str) -> None:
     if not samples:
         raise ConfigError(f"Data set {where} has no samples: give a file with at least one row.")
     if not all(isinstance(sample, dict) for sample in samples):
-        raise ConfigError(f"Data set {where} holds rows that are not objects: give one JSON object (or table row) per sample.")
+        raise ConfigError(
+            f"Data set {where} holds rows that are not objects: give one JSON object (or table row) per sample."
+        )
     runner = plugin.AgentRunner
     if isinstance(runner, type) and issubclass(runner, ChatAgent):
         if not any(key in samples[0] for key in ("prompt", "problem")):
-            raise ConfigError(f"Data set {where} has no prompt or problem column that a ChatAgent reads: add one.")
+            raise ConfigError(
+                f"Data set {where} has no prompt or problem column that a ChatAgent reads: add one."
+            )
         return
     try:
         runner().reset(samples[0])
     except KeyError as error:
-        raise ConfigError(f"Data set {where} has no {error} column, which plugin {plugin.__name__} reads: "
-                          f"add it to every row or choose the matching agent.plugin.") from None
+        raise ConfigError(
+            f"Data set {where} has no {error} column, which plugin {plugin.__name__} reads: "
+            f"add it to every row or choose the matching agent.plugin."
+        ) from None
 
 
 def load_samples(path: str) -> list[dict]:
@@ -353,11 +507,15 @@ def load_samples(path: str) -> list[dict]:
         try:
             return pq.read_table(path).to_pylist()
         except (OSError, pa.ArrowException) as error:
-            raise ValueError(f"Data set {path} is not a readable Parquet file ({error}): rewrite it.") from None
+            raise ValueError(
+                f"Data set {path} is not a readable Parquet file ({error}): rewrite it."
+            ) from None
     try:
         return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     except (ValueError, UnicodeDecodeError) as error:
-        raise ValueError(f"Data set {path} is not JSON lines ({error}): write one JSON object per line.") from None
+        raise ValueError(
+            f"Data set {path} is not JSON lines ({error}): write one JSON object per line."
+        ) from None
 
 
 class StepClock:
@@ -374,7 +532,12 @@ class StepClock:
     def metrics(self, metrics: dict) -> dict:
         total = time.perf_counter() - self.start
         perf = {f"perf/{phase}_s": seconds for phase, seconds in self.phases.items()}
-        perf.update({"perf/step_s": total, "perf/tokens_per_s": metrics.get("rollout/sampled_tokens", 0) / max(total, 1e-9)})
+        perf.update(
+            {
+                "perf/step_s": total,
+                "perf/tokens_per_s": metrics.get("rollout/sampled_tokens", 0) / max(total, 1e-9),
+            }
+        )
         return dict(metrics, **perf)
 
 
@@ -384,12 +547,25 @@ class Progress:
     def __init__(self, cfg):
         import sys
 
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+        from rich.progress import (
+            Progress as Bar,
+        )
 
         self.bar, self.enabled = None, cfg.run.progress
         if self.enabled and sys.stdout.isatty():
-            self.bar = Bar(TextColumn(f"[bold]{cfg.run.id}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                           TextColumn("{task.fields[info]}"))
+            self.bar = Bar(
+                TextColumn(f"[bold]{cfg.run.id}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[info]}"),
+            )
             self.task = self.bar.add_task("train", total=cfg.trainer.steps, info="")
             self.bar.start()
         self.done = 0

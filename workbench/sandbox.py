@@ -61,7 +61,9 @@ except BaseException as _error:
 class SandboxResult:
     stdout: str
     stderr: str
-    error: str | None  # None when the code ran to the end; else its last traceback line or why it was stopped
+    error: (
+        str | None
+    )  # None when the code ran to the end; else its last traceback line or why it was stopped
     timed_out: bool
     exit_code: int  # negative: killed by that signal (SIGKILL after a timeout)
 
@@ -69,7 +71,9 @@ class SandboxResult:
         """The tool response a policy sees: its stdout, then `Error: ...` if it failed."""
         if self.error is None:
             return self.stdout or "(no output)"
-        return (self.stdout.rstrip("\n") + "\n" if self.stdout.strip() else "") + f"Error: {self.error}"
+        return (
+            self.stdout.rstrip("\n") + "\n" if self.stdout.strip() else ""
+        ) + f"Error: {self.error}"
 
 
 @functools.cache
@@ -79,7 +83,9 @@ def _netns_prefix() -> tuple[str, ...]:
     if unshare is None:
         return ()
     prefix = (unshare, "--net", "--map-root-user")
-    probe = subprocess.run([*prefix, sys.executable, "-I", "-c", "pass"], capture_output=True, timeout=30)
+    probe = subprocess.run(
+        [*prefix, sys.executable, "-I", "-c", "pass"], capture_output=True, timeout=30
+    )
     return prefix if probe.returncode == 0 else ()
 
 
@@ -99,21 +105,42 @@ def _exited(pid: int, timeout_s: float) -> bool:
     return True
 
 
-def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 256, output_limit: int = OUTPUT_LIMIT) -> SandboxResult:
+def run_python(
+    code: str, timeout_s: float = 5.0, memory_mb: int = 256, output_limit: int = OUTPUT_LIMIT
+) -> SandboxResult:
     """Run `code` as a script in a fresh limited process (see the module docstring) and collect what it printed."""
-    limits = [math.ceil(timeout_s) + 1, memory_mb << 20, output_limit, 0]  # CPU seconds, address space, file size, core
+    limits = [
+        math.ceil(timeout_s) + 1,
+        memory_mb << 20,
+        output_limit,
+        0,
+    ]  # CPU seconds, address space, file size, core
     # output goes to unnamed files: the code cannot delete them, and a flood costs disk (capped), not memory
-    with tempfile.TemporaryDirectory(prefix="molt-wb-sandbox-", ignore_cleanup_errors=True) as workdir, \
-            tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    with (
+        tempfile.TemporaryDirectory(
+            prefix="molt-wb-sandbox-", ignore_cleanup_errors=True
+        ) as workdir,
+        tempfile.TemporaryFile() as out,
+        tempfile.TemporaryFile() as err,
+    ):
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as handle:
             handle.write(code)
         env = {"PATH": os.defpath, "HOME": workdir, "LC_ALL": "C.UTF-8"}
-        process = subprocess.Popen([*_netns_prefix(), sys.executable, "-I", "-c", PRELUDE, *map(str, limits)], cwd=workdir,
-                                   env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
+        process = subprocess.Popen(
+            [*_netns_prefix(), sys.executable, "-I", "-c", PRELUDE, *map(str, limits)],
+            cwd=workdir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+        )
         try:
             timed_out = not _exited(process.pid, timeout_s)
         finally:
-            os.killpg(process.pid, signal.SIGKILL)  # the group: whatever the code started too, finished or not
+            os.killpg(
+                process.pid, signal.SIGKILL
+            )  # the group: whatever the code started too, finished or not
             exit_code = process.wait()
         stdout, stdout_full = _read(out, output_limit)
         stderr, stderr_full = _read(err, output_limit)

@@ -21,28 +21,48 @@ class Segment:
     group_id: int
     token_ids: np.ndarray  # int32 [T] the exact sequence the trainer sees
     loss_mask: np.ndarray  # uint8 [T] 1 where the policy sampled the token
-    behavior_logprob: np.ndarray  # float32 [T] log-prob under the sampling policy, 0 where mask is 0
-    behavior_version: np.ndarray  # int32 [T] weight version that sampled the token, -1 where mask is 0
+    behavior_logprob: (
+        np.ndarray
+    )  # float32 [T] log-prob under the sampling policy, 0 where mask is 0
+    behavior_version: (
+        np.ndarray
+    )  # int32 [T] weight version that sampled the token, -1 where mask is 0
     reward: float = 0.0
-    turn_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each sampled turn
+    turn_spans: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # [start, end) of each sampled turn
     finish_reason: str = ""  # the last turn's: stop | length
     seal_reason: str = "end"  # why the segment closed: end (episode over) | compaction | ...
     routed_experts: np.ndarray | None = None  # int16 [T, layers, top_k], -1 where unknown
-    images: list[bytes] = field(default_factory=list)  # encoded images, in the order of their placeholder runs in token_ids
+    images: list[bytes] = field(
+        default_factory=list
+    )  # encoded images, in the order of their placeholder runs in token_ids
     display: dict = field(default_factory=dict)  # for people only: prompt text, env info
-    audit: dict = field(default_factory=dict)  # token-identity audit: identity (bool), retokenize_drift (bool)
-    requests: list[dict] = field(default_factory=list)  # loopback requests of the episode (on its first segment)
+    audit: dict = field(
+        default_factory=dict
+    )  # token-identity audit: identity (bool), retokenize_drift (bool)
+    requests: list[dict] = field(
+        default_factory=list
+    )  # loopback requests of the episode (on its first segment)
 
     def __post_init__(self):
-        expected = {"token_ids": np.int32, "loss_mask": np.uint8, "behavior_logprob": np.float32,
-                    "behavior_version": np.int32}
+        expected = {
+            "token_ids": np.int32,
+            "loss_mask": np.uint8,
+            "behavior_logprob": np.float32,
+            "behavior_version": np.int32,
+        }
         for name, dtype in expected.items():
             value = getattr(self, name)
             if not isinstance(value, np.ndarray) or value.dtype != dtype or value.ndim != 1:
-                raise TypeError(f"Segment.{name} must be a 1-d numpy {np.dtype(dtype).name} array, "
-                                f"got {type(value).__name__}: trainer input is built from token ids only.")
+                raise TypeError(
+                    f"Segment.{name} must be a 1-d numpy {np.dtype(dtype).name} array, "
+                    f"got {type(value).__name__}: trainer input is built from token ids only."
+                )
             if len(value) != len(self.token_ids):
-                raise ValueError(f"Segment.{name} has {len(value)} entries for {len(self.token_ids)} tokens.")
+                raise ValueError(
+                    f"Segment.{name} has {len(value)} entries for {len(self.token_ids)} tokens."
+                )
 
     @property
     def num_sampled(self) -> int:
@@ -61,7 +81,11 @@ class Batch(list):
     def __reduce__(self):
         try:
             blob = pickle.dumps(list(self), protocol=pickle.HIGHEST_PROTOCOL)
-        except (pickle.PicklingError, AttributeError, TypeError):  # a plugin's info holds a lambda, a local class, ...
+        except (
+            pickle.PicklingError,
+            AttributeError,
+            TypeError,
+        ):  # a plugin's info holds a lambda, a local class, ...
             from ray import cloudpickle
 
             blob = cloudpickle.dumps(list(self), protocol=pickle.HIGHEST_PROTOCOL)

@@ -1,4 +1,5 @@
 """Advantage estimators against hand-computed values, and the vectorised path against the loop."""
+
 import pytest
 import torch
 
@@ -17,28 +18,36 @@ def test_reinforce_is_the_raw_reward():
 def test_reinforce_baseline_subtracts_the_batch_mean():
     # batch mean = (1 + 0 + 0.5 + 2) / 4 = 0.875
     expected = [1 - 0.875, 0 - 0.875, 0.5 - 0.875, 2 - 0.875]
-    torch.testing.assert_close(compute_advantages(REWARDS, GROUPS, "reinforce_baseline"),
-                               torch.tensor(expected, dtype=torch.float64))
+    torch.testing.assert_close(
+        compute_advantages(REWARDS, GROUPS, "reinforce_baseline"),
+        torch.tensor(expected, dtype=torch.float64),
+    )
 
 
 def test_rloo_subtracts_the_mean_of_the_other_rollouts_in_the_group():
     # row0: 1 - (0 + 0.5)/2 = 0.75; row1: 0 - (1 + 0.5)/2 = -0.75; row2: 0.5 - (1 + 0)/2 = 0
     # row3: alone in its group -> 0
-    torch.testing.assert_close(compute_advantages(REWARDS, GROUPS, "rloo"),
-                               torch.tensor([0.75, -0.75, 0.0, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(
+        compute_advantages(REWARDS, GROUPS, "rloo"),
+        torch.tensor([0.75, -0.75, 0.0, 0.0], dtype=torch.float64),
+    )
 
 
 def test_grpo_divides_by_the_unbiased_group_std():
     # group 0: mean 0.5, deviations 0.5, -0.5, 0; var = (0.25 + 0.25 + 0) / (3 - 1) = 0.25, std 0.5
     expected = [0.5 / (0.5 + EPS), -0.5 / (0.5 + EPS), 0.0, 0.0]
-    torch.testing.assert_close(compute_advantages(REWARDS, GROUPS, "grpo", eps=EPS),
-                               torch.tensor(expected, dtype=torch.float64))
+    torch.testing.assert_close(
+        compute_advantages(REWARDS, GROUPS, "grpo", eps=EPS),
+        torch.tensor(expected, dtype=torch.float64),
+    )
 
 
 def test_dr_grpo_subtracts_the_group_mean_without_std():
     # group 0 mean 0.5: 1 - 0.5, 0 - 0.5, 0.5 - 0.5; row3 alone -> 2 - 2 = 0
-    torch.testing.assert_close(compute_advantages(REWARDS, GROUPS, "dr_grpo"),
-                               torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(
+        compute_advantages(REWARDS, GROUPS, "dr_grpo"),
+        torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64),
+    )
 
 
 @pytest.mark.parametrize("estimator", ["rloo", "grpo", "dr_grpo"])
@@ -59,23 +68,28 @@ SEGMENT_GROUPS = torch.tensor([0, 0, 0, 0])
 SEGMENT_ROLLOUTS = torch.tensor([10, 10, 10, 11])
 
 
-@pytest.mark.parametrize("estimator, rollout_10, rollout_11", [
-    ("reinforce_baseline", 0.5, -0.5),  # batch mean over rollouts 0.5
-    ("dr_grpo", 0.5, -0.5),  # group mean 0.5
-    ("rloo", 1.0, -1.0),  # 1 - 0, 0 - 1
-    ("grpo", 0.5 / (0.5**0.5 + EPS), -0.5 / (0.5**0.5 + EPS)),  # var = (0.25 + 0.25) / 1
-])
+@pytest.mark.parametrize(
+    "estimator, rollout_10, rollout_11",
+    [
+        ("reinforce_baseline", 0.5, -0.5),  # batch mean over rollouts 0.5
+        ("dr_grpo", 0.5, -0.5),  # group mean 0.5
+        ("rloo", 1.0, -1.0),  # 1 - 0, 0 - 1
+        ("grpo", 0.5 / (0.5**0.5 + EPS), -0.5 / (0.5**0.5 + EPS)),  # var = (0.25 + 0.25) / 1
+    ],
+)
 def test_rollout_segments_count_once_in_the_baseline(estimator, rollout_10, rollout_11):
-    advantage = compute_advantages(SEGMENT_REWARDS, SEGMENT_GROUPS, estimator,
-                                   rollout_ids=SEGMENT_ROLLOUTS, eps=EPS)
+    advantage = compute_advantages(
+        SEGMENT_REWARDS, SEGMENT_GROUPS, estimator, rollout_ids=SEGMENT_ROLLOUTS, eps=EPS
+    )
     expected = torch.tensor([rollout_10] * 3 + [rollout_11], dtype=torch.float64)
     torch.testing.assert_close(advantage, expected)
 
 
 def test_rows_of_one_rollout_with_different_rewards_are_refused():
     with pytest.raises(ValueError, match="same reward"):
-        compute_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), "grpo",
-                           rollout_ids=torch.tensor([5, 5]))
+        compute_advantages(
+            torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), "grpo", rollout_ids=torch.tensor([5, 5])
+        )
 
 
 def test_unknown_estimator_names_the_valid_ones():
@@ -93,8 +107,10 @@ def test_vectorised_matches_reference_loop(estimator, seed):
     rows = torch.randint(0, n_rollouts, (90,), generator=generator)  # rollouts spread over rows
     rollout_ids = rows * 3 + 100  # ids are arbitrary labels, not indices
     args = (rollout_reward[rows], rollout_group[rows], estimator)
-    torch.testing.assert_close(compute_advantages(*args, rollout_ids=rollout_ids),
-                               _reference_advantages(*args, rollout_ids=rollout_ids))
+    torch.testing.assert_close(
+        compute_advantages(*args, rollout_ids=rollout_ids),
+        _reference_advantages(*args, rollout_ids=rollout_ids),
+    )
     # without rollout_ids every row is its own rollout
     torch.testing.assert_close(compute_advantages(*args), _reference_advantages(*args))
 

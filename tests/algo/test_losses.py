@@ -1,4 +1,5 @@
 """Token log-probs, masked mean, PPO-clip loss and KL estimators against hand-computed values."""
+
 import math
 
 import pytest
@@ -14,8 +15,9 @@ def test_token_logprobs_reads_the_previous_steps_distribution():
     # step 1 logits [ln 3, 0] -> p = [3/4, 1/4]; token 0 -> log(3/4); step 2 logits unused
     logits = torch.tensor([[[0.0, 0.0], [math.log(3), 0.0], [99.0, -99.0]]])  # [1, 3, 2]
     token_ids = torch.tensor([[0, 1, 0]])
-    torch.testing.assert_close(token_logprobs(logits, token_ids),
-                               torch.tensor([[0.0, math.log(0.5), math.log(0.75)]]))
+    torch.testing.assert_close(
+        token_logprobs(logits, token_ids), torch.tensor([[0.0, math.log(0.5), math.log(0.75)]])
+    )
 
 
 def test_token_logprobs_divides_logits_by_temperature():
@@ -68,14 +70,23 @@ def logprob_for(ratios=RATIOS):
     return logprob.requires_grad_()
 
 
-@pytest.mark.parametrize("aggregation, denominator, expected", [
-    ("token_mean", None, (-2.8 + 5.1) / 7),
-    ("seq_mean", None, (-2.8 / 3 + 5.1 / 4) / 2),
-    ("constant", 10.0, (-2.8 + 5.1) / 10),
-])
+@pytest.mark.parametrize(
+    "aggregation, denominator, expected",
+    [
+        ("token_mean", None, (-2.8 + 5.1) / 7),
+        ("seq_mean", None, (-2.8 / 3 + 5.1 / 4) / 2),
+        ("constant", 10.0, (-2.8 + 5.1) / 10),
+    ],
+)
 def test_ppo_clip_loss_matches_hand_values(aggregation, denominator, expected):
-    loss, _ = policy_gradient_loss(logprob_for(), OLD, ADVANTAGES, MASK, aggregation=aggregation,
-                                   constant_denominator=denominator)
+    loss, _ = policy_gradient_loss(
+        logprob_for(),
+        OLD,
+        ADVANTAGES,
+        MASK,
+        aggregation=aggregation,
+        constant_denominator=denominator,
+    )
     assert loss.item() == pytest.approx(expected, rel=1e-5)
 
 
@@ -85,7 +96,9 @@ def test_ppo_clip_metrics_match_hand_values():
     assert metrics["ratio_mean"] == pytest.approx((1.1 + 1.5 + 0.5 + 0.5 + 1.5 + 0.9 + 1.0) / 7)
     assert metrics["ratio_max"] == pytest.approx(1.5)
     # k3 = sum(r - 1 - ln r) / 7; sum(r - 1) = 0 here, so k3 = -ln(1.1 * 1.5 * 0.5 * 0.5 * 1.5 * 0.9 * 1) / 7
-    assert metrics["approx_kl"] == pytest.approx(-math.log(1.1 * 1.5**2 * 0.5**2 * 0.9) / 7, rel=1e-5)
+    assert metrics["approx_kl"] == pytest.approx(
+        -math.log(1.1 * 1.5**2 * 0.5**2 * 0.9) / 7, rel=1e-5
+    )
 
 
 def test_ppo_clip_gradient_is_minus_ratio_times_advantage_and_zero_where_clipped():
@@ -118,8 +131,14 @@ def test_per_sequence_advantage_broadcasts_over_tokens():
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean", "constant"])
 def test_empty_mask_gives_zero_loss_with_graph_and_zero_metrics(aggregation):
     logprob = logprob_for()
-    loss, metrics = policy_gradient_loss(logprob, OLD, ADVANTAGES, torch.zeros_like(MASK),
-                                         aggregation=aggregation, constant_denominator=4.0)
+    loss, metrics = policy_gradient_loss(
+        logprob,
+        OLD,
+        ADVANTAGES,
+        torch.zeros_like(MASK),
+        aggregation=aggregation,
+        constant_denominator=4.0,
+    )
     assert loss.item() == 0.0
     loss.backward()
     assert logprob.grad.tolist() == [[0.0] * 4, [0.0] * 4]
@@ -146,9 +165,14 @@ KL_LOGQ = torch.tensor([[math.log(2), -math.log(2), 7.0]])
 KL_MASK = torch.tensor([[1, 1, 0]])
 
 
-@pytest.mark.parametrize("estimator, expected", [
-    ("k1", 0.0), ("k2", math.log(2) ** 2 / 2), ("k3", 0.25),
-])
+@pytest.mark.parametrize(
+    "estimator, expected",
+    [
+        ("k1", 0.0),
+        ("k2", math.log(2) ** 2 / 2),
+        ("k3", 0.25),
+    ],
+)
 def test_kl_estimators_match_hand_values(estimator, expected):
     value = approx_kl(KL_LOGP, KL_LOGQ, KL_MASK, estimator)
     assert value.item() == pytest.approx(expected, abs=1e-6)
@@ -169,15 +193,25 @@ def test_gspo_ratio_is_the_geometric_mean_and_its_gradient_is_shared_evenly():
     stand_in = sequence_ratio_logprob(logprob, old, mask)
     torch.testing.assert_close((stand_in - old)[mask].exp(), torch.full((2,), math.sqrt(2.0)))
     # wide band: loss = -s * A = -sqrt(2) (seq_mean); d loss / d logprob_t = -s * A / 2 per sampled token
-    loss, _ = policy_gradient_loss(stand_in, old, torch.tensor([1.0]), mask, clip_low=10, clip_high=10,
-                                   aggregation="seq_mean")
+    loss, _ = policy_gradient_loss(
+        stand_in, old, torch.tensor([1.0]), mask, clip_low=10, clip_high=10, aggregation="seq_mean"
+    )
     loss.backward()
     assert abs(loss.item() + math.sqrt(2.0)) < 1e-6
-    torch.testing.assert_close(logprob.grad, torch.tensor([[0.0, -math.sqrt(2.0) / 2, -math.sqrt(2.0) / 2]]))
+    torch.testing.assert_close(
+        logprob.grad, torch.tensor([[0.0, -math.sqrt(2.0) / 2, -math.sqrt(2.0) / 2]])
+    )
     # narrow band: s is clipped at 1 + 4e-4 for the whole sequence, and no gradient flows
     logprob.grad = None
-    loss, metrics = policy_gradient_loss(sequence_ratio_logprob(logprob, old, mask), old, torch.tensor([1.0]), mask,
-                                         clip_low=3e-4, clip_high=4e-4, aggregation="seq_mean")
+    loss, metrics = policy_gradient_loss(
+        sequence_ratio_logprob(logprob, old, mask),
+        old,
+        torch.tensor([1.0]),
+        mask,
+        clip_low=3e-4,
+        clip_high=4e-4,
+        aggregation="seq_mean",
+    )
     loss.backward()
     assert abs(loss.item() + 1.0004) < 1e-6 and metrics["clip_frac"] == 1.0
     assert torch.count_nonzero(logprob.grad) == 0
@@ -188,20 +222,36 @@ def test_cispo_weights_log_prob_by_the_clipped_ratio_and_keeps_gradient_on_clipp
     loss, metrics = policy_gradient_loss(logprob, OLD, ADVANTAGES, MASK, loss_type="cispo")
     # weights clip(r, 0.8, 1.2): seq 0: 1.1, 1.2, 0.8 (A = +1); seq 1: 0.8, 1.2, 0.9, 1.0 (A = -1, -1, -2, -1)
     weight_times_advantage = [1.1, 1.2, 0.8, -0.8, -1.2, -1.8, -1.0]
-    logprobs = [math.log(1.1) - 1, math.log(1.5) - 2, math.log(0.5) - 0.5,
-                math.log(0.5) - 1, math.log(1.5) - 1, math.log(0.9) - 3, -0.2]
-    assert loss.item() == pytest.approx(-sum(w * lp for w, lp in zip(weight_times_advantage, logprobs)) / 7, rel=1e-5)
+    logprobs = [
+        math.log(1.1) - 1,
+        math.log(1.5) - 2,
+        math.log(0.5) - 0.5,
+        math.log(0.5) - 1,
+        math.log(1.5) - 1,
+        math.log(0.9) - 3,
+        -0.2,
+    ]
+    assert loss.item() == pytest.approx(
+        -sum(w * lp for w, lp in zip(weight_times_advantage, logprobs)) / 7, rel=1e-5
+    )
     loss.backward()
     # d/d logprob = -w*A/7 on every sampled token, clipped ones included; 0 on the masked-out token
-    torch.testing.assert_close(logprob.grad, torch.tensor([[-1.1, -1.2, -0.8, 0.0], [0.8, 1.2, 1.8, 1.0]]) / 7)
-    assert metrics["clip_frac"] == pytest.approx(4 / 7)  # ratios 1.5, 0.5, 0.5, 1.5 lie outside [0.8, 1.2]
+    torch.testing.assert_close(
+        logprob.grad, torch.tensor([[-1.1, -1.2, -0.8, 0.0], [0.8, 1.2, 1.8, 1.0]]) / 7
+    )
+    assert metrics["clip_frac"] == pytest.approx(
+        4 / 7
+    )  # ratios 1.5, 0.5, 0.5, 1.5 lie outside [0.8, 1.2]
 
 
-@pytest.mark.parametrize("estimator, expected_grad", [
-    ("k1", [0.5, 0.5, 0.0]),  # d(logp - logq)/d logp / 2
-    ("k2", [-math.log(2) / 2, math.log(2) / 2, 0.0]),  # -(log r) / 2
-    ("k3", [-0.5, 0.25, 0.0]),  # (1 - r) / 2 with r = 2, 1/2
-])
+@pytest.mark.parametrize(
+    "estimator, expected_grad",
+    [
+        ("k1", [0.5, 0.5, 0.0]),  # d(logp - logq)/d logp / 2
+        ("k2", [-math.log(2) / 2, math.log(2) / 2, 0.0]),  # -(log r) / 2
+        ("k3", [-0.5, 0.25, 0.0]),  # (1 - r) / 2 with r = 2, 1/2
+    ],
+)
 def test_kl_penalty_gradient_flows_to_the_policy_log_probs(estimator, expected_grad):
     logp = KL_LOGP.clone().requires_grad_()
     approx_kl(logp, KL_LOGQ, KL_MASK, estimator).backward()

@@ -18,15 +18,20 @@ def batch(rng, groups: int = 3, size: int = 4, prompt: tuple = (5, 9)):
             rows.append(np.concatenate([head, rng.integers(10, 500, size=int(rng.integers(1, 6)))]))
             group_ids.append(g)
     longest = max(len(r) for r in rows)
-    ids, mask = torch.zeros((len(rows), longest), dtype=torch.long), torch.zeros((len(rows), longest), dtype=torch.long)
+    ids, mask = (
+        torch.zeros((len(rows), longest), dtype=torch.long),
+        torch.zeros((len(rows), longest), dtype=torch.long),
+    )
     for i, r in enumerate(rows):
-        ids[i, :len(r)], mask[i, :len(r)] = torch.from_numpy(r), 1
+        ids[i, : len(r)], mask[i, : len(r)] = torch.from_numpy(r), 1
     return ids, mask, torch.tensor(group_ids)
 
 
 def full_logprobs(model, ids, mask, temperature):
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    return token_logprobs(model(input_ids=ids, attention_mask=mask, position_ids=positions).logits, ids, temperature)
+    return token_logprobs(
+        model(input_ids=ids, attention_mask=mask, position_ids=positions).logits, ids, temperature
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +52,17 @@ def test_plan_finds_each_groups_common_prompt():
 
 
 def test_plan_refuses_when_little_is_shared():
-    ids, mask, groups = batch(np.random.default_rng(1), size=1)  # groups of one row: nothing is saved
+    ids, mask, groups = batch(
+        np.random.default_rng(1), size=1
+    )  # groups of one row: nothing is saved
     assert plan(ids, mask.sum(-1), groups) is None
 
 
 @pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("temperature,shuffled", [(1.0, False), (0.7, True)])
-def test_shared_prefix_logprobs_and_gradients_equal_the_full_forward(model, temperature, shuffled, packed):
+def test_shared_prefix_logprobs_and_gradients_equal_the_full_forward(
+    model, temperature, shuffled, packed
+):
     ids, mask, groups = batch(np.random.default_rng(2))
     if shuffled:  # a group's rows need not be neighbours
         order = torch.from_numpy(np.random.default_rng(5).permutation(len(ids)))
@@ -64,7 +73,9 @@ def test_shared_prefix_logprobs_and_gradients_equal_the_full_forward(model, temp
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
 
-    shared = shared_prefix_logprobs(model, ids, mask, plan(ids, mask.sum(-1), groups), temperature, packed)
+    shared = shared_prefix_logprobs(
+        model, ids, mask, plan(ids, mask.sum(-1), groups), temperature, packed
+    )
     (shared * weights * mask).sum().backward()
     real = mask.bool()
     assert torch.allclose(shared[real], reference[real], atol=1e-5)
@@ -88,7 +99,14 @@ def test_the_learner_trains_the_same_with_and_without_shared_prefixes(tiny_path)
     from workbench.learner import Learner
     from workbench.rollout import RolloutWorker
 
-    cfg = compose_config(["tracking=none", "trainer.prompts_per_step=3", "trainer.group_size=4", "engine.max_tokens=6"])
+    cfg = compose_config(
+        [
+            "tracking=none",
+            "trainer.prompts_per_step=3",
+            "trainer.group_size=4",
+            "engine.max_tokens=6",
+        ]
+    )
     OmegaConf.update(cfg, "run.id", "prefix")
     segments = RolloutWorker(cfg, tiny_path).rollout(runtime.Prompts(cfg).next_jobs(1)[0])
     for segment in segments:  # rewards that differ within each group, so every group has a gradient
@@ -105,5 +123,7 @@ def test_the_learner_trains_the_same_with_and_without_shared_prefixes(tiny_path)
         assert shared_metrics[key] == pytest.approx(full_metrics[key], rel=1e-4, abs=1e-6), key
     for a, b in zip(shared_rows["train_logprob"], full_rows["train_logprob"]):
         np.testing.assert_allclose(a, b, atol=1e-5)
-    for name in full_grads:  # (Adam's first step is sign(gradient): the weights themselves are no fair comparison)
+    for name in (
+        full_grads
+    ):  # (Adam's first step is sign(gradient): the weights themselves are no fair comparison)
         assert torch.allclose(shared_grads[name], full_grads[name], atol=1e-5, rtol=1e-4), name

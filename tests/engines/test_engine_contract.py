@@ -20,9 +20,16 @@ TOLERANCE = 2e-4  # |engine log-prob - learner log-prob| per token, float32
 
 
 def engine_params():
-    return [pytest.param(name, marks=pytest.mark.skipif(name == "vllm" and not HAS_VLLM,
-                                                        reason="vLLM is not installed: pip install 'molt-wb[vllm]'"))
-            for name in ENGINES]
+    return [
+        pytest.param(
+            name,
+            marks=pytest.mark.skipif(
+                name == "vllm" and not HAS_VLLM,
+                reason="vLLM is not installed: pip install 'molt-wb[vllm]'",
+            ),
+        )
+        for name in ENGINES
+    ]
 
 
 @pytest.fixture(scope="module", params=engine_params())
@@ -51,13 +58,16 @@ def learner_logprobs(model, prompt, sampled, temperature):
     ids = torch.tensor(np.concatenate([prompt, sampled]), dtype=torch.long)[None]
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0].float() / (temperature or 1.0)
-    dist = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    dist = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
     return dist.gather(-1, torch.tensor(sampled, dtype=torch.long)[:, None]).squeeze(-1).numpy()
 
 
 def perturbed(model, scale=0.05, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    return {k: v + scale * torch.randn(v.shape, generator=generator) for k, v in model.state_dict().items()}
+    return {
+        k: v + scale * torch.randn(v.shape, generator=generator)
+        for k, v in model.state_dict().items()
+    }
 
 
 RNG = np.random.default_rng(0)
@@ -79,9 +89,15 @@ def test_logprobs_of_exact_prompt_ids_match_a_learner_forward(engine, learner, t
     out = engine.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=temperature, seed=1))
     assert len(out) == len(PROMPTS)
     for prompt, generation in zip(PROMPTS, out):
-        assert generation.token_ids.dtype == np.int32 and len(generation.token_ids) == len(generation.logprobs) == 10
-        np.testing.assert_allclose(generation.logprobs, learner_logprobs(learner, prompt, generation.token_ids, temperature),
-                                   atol=TOLERANCE)
+        assert (
+            generation.token_ids.dtype == np.int32
+            and len(generation.token_ids) == len(generation.logprobs) == 10
+        )
+        np.testing.assert_allclose(
+            generation.logprobs,
+            learner_logprobs(learner, prompt, generation.token_ids, temperature),
+            atol=TOLERANCE,
+        )
     # a different prompt id changes what the engine conditions on: greedy continuations differ
     changed = PROMPTS[1].copy()
     changed[-1] += 1
@@ -94,9 +110,11 @@ def test_stop_token_ends_a_sequence_and_is_kept(engine):
     assert greedy.finish_reason == "length"
     stop = int(greedy.token_ids[2])
     first = int(np.flatnonzero(greedy.token_ids == stop)[0])
-    stopped = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=(stop,)))[0]
+    stopped = engine.generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=(stop,))
+    )[0]
     assert stopped.finish_reason == "stop"
-    np.testing.assert_array_equal(stopped.token_ids, greedy.token_ids[:first + 1])
+    np.testing.assert_array_equal(stopped.token_ids, greedy.token_ids[: first + 1])
 
 
 def test_weight_push_changes_outputs_and_versions_even_mid_generation(engine, learner):
@@ -110,7 +128,11 @@ def test_weight_push_changes_outputs_and_versions_even_mid_generation(engine, le
     assert not np.allclose(before[0].logprobs, after[0].logprobs)
     moved = type(learner).from_pretrained(learner.name_or_path).eval()
     moved.load_state_dict(new)
-    np.testing.assert_allclose(after[0].logprobs, learner_logprobs(moved, PROMPTS[0], after[0].token_ids, 0), atol=TOLERANCE)
+    np.testing.assert_allclose(
+        after[0].logprobs,
+        learner_logprobs(moved, PROMPTS[0], after[0].token_ids, 0),
+        atol=TOLERANCE,
+    )
     # partial rollout: a push that arrives while a generation runs takes effect after its first token
     with engine.hold():
         engine.load_weights(learner.state_dict(), version=version + 1)
@@ -118,19 +140,33 @@ def test_weight_push_changes_outputs_and_versions_even_mid_generation(engine, le
     assert list(mixed.versions) == [version] + [version + 1] * 5 and engine.version == version + 1
 
 
-def test_loopback_server_on_the_engine_records_the_engine_ids_and_logprobs(engine, learner, tokenizer):
+def test_loopback_server_on_the_engine_records_the_engine_ids_and_logprobs(
+    engine, learner, tokenizer
+):
     from workbench.server.loopback import LoopbackServer
 
     engine.load_weights(learner.state_dict(), version=engine.version + 1)
-    server = LoopbackServer(engine, tokenizer, SamplingParams(max_tokens=8, temperature=1.0,
-                                                              stop_token_ids=(tokenizer.eos_token_id,)))
+    server = LoopbackServer(
+        engine,
+        tokenizer,
+        SamplingParams(max_tokens=8, temperature=1.0, stop_token_ids=(tokenizer.eos_token_id,)),
+    )
     try:
         session = server.open_session(7)
-        client = openai.OpenAI(base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0)
+        client = openai.OpenAI(
+            base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0
+        )
         messages = [{"role": "user", "content": "What is 2 + 2?"}]
         for _ in range(2):
-            text = client.chat.completions.create(model="policy", messages=messages).choices[0].message.content
-            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Again."}]
+            text = (
+                client.chat.completions.create(model="policy", messages=messages)
+                .choices[0]
+                .message.content
+            )
+            messages += [
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": "Again."},
+            ]
         (segment,), requests = server.close_session(session["session"])
     finally:
         server.stop()
@@ -140,6 +176,12 @@ def test_loopback_server_on_the_engine_records_the_engine_ids_and_logprobs(engin
     assert set(arrays["behavior_version"][mask]) == {engine.version}
     ids = arrays["token_ids"]
     with torch.no_grad():
-        dist = torch.log_softmax(learner(input_ids=torch.tensor(ids, dtype=torch.long)[None]).logits[0, :-1], dim=-1)
-    recomputed = dist.gather(-1, torch.tensor(ids[1:], dtype=torch.long)[:, None]).squeeze(-1).numpy()
-    np.testing.assert_allclose(arrays["behavior_logprob"][mask], recomputed[mask[1:]], atol=TOLERANCE)
+        dist = torch.log_softmax(
+            learner(input_ids=torch.tensor(ids, dtype=torch.long)[None]).logits[0, :-1], dim=-1
+        )
+    recomputed = (
+        dist.gather(-1, torch.tensor(ids[1:], dtype=torch.long)[:, None]).squeeze(-1).numpy()
+    )
+    np.testing.assert_allclose(
+        arrays["behavior_logprob"][mask], recomputed[mask[1:]], atol=TOLERANCE
+    )

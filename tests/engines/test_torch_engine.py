@@ -18,17 +18,21 @@ def plain_logprobs(model, prompt, sampled, temperature):
     ids = torch.tensor(np.concatenate([prompt, sampled]), dtype=torch.long)[None]
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0].float() / temperature
-    dist = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    dist = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
     return dist.gather(-1, torch.tensor(sampled, dtype=torch.long)[:, None]).squeeze(-1).numpy()
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_match_a_plain_forward_of_the_same_model(engine, temperature):
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(5, 400, size=n).astype(np.int32) for n in (3, 9, 5, 12)]  # ragged: left padding
+    prompts = [
+        rng.integers(5, 400, size=n).astype(np.int32) for n in (3, 9, 5, 12)
+    ]  # ragged: left padding
     out = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=temperature, seed=1))
     for prompt, generation in zip(prompts, out):
-        assert generation.token_ids.dtype == np.int32 and len(generation.token_ids) == len(generation.logprobs)
+        assert generation.token_ids.dtype == np.int32 and len(generation.token_ids) == len(
+            generation.logprobs
+        )
         reference = plain_logprobs(engine.model, prompt, generation.token_ids, temperature)
         np.testing.assert_allclose(generation.logprobs, reference, atol=2e-4)
 
@@ -40,18 +44,28 @@ def test_a_group_sharing_one_prompt_is_prefilled_once_and_sampled_apart(engine):
     heads = [rng.integers(5, 400, size=n).astype(np.int32) for n in (6, 11)]
     prompts = [heads[i % 2].copy() for i in range(8)]
     rows = []  # batch size of each forward: the prefill is the first
-    hook = engine.model.register_forward_hook(lambda module, args, kwargs, out: rows.append(len(kwargs["input_ids"])),
-                                              with_kwargs=True)
+    hook = engine.model.register_forward_hook(
+        lambda module, args, kwargs, out: rows.append(len(kwargs["input_ids"])), with_kwargs=True
+    )
     try:
         out = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=1.0, seed=2))
-        engine.generate(prompts, SamplingParams(max_tokens=1, seed=2), [[] for _ in prompts])  # as the rollout calls it
+        engine.generate(
+            prompts, SamplingParams(max_tokens=1, seed=2), [[] for _ in prompts]
+        )  # as the rollout calls it
     finally:
         hook.remove()
-    assert rows[0] == 2 and rows[-1] == 2 and set(rows[1:-1]) == {8}  # two distinct prompts prefilled; 8 rows decode
-    assert len({g.token_ids.tobytes() for g in out}) > 2  # the copies did not collapse into one sample
+    assert (
+        rows[0] == 2 and rows[-1] == 2 and set(rows[1:-1]) == {8}
+    )  # two distinct prompts prefilled; 8 rows decode
+    assert (
+        len({g.token_ids.tobytes() for g in out}) > 2
+    )  # the copies did not collapse into one sample
     for prompt, generation in zip(prompts, out):
-        np.testing.assert_allclose(generation.logprobs, plain_logprobs(engine.model, prompt, generation.token_ids, 1.0),
-                                   atol=2e-4)
+        np.testing.assert_allclose(
+            generation.logprobs,
+            plain_logprobs(engine.model, prompt, generation.token_ids, 1.0),
+            atol=2e-4,
+        )
 
 
 def test_generation_stops_after_a_stop_token_and_keeps_it(engine):
@@ -60,9 +74,11 @@ def test_generation_stops_after_a_stop_token_and_keeps_it(engine):
     assert greedy.finish_reason == "length" and len(greedy.token_ids) == 8
     stop = int(greedy.token_ids[2])
     first = int(np.flatnonzero(greedy.token_ids == stop)[0])
-    stopped = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=(stop,)))[0]
+    stopped = engine.generate(
+        [prompt], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=(stop,))
+    )[0]
     assert stopped.finish_reason == "stop"
-    np.testing.assert_array_equal(stopped.token_ids, greedy.token_ids[:first + 1])
+    np.testing.assert_array_equal(stopped.token_ids, greedy.token_ids[: first + 1])
 
 
 def test_same_seed_same_samples(engine):
@@ -88,11 +104,20 @@ def test_new_weights_carry_their_version(tiny_path):
 def test_weights_cross_the_wire_bit_for_bit_in_every_dtype():
     import pickle
 
-    state = {"w": torch.randn(3, 4), "half": torch.randn(5).to(torch.bfloat16), "scalar": torch.tensor(2.5),
-             "ids": torch.arange(6).reshape(2, 3), "strided": torch.randn(4, 3).t()}
+    state = {
+        "w": torch.randn(3, 4),
+        "half": torch.randn(5).to(torch.bfloat16),
+        "scalar": torch.tensor(2.5),
+        "ids": torch.arange(6).reshape(2, 3),
+        "strided": torch.randn(4, 3).t(),
+    }
     wire = pickle.loads(pickle.dumps(to_wire(state)))  # as Ray moves it
-    assert isinstance(wire["raw"], np.ndarray) and wire["raw"].ndim == 1  # one buffer for Ray to put
-    assert all(offset % 64 == 0 for _, _, _, offset, _ in wire["layout"])  # 10 bf16 bytes, then a float32: aligned
+    assert (
+        isinstance(wire["raw"], np.ndarray) and wire["raw"].ndim == 1
+    )  # one buffer for Ray to put
+    assert all(
+        offset % 64 == 0 for _, _, _, offset, _ in wire["layout"]
+    )  # 10 bf16 bytes, then a float32: aligned
     back = from_wire(wire)
     for name, tensor in state.items():
         assert back[name].dtype == tensor.dtype and back[name].shape == tensor.shape
@@ -104,6 +129,8 @@ def test_a_tensor_off_the_wire_pickles_as_its_own_bytes():
 
     state = {f"w{i}": torch.randn(10_000) for i in range(8)}  # 40 KB each, 320 KB on the wire
     back = from_wire(pickle.loads(pickle.dumps(to_wire(state))))
-    assert len(pickle.dumps(back["w3"])) < 41_000  # not the whole buffer (vLLM's RPC pickles what it is given)
+    assert (
+        len(pickle.dumps(back["w3"])) < 41_000
+    )  # not the whole buffer (vLLM's RPC pickles what it is given)
     assert torch.equal(back["w3"], state["w3"])
     assert from_wire(to_wire({"empty": torch.zeros(0, 3)}))["empty"].shape == (0, 3)

@@ -12,7 +12,10 @@ import torch
 
 from workbench.engines.base import SamplingParams
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed: pip install 'molt-wb[vllm]'")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed: pip install 'molt-wb[vllm]'",
+)
 
 
 def test_moe_logprobs_match_the_learner_before_and_after_a_weight_push():
@@ -29,14 +32,27 @@ def test_moe_logprobs_match_the_learner_before_and_after_a_weight_push():
     generator = torch.Generator().manual_seed(0)
     for version in (0, 1):
         if version:
-            state = {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in learner.state_dict().items()}
+            state = {
+                k: v + 0.05 * torch.randn(v.shape, generator=generator)
+                for k, v in learner.state_dict().items()
+            }
             learner.load_state_dict(state)
             engine.load_weights(state, version)
         out = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=1.0, seed=3))
         for prompt, generation in zip(prompts, out):
-            assert set(generation.versions) == {version} and "routed_experts" not in generation.extras  # CPU: none
-            ids = torch.tensor(np.concatenate([prompt, generation.token_ids]), dtype=torch.long)[None]
+            assert (
+                set(generation.versions) == {version} and "routed_experts" not in generation.extras
+            )  # CPU: none
+            ids = torch.tensor(np.concatenate([prompt, generation.token_ids]), dtype=torch.long)[
+                None
+            ]
             with torch.no_grad():
-                dist = torch.log_softmax(learner(input_ids=ids).logits[0, len(prompt) - 1:-1].float(), dim=-1)
-            reference = dist.gather(-1, torch.tensor(generation.token_ids, dtype=torch.long)[:, None]).squeeze(-1)
-            np.testing.assert_allclose(generation.logprobs, reference.numpy(), atol=2e-4, err_msg=f"version {version}")
+                dist = torch.log_softmax(
+                    learner(input_ids=ids).logits[0, len(prompt) - 1 : -1].float(), dim=-1
+                )
+            reference = dist.gather(
+                -1, torch.tensor(generation.token_ids, dtype=torch.long)[:, None]
+            ).squeeze(-1)
+            np.testing.assert_allclose(
+                generation.logprobs, reference.numpy(), atol=2e-4, err_msg=f"version {version}"
+            )

@@ -26,21 +26,38 @@ def moe(request):
 
 
 def learner_for(moe_name, path, replay=True):
-    cfg = compose_config([f"model={moe_name}", f"algo.routing_replay={str(replay).lower()}", "trainer.lr=1e-2"])
+    cfg = compose_config(
+        [f"model={moe_name}", f"algo.routing_replay={str(replay).lower()}", "trainer.lr=1e-2"]
+    )
     OmegaConf.update(cfg, "run.id", "r")
     return Learner(cfg, path)
 
 
 def rollout_segments(engine, count=6, max_tokens=10):
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(5, 400, size=n).astype(np.int32) for n in rng.integers(3, 9, size=count)]
+    prompts = [
+        rng.integers(5, 400, size=n).astype(np.int32) for n in rng.integers(3, 9, size=count)
+    ]
     segments = []
-    for index, (prompt, g) in enumerate(zip(prompts, engine.generate(prompts, SamplingParams(max_tokens=max_tokens, seed=3)))):
+    for index, (prompt, g) in enumerate(
+        zip(prompts, engine.generate(prompts, SamplingParams(max_tokens=max_tokens, seed=3)))
+    ):
         ids = np.r_[prompt, g.token_ids].astype(np.int32)
         mask = np.r_[np.zeros(len(prompt)), np.ones(len(g.token_ids))].astype(np.uint8)
-        segments.append(Segment("r", index, 0, index // 2, ids, mask, np.r_[np.zeros(len(prompt)), g.logprobs].astype(np.float32),
-                                np.where(mask == 1, 0, -1).astype(np.int32), reward=float(index % 2),
-                                routed_experts=g.extras["routed_experts"]))
+        segments.append(
+            Segment(
+                "r",
+                index,
+                0,
+                index // 2,
+                ids,
+                mask,
+                np.r_[np.zeros(len(prompt)), g.logprobs].astype(np.float32),
+                np.where(mask == 1, 0, -1).astype(np.int32),
+                reward=float(index % 2),
+                routed_experts=g.extras["routed_experts"],
+            )
+        )
     return segments
 
 
@@ -51,8 +68,12 @@ def test_captured_routes_cover_every_fed_token(moe):
     routes = segment.routed_experts
     layers = len(find_routers(engine.model))
     assert routes.shape == (len(segment.token_ids), layers, 2) and routes.dtype == np.int16
-    assert (routes[:-1] >= 0).all() and (routes[-1] == -1).all()  # the last sampled token is never fed
-    assert (np.sort(routes[:-1], -1)[..., 0] != np.sort(routes[:-1], -1)[..., 1]).all()  # top-2 distinct experts
+    assert (routes[:-1] >= 0).all() and (
+        routes[-1] == -1
+    ).all()  # the last sampled token is never fed
+    assert (
+        np.sort(routes[:-1], -1)[..., 0] != np.sort(routes[:-1], -1)[..., 1]
+    ).all()  # top-2 distinct experts
 
 
 def test_replay_on_the_same_weights_reproduces_rollout_logprobs(moe):
@@ -64,7 +85,10 @@ def test_replay_on_the_same_weights_reproduces_rollout_logprobs(moe):
         replayed = learner.logprobs(batch, routing=routing)
     mask = batch["loss_mask"]
     assert (replayed - batch["behavior_logprob"])[mask].abs().max() < 1e-5
-    assert not routing["mismatch"].any() and routing["known"][batch["attention_mask"].bool()].float().mean() > 0.8
+    assert (
+        not routing["mismatch"].any()
+        and routing["known"][batch["attention_mask"].bool()].float().mean() > 0.8
+    )
 
 
 def perturbed_router_engine(path, scale=0.05):
@@ -73,7 +97,9 @@ def perturbed_router_engine(path, scale=0.05):
     torch.manual_seed(1)
     with torch.no_grad():
         for router in find_routers(engine.model):
-            router.weight.add_(scale * router.weight.abs().mean() * torch.randn_like(router.weight) * 10)
+            router.weight.add_(
+                scale * router.weight.abs().mean() * torch.randn_like(router.weight) * 10
+            )
     return engine
 
 
@@ -104,12 +130,20 @@ def test_gradients_flow_through_the_router_under_replay(moe):
     assert all(not torch.equal(b, a) for b, a in zip(before, after))
     assert metrics["routing/mismatch_token_frac"] > 0 and rows["routing"]
     layers = {row["layer"] for row in rows["routing"]}
-    assert layers == set(range(len(after))) and all(len(r["positions"]) == r["mismatched"] for r in rows["routing"])
+    assert layers == set(range(len(after))) and all(
+        len(r["positions"]) == r["mismatched"] for r in rows["routing"]
+    )
     by_segment = {(s.rollout_id, s.segment_idx): s for s in segments}
-    for row in rows["routing"]:  # at each mismatch, the rollout's experts as recorded and the learner's, a different set
-        recorded = by_segment[row["rollout_id"], row["segment_idx"]].routed_experts[row["positions"], row["layer"]]
+    for row in rows[
+        "routing"
+    ]:  # at each mismatch, the rollout's experts as recorded and the learner's, a different set
+        recorded = by_segment[row["rollout_id"], row["segment_idx"]].routed_experts[
+            row["positions"], row["layer"]
+        ]
         assert row["rollout_experts"] == recorded.tolist()
-        assert all(sorted(r) != sorted(l) for r, l in zip(row["rollout_experts"], row["learner_experts"]))
+        assert all(
+            sorted(r) != sorted(l) for r, l in zip(row["rollout_experts"], row["learner_experts"])
+        )
 
 
 def test_vllm_routed_experts_decode_from_lists_and_base64_npy():
@@ -119,7 +153,9 @@ def test_vllm_routed_experts_decode_from_lists_and_base64_npy():
     assert from_lists[:2].tolist() == rows and (from_lists[2] == -1).all()
     buffer = io.BytesIO()
     np.save(buffer, np.array(rows + [[[2, 3], [1, 0]]], dtype=np.uint8))
-    from_npy = decode_vllm_routed_experts(base64.b64encode(buffer.getvalue()).decode(), num_tokens=3)
+    from_npy = decode_vllm_routed_experts(
+        base64.b64encode(buffer.getvalue()).decode(), num_tokens=3
+    )
     assert from_npy.tolist() == rows + [[[2, 3], [1, 0]]]
     with pytest.raises(ValueError, match="rows for 5 tokens"):
         decode_vllm_routed_experts(rows, num_tokens=5)
@@ -133,13 +169,41 @@ def test_replay_with_a_dense_model_is_refused():
 
 
 def test_a_moe_run_records_routing_per_segment_and_layer(tmp_path):
-    command = [sys.executable, "-m", "workbench.cli", "train", "+recipe=arith", "model=tiny-mixtral", "algo.routing_replay=true",
-               "trainer.steps=2", "model.warm_start_steps=0", "tracking=none", "run.progress=false",
-               "trainer.prompts_per_step=2", "trainer.group_size=4", f"run.root={tmp_path}", "run.id=moe"]
+    command = [
+        sys.executable,
+        "-m",
+        "workbench.cli",
+        "train",
+        "+recipe=arith",
+        "model=tiny-mixtral",
+        "algo.routing_replay=true",
+        "trainer.steps=2",
+        "model.warm_start_steps=0",
+        "tracking=none",
+        "run.progress=false",
+        "trainer.prompts_per_step=2",
+        "trainer.group_size=4",
+        f"run.root={tmp_path}",
+        "run.id=moe",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     db = open_run("moe", str(tmp_path))
-    assert db.execute("select count(*) from routing").fetchone()[0] == 2 * 8 * 3  # segments x layers
-    assert db.execute("select sum(mismatched) from routing").fetchone()[0] == 0  # same weights, same precision
-    keys = {k for (k,) in db.execute("select distinct key from metrics where key like 'routing/%' or key like 'mismatch/kl_%'").fetchall()}
-    assert keys == {"routing/mismatch_token_frac", "routing/mismatch_layer_frac", "mismatch/kl_replay", "mismatch/kl_no_replay"}
+    assert (
+        db.execute("select count(*) from routing").fetchone()[0] == 2 * 8 * 3
+    )  # segments x layers
+    assert (
+        db.execute("select sum(mismatched) from routing").fetchone()[0] == 0
+    )  # same weights, same precision
+    keys = {
+        k
+        for (k,) in db.execute(
+            "select distinct key from metrics where key like 'routing/%' or key like 'mismatch/kl_%'"
+        ).fetchall()
+    }
+    assert keys == {
+        "routing/mismatch_token_frac",
+        "routing/mismatch_layer_frac",
+        "mismatch/kl_replay",
+        "mismatch/kl_no_replay",
+    }

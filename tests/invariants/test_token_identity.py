@@ -19,19 +19,34 @@ FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 def test_non_canonical_sampled_ids_survive_untouched(tokenizer):
     # " the" sampled one byte-token at a time: decoding and re-encoding would give the merged id
     pieces = tokenizer.convert_tokens_to_ids(list("Ġthe"))
-    sampled = np.array(pieces[:2] + [tokenizer.convert_tokens_to_ids("he"), tokenizer.eos_token_id], dtype=np.int32)
-    assert tokenizer(tokenizer.decode(sampled), add_special_tokens=False)["input_ids"] != sampled.tolist()
+    sampled = np.array(
+        pieces[:2] + [tokenizer.convert_tokens_to_ids("he"), tokenizer.eos_token_id], dtype=np.int32
+    )
+    assert (
+        tokenizer(tokenizer.decode(sampled), add_special_tokens=False)["input_ids"]
+        != sampled.tolist()
+    )
     episode = TokenAccumulator(tokenizer, [{"role": "user", "content": "What is 5 + 6?"}])
     prompt = episode.token_ids.copy()
-    episode.add_sampled(sampled, np.array([-0.1, -0.2, -0.3, -0.4], np.float32), 4, {"role": "assistant", "content": " the"}, "stop")
+    episode.add_sampled(
+        sampled,
+        np.array([-0.1, -0.2, -0.3, -0.4], np.float32),
+        4,
+        {"role": "assistant", "content": " the"},
+        "stop",
+    )
     episode.add_messages([{"role": "user", "content": "Sure?"}])
     (segment,) = episode.finish()
     arrays = segment.arrays()
     n = len(prompt) + len(sampled)
     np.testing.assert_array_equal(arrays["token_ids"][:n], np.r_[prompt, sampled])
-    assert arrays["loss_mask"].tolist() == [0] * len(prompt) + [1] * 4 + [0] * (len(arrays["token_ids"]) - n)
-    np.testing.assert_allclose(arrays["behavior_logprob"][len(prompt):n], [-0.1, -0.2, -0.3, -0.4])
-    assert arrays["behavior_version"][len(prompt):n].tolist() == [4] * 4
+    assert arrays["loss_mask"].tolist() == [0] * len(prompt) + [1] * 4 + [0] * (
+        len(arrays["token_ids"]) - n
+    )
+    np.testing.assert_allclose(
+        arrays["behavior_logprob"][len(prompt) : n], [-0.1, -0.2, -0.3, -0.4]
+    )
+    assert arrays["behavior_version"][len(prompt) : n].tolist() == [4] * 4
     assert set(arrays["behavior_version"][arrays["loss_mask"] == 0]) == {-1}
 
 
@@ -39,17 +54,34 @@ def test_extending_a_conversation_adds_only_the_rendered_delta(tokenizer):
     messages = [{"role": "user", "content": "Hi"}]
     episode = TokenAccumulator(tokenizer, messages)
     reply = tokenizer("Hello", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    episode.add_sampled(np.array(reply, np.int32), np.zeros(len(reply), np.float32), 0, {"role": "assistant", "content": "Hello"}, "stop")
+    episode.add_sampled(
+        np.array(reply, np.int32),
+        np.zeros(len(reply), np.float32),
+        0,
+        {"role": "assistant", "content": "Hello"},
+        "stop",
+    )
     assert episode.add_messages([{"role": "user", "content": "Bye"}])
-    whole = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}],
-                                          add_generation_prompt=True, tokenize=True)["input_ids"]
-    assert episode.token_ids.tolist() == list(whole)  # ChatML: delta tokenisation equals the whole render
+    whole = tokenizer.apply_chat_template(
+        messages + [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}],
+        add_generation_prompt=True,
+        tokenize=True,
+    )["input_ids"]
+    assert episode.token_ids.tolist() == list(
+        whole
+    )  # ChatML: delta tokenisation equals the whole render
 
 
 def test_a_truncated_turn_gets_its_stop_token_untrainable(tokenizer):
     episode = TokenAccumulator(tokenizer, [{"role": "user", "content": "Hi"}])
     cut = tokenizer("Hel", add_special_tokens=False)["input_ids"]
-    episode.add_sampled(np.array(cut, np.int32), np.zeros(len(cut), np.float32), 0, {"role": "assistant", "content": "Hel"}, "length")
+    episode.add_sampled(
+        np.array(cut, np.int32),
+        np.zeros(len(cut), np.float32),
+        0,
+        {"role": "assistant", "content": "Hel"},
+        "length",
+    )
     episode.add_messages([{"role": "user", "content": "Go on"}])
     (segment,) = episode.finish()
     end = segment.turn_spans[0][1]
@@ -61,7 +93,8 @@ HIDING_TEMPLATE = (
     "{%- for m in messages %}{%- if m['role'] == 'assistant' and not loop.last %}"
     "{{- '<|im_start|>assistant\\n(hidden)<|im_end|>\\n' }}{%- else %}"
     "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
 def test_a_template_that_rewrites_history_seals_the_segment(tokenizer):
@@ -69,11 +102,17 @@ def test_a_template_that_rewrites_history_seals_the_segment(tokenizer):
     hiding.chat_template = HIDING_TEMPLATE
     episode = TokenAccumulator(hiding, [{"role": "user", "content": "Hi"}])
     reply = hiding("Hello", add_special_tokens=False)["input_ids"] + [hiding.eos_token_id]
-    episode.add_sampled(np.array(reply, np.int32), np.zeros(len(reply), np.float32), 0, {"role": "assistant", "content": "Hello"}, "stop")
+    episode.add_sampled(
+        np.array(reply, np.int32),
+        np.zeros(len(reply), np.float32),
+        0,
+        {"role": "assistant", "content": "Hello"},
+        "stop",
+    )
     assert not episode.add_messages([{"role": "user", "content": "next"}])
     first, second = episode.finish()
     assert (first.seal_reason, second.seal_reason) == ("template_rewrite", "end")
-    assert first.token_ids[-len(reply):] == reply  # the sealed segment keeps what was sampled
+    assert first.token_ids[-len(reply) :] == reply  # the sealed segment keeps what was sampled
     assert sum(second.loss_mask) == 0 and "(hidden)" in hiding.decode(second.token_ids)
 
 
@@ -88,7 +127,9 @@ def test_trainer_input_cannot_be_built_from_text():
 
 
 def test_multi_turn_env_episodes_are_token_exact_segments(tiny_path):
-    cfg = compose_config([f"agent.plugin={FIXTURES / 'two_turn.py'}", "agent.max_turns=3", "engine.max_tokens=5"])
+    cfg = compose_config(
+        [f"agent.plugin={FIXTURES / 'two_turn.py'}", "agent.max_turns=3", "engine.max_tokens=5"]
+    )
     OmegaConf.update(cfg, "run.id", "t")
     worker = RolloutWorker(cfg, tiny_path)
     segments = worker.rollout([Job({"problem": "Say 1."}, 0, 0), Job({"problem": "Say 2."}, 0, 1)])
@@ -100,12 +141,22 @@ def test_multi_turn_env_episodes_are_token_exact_segments(tiny_path):
             sampled[start:end] = True
             assert (segment.behavior_version[start:end] == 0).all()
         np.testing.assert_array_equal(segment.loss_mask.astype(bool), sampled)
-        assert "Be brief." in segment.display["prompt"] and (segment.behavior_logprob[~sampled] == 0).all()
+        assert (
+            "Be brief." in segment.display["prompt"]
+            and (segment.behavior_logprob[~sampled] == 0).all()
+        )
     batch = collate(segments)
-    np.testing.assert_array_equal(batch["token_ids"][0, :len(segments[0].token_ids)].numpy(), segments[0].token_ids)
-    again = worker.rollout([Job({"problem": "Say 1."}, 0, 2)])  # the next epoch's episode opens from the kept render
-    assert len(worker.openings) == 2 and again[0].token_ids[:again[0].turn_spans[0][0]].tolist() == \
-        segments[0].token_ids[:segments[0].turn_spans[0][0]].tolist()
+    np.testing.assert_array_equal(
+        batch["token_ids"][0, : len(segments[0].token_ids)].numpy(), segments[0].token_ids
+    )
+    again = worker.rollout(
+        [Job({"problem": "Say 1."}, 0, 2)]
+    )  # the next epoch's episode opens from the kept render
+    assert (
+        len(worker.openings) == 2
+        and again[0].token_ids[: again[0].turn_spans[0][0]].tolist()
+        == segments[0].token_ids[: segments[0].turn_spans[0][0]].tolist()
+    )
 
 
 def test_a_workers_segments_cross_processes_as_one_blob(tiny_path):
@@ -115,10 +166,14 @@ def test_a_workers_segments_cross_processes_as_one_blob(tiny_path):
 
     cfg = compose_config([f"agent.plugin={FIXTURES / 'two_turn.py'}", "engine.max_tokens=4"])
     OmegaConf.update(cfg, "run.id", "t")
-    batch, failures = RolloutWorker(cfg, tiny_path).rollout_with_failures([Job({"problem": "Say 1."}, 0, k) for k in range(3)])
+    batch, failures = RolloutWorker(cfg, tiny_path).rollout_with_failures(
+        [Job({"problem": "Say 1."}, 0, k) for k in range(3)]
+    )
     assert isinstance(batch, Batch) and failures == []
     buffers = []
-    data = pickle.dumps(batch, protocol=5, buffer_callback=buffers.append)  # as Ray serialises a return value
+    data = pickle.dumps(
+        batch, protocol=5, buffer_callback=buffers.append
+    )  # as Ray serialises a return value
     assert buffers == []  # one in-band blob, not a buffer per array
     back = pickle.loads(data)
     assert [s.rollout_id for s in back] == [0, 1, 2]
@@ -127,7 +182,9 @@ def test_a_workers_segments_cross_processes_as_one_blob(tiny_path):
             np.testing.assert_array_equal(getattr(theirs, field), getattr(ours, field))
             assert getattr(theirs, field).dtype == getattr(ours, field).dtype
         assert theirs.audit == ours.audit and theirs.display == ours.display
-    batch[0].display["info"] = {"grader": lambda answer: answer == "2"}  # a plugin's info: plain pickle refuses it
+    batch[0].display["info"] = {
+        "grader": lambda answer: answer == "2"
+    }  # a plugin's info: plain pickle refuses it
     assert pickle.loads(pickle.dumps(batch, protocol=5))[0].display["info"]["grader"]("2")
 
 
@@ -135,11 +192,32 @@ def test_an_identity_violation_stops_training(tiny_path):
     from workbench.learner import audit_identity
 
     ones = np.ones(3, np.uint8)
-    good = Segment("r", 0, 0, 0, np.arange(3, dtype=np.int32), ones, np.zeros(3, np.float32), np.zeros(3, np.int32),
-                   audit={"identity": True, "retokenize_drift": True})
-    bad = Segment("r", 1, 0, 0, np.arange(3, dtype=np.int32), ones, np.zeros(3, np.float32), np.zeros(3, np.int32),
-                  audit={"identity": False, "retokenize_drift": False})
-    assert audit_identity([good, good], collate([good, good])) == {"identity/violations": 0.0, "identity/retokenize_drift": 1.0}
+    good = Segment(
+        "r",
+        0,
+        0,
+        0,
+        np.arange(3, dtype=np.int32),
+        ones,
+        np.zeros(3, np.float32),
+        np.zeros(3, np.int32),
+        audit={"identity": True, "retokenize_drift": True},
+    )
+    bad = Segment(
+        "r",
+        1,
+        0,
+        0,
+        np.arange(3, dtype=np.int32),
+        ones,
+        np.zeros(3, np.float32),
+        np.zeros(3, np.int32),
+        audit={"identity": False, "retokenize_drift": False},
+    )
+    assert audit_identity([good, good], collate([good, good])) == {
+        "identity/violations": 0.0,
+        "identity/retokenize_drift": 1.0,
+    }
     with pytest.raises(RuntimeError, match="Token identity violated in 1 segment"):
         audit_identity([good, bad], collate([good, bad]))
 
@@ -147,5 +225,11 @@ def test_an_identity_violation_stops_training(tiny_path):
 def test_misaligned_logprobs_are_a_hard_error(tokenizer):
     episode = TokenAccumulator(tokenizer, [{"role": "user", "content": "Hi"}])
     with pytest.raises(ValueError, match="2 log-probs for 3 sampled tokens"):
-        episode.add_sampled(np.array([5, 6, 7], np.int32), np.zeros(2, np.float32), 0, {"role": "assistant", "content": ""}, "stop")
+        episode.add_sampled(
+            np.array([5, 6, 7], np.int32),
+            np.zeros(2, np.float32),
+            0,
+            {"role": "assistant", "content": ""},
+            "stop",
+        )
     assert sum(episode.open.loss_mask) == 0  # nothing was appended

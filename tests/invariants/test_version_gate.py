@@ -3,6 +3,7 @@
 Log-probs are built so that e^δ is a round number: behavior log-prob −2 everywhere and
 train log-prob −2 + ln(ratio), so δ = ln(ratio) (ratios 0.25, 0.5, 1, 1.5, 2, 3 ...).
 """
+
 import itertools
 import math
 
@@ -10,13 +11,25 @@ import pytest
 import torch
 
 from workbench.algo.losses import policy_gradient_loss
-from workbench.invariants.version_gate import DENOMINATORS, LEVELS, MODES, gate_metrics, version_gate
+from workbench.invariants.version_gate import (
+    DENOMINATORS,
+    LEVELS,
+    MODES,
+    gate_metrics,
+    version_gate,
+)
 
 BEHAVIOR = -2.0  # every behavior log-prob; train log-prob = BEHAVIOR + ln(ratio)
 X = 100.0  # ratio at an unsampled position: it would flip every decision if the gate read it
 BAND = (0.5, 2.0)
-LEVEL_MODES = [("off", "mask"), ("token", "mask"), ("token", "clip"), ("token", "trunc"),
-               ("seq", "mask"), ("geo", "mask")]
+LEVEL_MODES = [
+    ("off", "mask"),
+    ("token", "mask"),
+    ("token", "clip"),
+    ("token", "trunc"),
+    ("seq", "mask"),
+    ("geo", "mask"),
+]
 
 
 def logprobs(ratios):
@@ -34,7 +47,9 @@ def gate(ratios, mask, versions=None, learner_version=0, **options):
         behavior_version = torch.where(loss_mask, learner_version, -1)  # [B, T]
     else:
         behavior_version = torch.tensor(versions, dtype=torch.long)
-    return version_gate(behavior_logprob, train_logprob, loss_mask, behavior_version, learner_version, **options)
+    return version_gate(
+        behavior_logprob, train_logprob, loss_mask, behavior_version, learner_version, **options
+    )
 
 
 def close(actual, expected):
@@ -60,7 +75,13 @@ def test_off_gives_weight_one_to_every_sampled_token_whatever_its_ratio():
 
 def test_token_mask_zeroes_tokens_outside_the_band_and_keeps_the_sequence():
     # band (0.5, 2): 0.25 below, 1 inside, 3 above -> weights 0, 1, 0; 1.5 inside -> 1.5
-    result = gate([[0.25, 1.0, 3.0], [1.5, X, X]], [[1, 1, 1], [1, 0, 0]], level="token", mode="mask", band=BAND)
+    result = gate(
+        [[0.25, 1.0, 3.0], [1.5, X, X]],
+        [[1, 1, 1], [1, 0, 0]],
+        level="token",
+        mode="mask",
+        band=BAND,
+    )
     close(result.token_weight, [[0.0, 1.0, 0.0], [1.5, 0.0, 0.0]])
     assert result.kept.tolist() == [True, True]
     assert result.reason == ["ok", "ok"]
@@ -69,7 +90,13 @@ def test_token_mask_zeroes_tokens_outside_the_band_and_keeps_the_sequence():
 
 def test_token_clip_clamps_weights_into_the_band_from_both_sides():
     # 0.25 -> 0.5, 1 -> 1, 3 -> 2; 1.5 stays
-    result = gate([[0.25, 1.0, 3.0], [1.5, X, X]], [[1, 1, 1], [1, 0, 0]], level="token", mode="clip", band=BAND)
+    result = gate(
+        [[0.25, 1.0, 3.0], [1.5, X, X]],
+        [[1, 1, 1], [1, 0, 0]],
+        level="token",
+        mode="clip",
+        band=BAND,
+    )
     close(result.token_weight, [[0.5, 1.0, 2.0], [1.5, 0.0, 0.0]])
     assert result.tokens_masked.tolist() == [0, 0]
     assert result.kept.tolist() == [True, True]
@@ -77,7 +104,13 @@ def test_token_clip_clamps_weights_into_the_band_from_both_sides():
 
 def test_token_trunc_clamps_weights_from_above_only():
     # 0.25 stays 0.25 (no lower clamp), 1 -> 1, 3 -> 2
-    result = gate([[0.25, 1.0, 3.0], [1.5, X, X]], [[1, 1, 1], [1, 0, 0]], level="token", mode="trunc", band=BAND)
+    result = gate(
+        [[0.25, 1.0, 3.0], [1.5, X, X]],
+        [[1, 1, 1], [1, 0, 0]],
+        level="token",
+        mode="trunc",
+        band=BAND,
+    )
     close(result.token_weight, [[0.25, 1.0, 2.0], [1.5, 0.0, 0.0]])
     assert result.tokens_masked.tolist() == [0, 0]
     assert result.kept.tolist() == [True, True]
@@ -109,7 +142,10 @@ def test_geo_filter_drops_on_the_geometric_mean_ratio():
     result = gate(SEQ_RATIOS, SEQ_MASK, level="geo", band=BAND)
     assert result.reason == ["ok", "ok", "ok", "ratio_low"]
     assert result.kept.tolist() == [True, True, True, False]
-    close(result.token_weight, [[2.0, 2.0, 1.0, 0.0], [0.5, 0.5, 0.5, 3.0], [3.0, 0.5, 1.0, 1.0], [0, 0, 0, 0]])
+    close(
+        result.token_weight,
+        [[2.0, 2.0, 1.0, 0.0], [0.5, 0.5, 0.5, 3.0], [3.0, 0.5, 1.0, 1.0], [0, 0, 0, 0]],
+    )
     assert result.tokens_masked.tolist() == [0, 0, 0, 2]
 
 
@@ -120,7 +156,10 @@ def test_token_cap_truncates_kept_weights_without_changing_the_decision():
     close(seq.token_weight, [[0, 0, 0, 0], [0, 0, 0, 0], [2.0, 0.5, 1.0, 1.0], [0, 0, 0, 0]])
     geo = gate(SEQ_RATIOS, SEQ_MASK, level="geo", band=BAND, token_cap=2.0)
     assert geo.reason == ["ok", "ok", "ok", "ratio_low"]
-    close(geo.token_weight, [[2.0, 2.0, 1.0, 0.0], [0.5, 0.5, 0.5, 2.0], [2.0, 0.5, 1.0, 1.0], [0, 0, 0, 0]])
+    close(
+        geo.token_weight,
+        [[2.0, 2.0, 1.0, 0.0], [0.5, 0.5, 0.5, 2.0], [2.0, 0.5, 1.0, 1.0], [0, 0, 0, 0]],
+    )
 
 
 # ---------------------------------------------------------------------------- staleness
@@ -129,10 +168,12 @@ ONES = [[1.0, 1.0, 1.0, 1.0]] * 4
 
 
 def test_staleness_counts_from_the_oldest_sampled_token_and_ignores_unsampled_ones():
-    versions = [[5, 3, 4, -1],  # oldest sampled 3 -> 6 − 3 = 3 (the −1 would give 7)
-                [6, 6, -1, -1],  # 6 − 6 = 0
-                [1, 6, 6, 6],  # version 1 sits on an unsampled (prompt) token -> 0, not 5
-                [-1, -1, -1, -1]]  # nothing sampled -> 0
+    versions = [
+        [5, 3, 4, -1],  # oldest sampled 3 -> 6 − 3 = 3 (the −1 would give 7)
+        [6, 6, -1, -1],  # 6 − 6 = 0
+        [1, 6, 6, 6],  # version 1 sits on an unsampled (prompt) token -> 0, not 5
+        [-1, -1, -1, -1],
+    ]  # nothing sampled -> 0
     mask = [[1, 1, 1, 0], [1, 1, 0, 0], [0, 1, 1, 1], [0, 0, 0, 0]]
     result = gate(ONES, mask, versions, learner_version=6)
     assert result.staleness.tolist() == [3, 0, 0, 0]
@@ -152,16 +193,25 @@ def test_max_staleness_drops_sequences_strictly_older_than_it_at_every_level(lev
 
 
 def test_stale_takes_precedence_over_a_ratio_reason():
-    ratios = [[3.0, 1.0], [0.25, 1.0], [3.0, 1.0], [1.0, 1.0]]  # products 3 (high), 0.25 (low), 3, 1
+    ratios = [
+        [3.0, 1.0],
+        [0.25, 1.0],
+        [3.0, 1.0],
+        [1.0, 1.0],
+    ]  # products 3 (high), 0.25 (low), 3, 1
     versions = [[3, 6], [2, 6], [6, 6], [4, 5]]  # staleness 3, 4, 0, 2
-    result = gate(ratios, [[1, 1]] * 4, versions, learner_version=6, level="seq", band=BAND, max_staleness=2)
+    result = gate(
+        ratios, [[1, 1]] * 4, versions, learner_version=6, level="seq", band=BAND, max_staleness=2
+    )
     assert result.reason == ["stale", "stale", "ratio_high", "ok"]
     assert result.kept.tolist() == [False, False, False, True]
 
 
 def test_max_staleness_none_never_drops():
     # 100 versions behind, still kept with full weight; the staleness is still reported
-    result = gate([[1.0, 1.0]], [[1, 1]], [[0, 3]], learner_version=100, level="token", max_staleness=None)
+    result = gate(
+        [[1.0, 1.0]], [[1, 1]], [[0, 3]], learner_version=100, level="token", max_staleness=None
+    )
     assert result.staleness.tolist() == [100]
     assert result.reason == ["ok"]
     close(result.token_weight, [[1.0, 1.0]])
@@ -170,16 +220,32 @@ def test_max_staleness_none_never_drops():
 # ---------------------------------------------------------------------------- empty masks and extremes
 
 
-@pytest.mark.parametrize(("level", "mode", "denominator"),
-                         [(level, mode, denominator) for level, mode in LEVEL_MODES for denominator in DENOMINATORS])
-def test_sequence_with_no_sampled_token_is_kept_with_weight_zero_and_no_nan(level, mode, denominator):
-    behavior_logprob = torch.tensor([[-2.0, -2.0], [-math.inf, -math.inf]])  # row 1: padding, never sampled
+@pytest.mark.parametrize(
+    ("level", "mode", "denominator"),
+    [(level, mode, denominator) for level, mode in LEVEL_MODES for denominator in DENOMINATORS],
+)
+def test_sequence_with_no_sampled_token_is_kept_with_weight_zero_and_no_nan(
+    level, mode, denominator
+):
+    behavior_logprob = torch.tensor(
+        [[-2.0, -2.0], [-math.inf, -math.inf]]
+    )  # row 1: padding, never sampled
     train_logprob = torch.tensor([[-2.0 + math.log(1.5), -2.0], [0.0, -math.inf]])
     loss_mask = torch.tensor([[True, True], [False, False]])
     behavior_version = torch.tensor([[7, 7], [-1, -1]])
     # max_staleness 0: the empty row must read staleness 0, not 7 − (−1) = 8 nor 7 − int-max
-    result = version_gate(behavior_logprob, train_logprob, loss_mask, behavior_version, 7, level=level, mode=mode,
-                          band=BAND, max_staleness=0, denominator=denominator)
+    result = version_gate(
+        behavior_logprob,
+        train_logprob,
+        loss_mask,
+        behavior_version,
+        7,
+        level=level,
+        mode=mode,
+        band=BAND,
+        max_staleness=0,
+        denominator=denominator,
+    )
     assert result.staleness.tolist() == [0, 0]
     assert result.kept.tolist() == [True, True]
     assert result.reason == ["ok", "ok"]
@@ -194,10 +260,21 @@ def test_sequence_with_no_sampled_token_is_kept_with_weight_zero_and_no_nan(leve
 
 def test_gate_metrics_of_a_batch_with_no_sampled_token_are_zero():
     loss_mask = torch.zeros(2, 3, dtype=torch.bool)
-    result = gate([[X] * 3] * 2, loss_mask.tolist(), [[-1] * 3] * 2, learner_version=4, level="seq", max_staleness=0)
-    assert gate_metrics(result, loss_mask) == {"gate/kept_frac": 1.0, "gate/stale_frac": 0.0,
-                                               "gate/is_filter_ratio": 0.0, "gate/weight_mean": 0.0,
-                                               "async/mean_staleness": 0.0}
+    result = gate(
+        [[X] * 3] * 2,
+        loss_mask.tolist(),
+        [[-1] * 3] * 2,
+        learner_version=4,
+        level="seq",
+        max_staleness=0,
+    )
+    assert gate_metrics(result, loss_mask) == {
+        "gate/kept_frac": 1.0,
+        "gate/stale_frac": 0.0,
+        "gate/is_filter_ratio": 0.0,
+        "gate/weight_mean": 0.0,
+        "async/mean_staleness": 0.0,
+    }
 
 
 def test_extreme_log_ratios_are_clamped_to_20_before_exp_and_stay_finite():
@@ -209,8 +286,16 @@ def test_extreme_log_ratios_are_clamped_to_20_before_exp_and_stay_finite():
     e20, e_20 = math.exp(20), math.exp(-20)  # ≈ 4.85e8 and 2.06e-9
 
     def run(level, mode="mask", band=BAND):
-        return version_gate(behavior_logprob, train_logprob, loss_mask, behavior_version, 0, level=level, mode=mode,
-                            band=band)
+        return version_gate(
+            behavior_logprob,
+            train_logprob,
+            loss_mask,
+            behavior_version,
+            0,
+            level=level,
+            mode=mode,
+            band=band,
+        )
 
     for level, mode in LEVEL_MODES:
         result = run(level, mode)
@@ -241,9 +326,13 @@ def test_denominator_all_keeps_the_input_mask_and_kept_keeps_only_surviving_toke
     assert for_all.loss_mask.tolist() == [[True, True, True], [True, True, False]]
     for_kept = gate(TOKEN_RATIOS, TOKEN_MASK, level="token", band=BAND, denominator="kept")
     assert for_kept.loss_mask.tolist() == [[True, False, True], [False, True, False]]
-    assert torch.equal(for_all.token_weight, for_kept.token_weight)  # the denominator changes no weight
+    assert torch.equal(
+        for_all.token_weight, for_kept.token_weight
+    )  # the denominator changes no weight
     # a dropped sequence leaves the `kept` mask entirely (seq: row 0 product 3 > 2)
-    seq = gate([[3.0, 1.0], [1.0, 1.0]], [[1, 1], [1, 1]], level="seq", band=BAND, denominator="kept")
+    seq = gate(
+        [[3.0, 1.0], [1.0, 1.0]], [[1, 1], [1, 1]], level="seq", band=BAND, denominator="kept"
+    )
     assert seq.loss_mask.tolist() == [[False, False], [True, True]]
 
 
@@ -256,7 +345,9 @@ def test_token_mean_loss_divides_by_all_sampled_tokens_or_by_kept_tokens():
     expected = {"all": -0.8, "kept": -4 / 3}
     for denominator, value in expected.items():
         result = gate(TOKEN_RATIOS, TOKEN_MASK, level="token", band=BAND, denominator=denominator)
-        loss, _ = policy_gradient_loss(logprob, logprob, advantages, result.loss_mask, is_weight=result.token_weight)
+        loss, _ = policy_gradient_loss(
+            logprob, logprob, advantages, result.loss_mask, is_weight=result.token_weight
+        )
         assert loss.item() == pytest.approx(value, rel=1e-6), denominator
 
 
@@ -267,9 +358,16 @@ def test_mostly_rejected_batch_moves_the_policy_less_under_denominator_all():
     advantages = torch.tensor([1.0, 1.0])
     expected = {"all": -0.25, "kept": -1.0}
     for denominator, value in expected.items():
-        result = gate([[3.0, 1.0, 1.0], [1.0, X, X]], [[1, 1, 1], [1, 0, 0]], level="seq", band=BAND,
-                      denominator=denominator)
-        loss, _ = policy_gradient_loss(logprob, logprob, advantages, result.loss_mask, is_weight=result.token_weight)
+        result = gate(
+            [[3.0, 1.0, 1.0], [1.0, X, X]],
+            [[1, 1, 1], [1, 0, 0]],
+            level="seq",
+            band=BAND,
+            denominator=denominator,
+        )
+        loss, _ = policy_gradient_loss(
+            logprob, logprob, advantages, result.loss_mask, is_weight=result.token_weight
+        )
         assert loss.item() == pytest.approx(value, rel=1e-6), denominator
 
 
@@ -279,16 +377,29 @@ def test_mostly_rejected_batch_moves_the_policy_less_under_denominator_all():
 def test_gate_metrics_on_a_hand_case():
     ratios = [[1.0, 3.0, 1.0], [1.0, 1.0, X], [0.25, 1.0, 1.0], [X, X, X]]
     mask = [[1, 1, 1], [1, 1, 0], [1, 1, 1], [0, 0, 0]]
-    versions = [[5, 5, 5],  # staleness 0; ratio 3 masked -> 1 token filtered, weights 1 + 1
-                [3, 4, -1],  # staleness 2 > 1 -> stale, both sampled tokens filtered
-                [4, 5, 5],  # staleness 1 (not > 1, kept); ratio 0.25 masked -> 1 filtered, weights 1 + 1
-                [-1, -1, -1]]  # nothing sampled: staleness 0, kept
-    result = gate(ratios, mask, versions, learner_version=5, level="token", mode="mask", band=BAND, max_staleness=1)
+    versions = [
+        [5, 5, 5],  # staleness 0; ratio 3 masked -> 1 token filtered, weights 1 + 1
+        [3, 4, -1],  # staleness 2 > 1 -> stale, both sampled tokens filtered
+        [4, 5, 5],  # staleness 1 (not > 1, kept); ratio 0.25 masked -> 1 filtered, weights 1 + 1
+        [-1, -1, -1],
+    ]  # nothing sampled: staleness 0, kept
+    result = gate(
+        ratios,
+        mask,
+        versions,
+        learner_version=5,
+        level="token",
+        mode="mask",
+        band=BAND,
+        max_staleness=1,
+    )
     assert result.tokens_masked.tolist() == [1, 2, 1, 0]
     metrics = gate_metrics(result, torch.tensor(mask))
     assert metrics["gate/kept_frac"] == pytest.approx(3 / 4)  # rows 0, 2, 3
     assert metrics["gate/stale_frac"] == pytest.approx(1 / 4)  # row 1
-    assert metrics["gate/is_filter_ratio"] == pytest.approx(4 / 8)  # (1 + 2 + 1 + 0) filtered / 8 sampled
+    assert metrics["gate/is_filter_ratio"] == pytest.approx(
+        4 / 8
+    )  # (1 + 2 + 1 + 0) filtered / 8 sampled
     assert metrics["gate/weight_mean"] == pytest.approx(4 / 8)  # (2 + 0 + 2 + 0) weight / 8 sampled
     assert metrics["async/mean_staleness"] == pytest.approx(3 / 4)  # (0 + 2 + 1 + 0) / 4
 
@@ -296,17 +407,31 @@ def test_gate_metrics_on_a_hand_case():
 # ---------------------------------------------------------------------------- on-policy identity
 
 
-@pytest.mark.parametrize(("level", "mode", "band"),
-                         [(level, mode, band) for (level, mode), band in
-                          itertools.product(LEVEL_MODES, [(0.5, 2.0), (1.0, 1.0)])])
+@pytest.mark.parametrize(
+    ("level", "mode", "band"),
+    [
+        (level, mode, band)
+        for (level, mode), band in itertools.product(LEVEL_MODES, [(0.5, 2.0), (1.0, 1.0)])
+    ],
+)
 def test_on_policy_batch_passes_every_level_with_weight_exactly_one(level, mode, band):
     # train == behavior -> δ = 0 exactly -> e^0 = 1, inside even the degenerate band [1, 1]
     behavior_logprob = torch.tensor([[-0.5, -1.25, -3.0], [-0.1, -2.0, -7.5]])
     loss_mask = torch.tensor([[True, True, False], [True, True, True]])
     behavior_version = torch.where(loss_mask, 4, -1)
     for denominator in DENOMINATORS:
-        result = version_gate(behavior_logprob, behavior_logprob.clone(), loss_mask, behavior_version, 4, level=level,
-                              mode=mode, band=band, max_staleness=0, denominator=denominator)
+        result = version_gate(
+            behavior_logprob,
+            behavior_logprob.clone(),
+            loss_mask,
+            behavior_version,
+            4,
+            level=level,
+            mode=mode,
+            band=band,
+            max_staleness=0,
+            denominator=denominator,
+        )
         assert result.kept.tolist() == [True, True]
         assert result.reason == ["ok", "ok"]
         assert torch.equal(result.token_weight, loss_mask.float())

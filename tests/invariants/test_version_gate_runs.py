@@ -19,60 +19,119 @@ from workbench.store import open_run
 from workbench.store.schema import step_tables
 from workbench.store.writer import RunWriter
 
-FAST = ["+recipe=arith", "model.warm_start_steps=0", "tracking=none", "run.progress=false",
-        "trainer.prompts_per_step=4", "trainer.group_size=4", "run.id=gate"]
+FAST = [
+    "+recipe=arith",
+    "model.warm_start_steps=0",
+    "tracking=none",
+    "run.progress=false",
+    "trainer.prompts_per_step=4",
+    "trainer.group_size=4",
+    "run.id=gate",
+]
 
 
 def train(tmp_path, *overrides):
-    result = subprocess.run([sys.executable, "-m", "workbench.cli", "train", *FAST, f"run.root={tmp_path}", *overrides],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "workbench.cli", "train", *FAST, f"run.root={tmp_path}", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return open_run("gate", str(tmp_path))
 
 
 def test_on_policy_every_sequence_is_kept_with_unit_weights(tmp_path):
     db = train(tmp_path, "trainer.steps=4", "gate.level=geo", "gate.band=[0.999,1.001]")
-    assert db.execute("select count(*), count(*) filter (where decision = 'kept' and reason = 'ok') "
-                      "from gate_decisions").fetchone() == (4 * 16, 4 * 16)
+    assert db.execute(
+        "select count(*), count(*) filter (where decision = 'kept' and reason = 'ok') "
+        "from gate_decisions"
+    ).fetchone() == (4 * 16, 4 * 16)
     # measured: |δ| ≤ 2e-6 in float32 between the cached engine and the learner's full forward
-    worst = db.execute("select max(abs(train_logprob - behavior_logprob)), max(abs(is_weight - 1)) "
-                       "from tokens where loss_mask = 1").fetchone()
+    worst = db.execute(
+        "select max(abs(train_logprob - behavior_logprob)), max(abs(is_weight - 1)) "
+        "from tokens where loss_mask = 1"
+    ).fetchone()
     assert worst[0] < 1e-4 and worst[1] < 1e-4
     assert db.execute("select max(staleness) from gate_decisions").fetchone()[0] == 0
 
 
 def test_async_partial_rollout_spans_versions_and_stale_sequences_are_dropped(tmp_path):
     # replies long enough that generating a batch outlasts a learner step, so pushes land mid-generation
-    db = train(tmp_path, "trainer.steps=8", "trainer.async_depth=2", "rollout.partial=true", "engine.max_tokens=96",
-               "gate.level=token", "gate.max_staleness=1")
-    mixed = db.execute("select count(*) from segments where min_version < max_version").fetchone()[0]
+    db = train(
+        tmp_path,
+        "trainer.steps=8",
+        "trainer.async_depth=2",
+        "rollout.partial=true",
+        "engine.max_tokens=96",
+        "gate.level=token",
+        "gate.max_staleness=1",
+    )
+    mixed = db.execute("select count(*) from segments where min_version < max_version").fetchone()[
+        0
+    ]
     assert mixed > 0, "no sequence held tokens of two weight versions"
-    stale = db.execute("select count(*), min(staleness) from gate_decisions where reason = 'stale'").fetchone()
+    stale = db.execute(
+        "select count(*), min(staleness) from gate_decisions where reason = 'stale'"
+    ).fetchone()
     assert stale[0] > 0 and stale[1] > 1
-    assert db.execute("select count(*) from gate_decisions where reason <> 'stale' and staleness > 1").fetchone()[0] == 0
+    assert (
+        db.execute(
+            "select count(*) from gate_decisions where reason <> 'stale' and staleness > 1"
+        ).fetchone()[0]
+        == 0
+    )
     # a dropped sequence contributes nothing: every one of its tokens has weight 0
-    assert db.execute("select max(t.is_weight) from tokens t join gate_decisions g using (step, rollout_id, segment_idx) "
-                      "where g.reason = 'stale'").fetchone()[0] == 0
+    assert (
+        db.execute(
+            "select max(t.is_weight) from tokens t join gate_decisions g using (step, rollout_id, segment_idx) "
+            "where g.reason = 'stale'"
+        ).fetchone()[0]
+        == 0
+    )
     # each token's version is the one that sampled it: never newer than the learner that consumed it
-    assert db.execute("select count(*) from tokens t join segments s using (step, rollout_id, segment_idx) "
-                      "where t.loss_mask = 1 and t.behavior_version > s.learner_version").fetchone()[0] == 0
-    stale_frac = db.execute("select max(value) from metrics where key = 'gate/stale_frac'").fetchone()[0]
+    assert (
+        db.execute(
+            "select count(*) from tokens t join segments s using (step, rollout_id, segment_idx) "
+            "where t.loss_mask = 1 and t.behavior_version > s.learner_version"
+        ).fetchone()[0]
+        == 0
+    )
+    stale_frac = db.execute(
+        "select max(value) from metrics where key = 'gate/stale_frac'"
+    ).fetchone()[0]
     assert stale_frac > 0
 
 
 def test_whole_batch_rollouts_are_exactly_async_depth_versions_behind(tmp_path):
     """Without partial rollout each batch is sampled by the weights pushed before it was submitted:
     batch k by version max(0, k - async_depth), never older (the push is delivered before the next submit)."""
-    db = train(tmp_path, "trainer.steps=3", "trainer.async_depth=1", "engine.max_tokens=4", "gate.level=seq",
-               "trainer.prompts_per_step=2", "trainer.group_size=2")
-    rows = db.execute("select step, min(min_version), max(max_version), max(learner_version) from segments "
-                      "group by step order by step").fetchall()
+    db = train(
+        tmp_path,
+        "trainer.steps=3",
+        "trainer.async_depth=1",
+        "engine.max_tokens=4",
+        "gate.level=seq",
+        "trainer.prompts_per_step=2",
+        "trainer.group_size=2",
+    )
+    rows = db.execute(
+        "select step, min(min_version), max(max_version), max(learner_version) from segments "
+        "group by step order by step"
+    ).fetchall()
     assert rows == [(0, 0, 0, 0), (1, 0, 0, 1), (2, 1, 1, 2)]
 
 
 def test_corrupted_behavior_logprobs_are_caught_and_recorded(tmp_path, tiny_path):
-    cfg = compose_config(["tracking=none", "gate.level=geo", "engine.max_tokens=6", "trainer.prompts_per_step=2",
-                          "trainer.group_size=4"])
+    cfg = compose_config(
+        [
+            "tracking=none",
+            "gate.level=geo",
+            "engine.max_tokens=6",
+            "trainer.prompts_per_step=2",
+            "trainer.group_size=4",
+        ]
+    )
     OmegaConf.update(cfg, "run.id", "corrupt")
     worker, learner = RolloutWorker(cfg, tiny_path), Learner(cfg, tiny_path)
     from workbench.runtime import Prompts
@@ -82,12 +141,19 @@ def test_corrupted_behavior_logprobs_are_caught_and_recorded(tmp_path, tiny_path
         shift = 1.0 if index % 2 == 0 else -1.0
         segment.behavior_logprob[segment.loss_mask == 1] += shift
     metrics, rows = learner.train(segments)
-    writer = RunWriter(tmp_path / "corrupt", {"run_id": "corrupt", "created": 0.0, "status": "running"})
+    writer = RunWriter(
+        tmp_path / "corrupt", {"run_id": "corrupt", "created": 0.0, "status": "running"}
+    )
     for name, table in step_tables("corrupt", 0, rows["learner_version"], segments, rows).items():
         writer.append(name, table)
     writer.close()
-    decisions = open_run("corrupt", str(tmp_path)).execute(
-        "select rollout_id, decision, reason, geo_ratio from gate_decisions order by rollout_id").fetchall()
+    decisions = (
+        open_run("corrupt", str(tmp_path))
+        .execute(
+            "select rollout_id, decision, reason, geo_ratio from gate_decisions order by rollout_id"
+        )
+        .fetchall()
+    )
     # behavior +1 nat -> δ = -1 per token -> geo ratio e^-1 = 0.37 < 0.5; behavior -1 -> e^1 = 2.72 > 2
     for rollout_id, decision, reason, geo_ratio in decisions[:4]:
         expected = "ratio_low" if rollout_id % 2 == 0 else "ratio_high"
@@ -100,22 +166,34 @@ def test_corrupted_behavior_logprobs_are_caught_and_recorded(tmp_path, tiny_path
 def test_weights_pushed_mid_generation_are_adopted_between_token_steps(tiny_path):
     engine = TorchEngine(tiny_path, partial=True)
     new_weights = {k: v + 0.01 for k, v in engine.model.state_dict().items()}
-    pusher = threading.Thread(target=lambda: (time.sleep(0.15), engine.load_weights(new_weights, 1)))
+    pusher = threading.Thread(
+        target=lambda: (time.sleep(0.15), engine.load_weights(new_weights, 1))
+    )
     pusher.start()
-    (generation,) = engine.generate([np.arange(3, 9, dtype=np.int32)], SamplingParams(max_tokens=400, temperature=1.0))
+    (generation,) = engine.generate(
+        [np.arange(3, 9, dtype=np.int32)], SamplingParams(max_tokens=400, temperature=1.0)
+    )
     pusher.join()
     versions = generation.versions.tolist()
-    assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)  # one switch, in order
-    torch.testing.assert_close(engine.model.state_dict()["lm_head.weight"], new_weights["lm_head.weight"])
+    assert (
+        versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
+    )  # one switch, in order
+    torch.testing.assert_close(
+        engine.model.state_dict()["lm_head.weight"], new_weights["lm_head.weight"]
+    )
 
 
 def test_without_partial_rollout_an_episode_keeps_one_version(tiny_path):
     engine = TorchEngine(tiny_path, partial=False)
     new_weights = {k: v + 0.01 for k, v in engine.model.state_dict().items()}
-    pusher = threading.Thread(target=lambda: (time.sleep(0.15), engine.load_weights(new_weights, 1)))
+    pusher = threading.Thread(
+        target=lambda: (time.sleep(0.15), engine.load_weights(new_weights, 1))
+    )
     pusher.start()
     with engine.hold():
-        first = engine.generate([np.arange(3, 9, dtype=np.int32)], SamplingParams(max_tokens=400))[0]
+        first = engine.generate([np.arange(3, 9, dtype=np.int32)], SamplingParams(max_tokens=400))[
+            0
+        ]
         time.sleep(0.2)
         second = engine.generate([np.arange(3, 9, dtype=np.int32)], SamplingParams(max_tokens=4))[0]
     pusher.join()
@@ -125,8 +203,24 @@ def test_without_partial_rollout_an_episode_keeps_one_version(tiny_path):
 def test_an_async_run_repeats_exactly_with_the_same_seed(tmp_path):
     """Queued rollout batches may reach a worker in either order; each engine call is seeded by its
     batch and turn, so the same seed gives the same samples (and the same run) every time."""
-    runs = [train(tmp_path / name, "trainer.steps=6", "trainer.async_depth=1", "gate.level=token") for name in "ab"]
-    ids = [db.execute("select list(token_id order by rollout_id, segment_idx, position) from tokens").fetchone()[0] for db in runs]
-    rewards = [db.execute("select list(value order by step) from metrics where key = 'reward/mean'").fetchone()[0] for db in runs]
-    assert runs[0].execute("select count(distinct rollout_id) from tokens").fetchone()[0] == 6 * 16 and ids[0] == ids[1]
+    runs = [
+        train(tmp_path / name, "trainer.steps=6", "trainer.async_depth=1", "gate.level=token")
+        for name in "ab"
+    ]
+    ids = [
+        db.execute(
+            "select list(token_id order by rollout_id, segment_idx, position) from tokens"
+        ).fetchone()[0]
+        for db in runs
+    ]
+    rewards = [
+        db.execute(
+            "select list(value order by step) from metrics where key = 'reward/mean'"
+        ).fetchone()[0]
+        for db in runs
+    ]
+    assert (
+        runs[0].execute("select count(distinct rollout_id) from tokens").fetchone()[0] == 6 * 16
+        and ids[0] == ids[1]
+    )
     assert rewards[0] == rewards[1]

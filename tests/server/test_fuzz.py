@@ -13,35 +13,112 @@ from hypothesis import strategies as st
 from workbench.server.loopback import MAX_BODY
 
 MARKER = "zebra-quartz-7f3a"  # in the victim session's conversation only
-WEIRD_NUMBERS = st.sampled_from([0, -1, 1, 3, 2.5, 10**12, 1e308, float("inf"), float("nan"), "3", True, None, 200000])
+WEIRD_NUMBERS = st.sampled_from(
+    [0, -1, 1, 3, 2.5, 10**12, 1e308, float("inf"), float("nan"), "3", True, None, 200000]
+)
 SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12)
-JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-                    max_leaves=8)
-ROLES = st.sampled_from(["user", "assistant", "system", "developer", "tool", "function", "", "USER"]) | JSON
-PART = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "image", "tool_use", "tool_result", "audio"])},
-                             optional={"text": JSON, "image_url": st.sampled_from([{"url": "file:///etc/passwd"}, {"url": "data:image/png;base64,xyz"}, {}]),
-                                       "source": st.sampled_from([{"data": "AAAA"}, {"type": "url", "url": "http://127.0.0.1/x"}]),
-                                       "input": JSON, "content": JSON, "id": JSON})
-ARGUMENTS = st.sampled_from(['{"a": 1}', '{"a":', "[1, 2]", "null", '"x"', "", "{}", "[" * 5000]) | JSON
-TOOL_CALLS = st.lists(st.fixed_dictionaries({"id": JSON, "type": st.just("function"),
-                                             "function": st.fixed_dictionaries({"name": JSON, "arguments": ARGUMENTS})}), max_size=2) | JSON
-MESSAGE = st.fixed_dictionaries({"role": ROLES}, optional={"content": st.text(max_size=30) | st.lists(PART, max_size=2) | JSON,
-                                                           "tool_calls": TOOL_CALLS, "tool_call_id": JSON})
-COMMON = {"model": JSON, "max_tokens": WEIRD_NUMBERS, "temperature": WEIRD_NUMBERS, "top_p": WEIRD_NUMBERS, "stream": JSON,
-          "tools": JSON | st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": JSON}), max_size=2),
-          "tool_choice": JSON, "metadata": JSON, "logit_bias": JSON}
-OPENAI = st.fixed_dictionaries({"messages": st.lists(MESSAGE, max_size=3) | JSON},
-                               optional=dict(COMMON, stop=JSON, n=WEIRD_NUMBERS, stream_options=JSON, max_completion_tokens=WEIRD_NUMBERS))
-ANTHROPIC = st.fixed_dictionaries({"messages": st.lists(MESSAGE, max_size=3) | JSON, "max_tokens": WEIRD_NUMBERS},
-                                  optional=dict({k: v for k, v in COMMON.items() if k != "max_tokens"}, system=JSON,
-                                                stop_sequences=JSON))
-MUTATIONS = {**COMMON, "stop": JSON, "stop_sequences": JSON, "stream_options": JSON, "system": JSON,
-             "messages": st.lists(MESSAGE, min_size=1, max_size=3), "max_tokens": st.integers(-2, 300) | WEIRD_NUMBERS}
-TOOL_TURN = [{"role": "user", "content": "Add."},
-             {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
-                                                                 "function": {"name": "add", "arguments": '{"a": 1}'}}]},
-             {"role": "tool", "tool_call_id": "c1", "content": "3"}]
-TARGETS = ["own"] * 6 + ["other_key", "other_path", "unknown_session", "no_key", "odd_key", "traversal", "get", "no_route"]
+JSON = st.recursive(
+    SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+ROLES = (
+    st.sampled_from(["user", "assistant", "system", "developer", "tool", "function", "", "USER"])
+    | JSON
+)
+PART = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "image_url", "image", "tool_use", "tool_result", "audio"])},
+    optional={
+        "text": JSON,
+        "image_url": st.sampled_from(
+            [{"url": "file:///etc/passwd"}, {"url": "data:image/png;base64,xyz"}, {}]
+        ),
+        "source": st.sampled_from([{"data": "AAAA"}, {"type": "url", "url": "http://127.0.0.1/x"}]),
+        "input": JSON,
+        "content": JSON,
+        "id": JSON,
+    },
+)
+ARGUMENTS = (
+    st.sampled_from(['{"a": 1}', '{"a":', "[1, 2]", "null", '"x"', "", "{}", "[" * 5000]) | JSON
+)
+TOOL_CALLS = (
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "id": JSON,
+                "type": st.just("function"),
+                "function": st.fixed_dictionaries({"name": JSON, "arguments": ARGUMENTS}),
+            }
+        ),
+        max_size=2,
+    )
+    | JSON
+)
+MESSAGE = st.fixed_dictionaries(
+    {"role": ROLES},
+    optional={
+        "content": st.text(max_size=30) | st.lists(PART, max_size=2) | JSON,
+        "tool_calls": TOOL_CALLS,
+        "tool_call_id": JSON,
+    },
+)
+COMMON = {
+    "model": JSON,
+    "max_tokens": WEIRD_NUMBERS,
+    "temperature": WEIRD_NUMBERS,
+    "top_p": WEIRD_NUMBERS,
+    "stream": JSON,
+    "tools": JSON
+    | st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": JSON}), max_size=2),
+    "tool_choice": JSON,
+    "metadata": JSON,
+    "logit_bias": JSON,
+}
+OPENAI = st.fixed_dictionaries(
+    {"messages": st.lists(MESSAGE, max_size=3) | JSON},
+    optional=dict(
+        COMMON, stop=JSON, n=WEIRD_NUMBERS, stream_options=JSON, max_completion_tokens=WEIRD_NUMBERS
+    ),
+)
+ANTHROPIC = st.fixed_dictionaries(
+    {"messages": st.lists(MESSAGE, max_size=3) | JSON, "max_tokens": WEIRD_NUMBERS},
+    optional=dict(
+        {k: v for k, v in COMMON.items() if k != "max_tokens"}, system=JSON, stop_sequences=JSON
+    ),
+)
+MUTATIONS = {
+    **COMMON,
+    "stop": JSON,
+    "stop_sequences": JSON,
+    "stream_options": JSON,
+    "system": JSON,
+    "messages": st.lists(MESSAGE, min_size=1, max_size=3),
+    "max_tokens": st.integers(-2, 300) | WEIRD_NUMBERS,
+}
+TOOL_TURN = [
+    {"role": "user", "content": "Add."},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "3"},
+]
+TARGETS = ["own"] * 6 + [
+    "other_key",
+    "other_path",
+    "unknown_session",
+    "no_key",
+    "odd_key",
+    "traversal",
+    "get",
+    "no_route",
+]
 BODIES = ["wire"] * 4 + ["mutant"] * 6 + ["json", "bytes", "nested", "huge"]
 
 
@@ -50,8 +127,11 @@ def victim_and_target(server):
     import openai
 
     victim = server.open_session(900)
-    reply = openai.OpenAI(base_url=victim["openai_base_url"], api_key=victim["api_key"], max_retries=0).chat.completions.create(
-        model="policy", messages=[{"role": "user", "content": f"Remember {MARKER}."}], max_tokens=2)
+    reply = openai.OpenAI(
+        base_url=victim["openai_base_url"], api_key=victim["api_key"], max_retries=0
+    ).chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": f"Remember {MARKER}."}], max_tokens=2
+    )
     return dict(victim, reply=reply.choices[0].message.content), server.open_session(901)
 
 
@@ -60,7 +140,15 @@ def snapshot(server, session_id):
     return id(session.accumulator), len(session.requests), session.last_request
 
 
-def fuzz(server, victim: dict, target: dict, budget: int, statuses: Counter, problems: list[str], seed: int | None = None) -> None:
+def fuzz(
+    server,
+    victim: dict,
+    target: dict,
+    budget: int,
+    statuses: Counter,
+    problems: list[str],
+    seed: int | None = None,
+) -> None:
     """Send `budget` hostile requests (a fixed set unless `seed`); count status codes in `statuses` and every broken
     promise in `problems`."""
     from hypothesis import seed as with_seed
@@ -74,19 +162,30 @@ def fuzz(server, victim: dict, target: dict, budget: int, statuses: Counter, pro
                 connection[0].request(method, path, body=body, headers=headers)
                 response = connection[0].getresponse()
                 return response.status, response.read()
-            except (ConnectionError, http.client.HTTPException):  # the server closed a connection (after a 413): reconnect
+            except (
+                ConnectionError,
+                http.client.HTTPException,
+            ):  # the server closed a connection (after a 413): reconnect
                 connection[0].close()
                 connection[0] = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
                 if attempt:
                     raise
 
-    @settings(max_examples=budget, deadline=None, derandomize=seed is None, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=budget,
+        deadline=None,
+        derandomize=seed is None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @with_seed(seed or 0)
     @given(st.data())
     def one_request(data):
         wire = data.draw(st.sampled_from(["openai", "anthropic"]))
-        target_kind, body_kind = data.draw(st.sampled_from(TARGETS)), data.draw(st.sampled_from(BODIES))
+        target_kind, body_kind = (
+            data.draw(st.sampled_from(TARGETS)),
+            data.draw(st.sampled_from(BODIES)),
+        )
         endpoint = "/v1/chat/completions" if wire == "openai" else "/v1/messages"
         session, key = target["session"], target["api_key"]
         if target_kind == "other_key":
@@ -96,18 +195,45 @@ def fuzz(server, victim: dict, target: dict, budget: int, statuses: Counter, pro
         elif target_kind == "unknown_session":
             session = "0123456789abcdef"
         elif target_kind == "odd_key":
-            key = data.draw(st.sampled_from(["\xe9\xff", "sk-" + "a" * 5000, "", " " + key, key[:-1]]))
-        path = {"traversal": f"/s/../../etc/passwd{endpoint}", "no_route": f"/s/{session}/v1/files"}.get(
-            target_kind, f"/s/{session}{endpoint}")
-        headers = {} if target_kind == "no_key" else (
-            {"x-api-key": key} if data.draw(st.booleans()) else {"Authorization": f"Bearer {key}"})
+            key = data.draw(
+                st.sampled_from(["\xe9\xff", "sk-" + "a" * 5000, "", " " + key, key[:-1]])
+            )
+        path = {
+            "traversal": f"/s/../../etc/passwd{endpoint}",
+            "no_route": f"/s/{session}/v1/files",
+        }.get(target_kind, f"/s/{session}{endpoint}")
+        headers = (
+            {}
+            if target_kind == "no_key"
+            else (
+                {"x-api-key": key}
+                if data.draw(st.booleans())
+                else {"Authorization": f"Bearer {key}"}
+            )
+        )
         if body_kind == "wire":
             body = json.dumps(data.draw(OPENAI if wire == "openai" else ANTHROPIC)).encode()
-        elif body_kind == "mutant":  # a valid request with one or two fields made hostile: reaches the deeper code
-            base = {"model": "policy", "max_tokens": 2, "messages": data.draw(st.sampled_from([
-                [{"role": "user", "content": "Hi."}], TOOL_TURN if wire == "openai" else [{"role": "user", "content": "Hi."}]]))}
-            keys = data.draw(st.lists(st.sampled_from(sorted(MUTATIONS)), min_size=1, max_size=2, unique=True))
-            body = json.dumps(dict(base, **{key: data.draw(MUTATIONS[key]) for key in keys})).encode()
+        elif (
+            body_kind == "mutant"
+        ):  # a valid request with one or two fields made hostile: reaches the deeper code
+            base = {
+                "model": "policy",
+                "max_tokens": 2,
+                "messages": data.draw(
+                    st.sampled_from(
+                        [
+                            [{"role": "user", "content": "Hi."}],
+                            TOOL_TURN if wire == "openai" else [{"role": "user", "content": "Hi."}],
+                        ]
+                    )
+                ),
+            }
+            keys = data.draw(
+                st.lists(st.sampled_from(sorted(MUTATIONS)), min_size=1, max_size=2, unique=True)
+            )
+            body = json.dumps(
+                dict(base, **{key: data.draw(MUTATIONS[key]) for key in keys})
+            ).encode()
         elif body_kind == "json":
             body = json.dumps(data.draw(JSON)).encode()
         elif body_kind == "bytes":
@@ -118,7 +244,12 @@ def fuzz(server, victim: dict, target: dict, budget: int, statuses: Counter, pro
         else:
             body = huge
         before = {s: snapshot(server, s) for s in (victim["session"], target["session"])}
-        status, reply = send("GET" if target_kind == "get" else "POST", path, dict(headers, **{"Content-Type": "application/json"}), body)
+        status, reply = send(
+            "GET" if target_kind == "get" else "POST",
+            path,
+            dict(headers, **{"Content-Type": "application/json"}),
+            body,
+        )
         statuses[status] += 1
         where = f"{target_kind}/{body_kind}/{wire}: {body[:160]!r}"
         if status >= 500:
@@ -132,12 +263,17 @@ def fuzz(server, victim: dict, target: dict, budget: int, statuses: Counter, pro
                 problems.append(f"a refused request ({status}) changed the session: {where}")
             try:
                 error = json.loads(reply)
-                ok = (error["type"] == "error" and isinstance(error["error"]["message"], str) if path.endswith("/messages")
-                      else isinstance(error["error"]["message"], str))
+                ok = (
+                    error["type"] == "error" and isinstance(error["error"]["message"], str)
+                    if path.endswith("/messages")
+                    else isinstance(error["error"]["message"], str)
+                )
             except (ValueError, KeyError, TypeError):
                 ok = False
             if not ok:
-                problems.append(f"{status} not in the {wire} error shape for {where}: {reply[:200]!r}")
+                problems.append(
+                    f"{status} not in the {wire} error shape for {where}: {reply[:200]!r}"
+                )
 
     one_request()
     connection[0].close()
@@ -149,8 +285,12 @@ def fuzz_server(tiny_path, tokenizer):
     from workbench.engines.torch_engine import TorchEngine
     from workbench.server.loopback import LoopbackServer
 
-    server = LoopbackServer(TorchEngine(tiny_path), tokenizer, SamplingParams(max_tokens=4, stop_token_ids=(tokenizer.eos_token_id,)),
-                            max_total_tokens=256)
+    server = LoopbackServer(
+        TorchEngine(tiny_path),
+        tokenizer,
+        SamplingParams(max_tokens=4, stop_token_ids=(tokenizer.eos_token_id,)),
+        max_total_tokens=256,
+    )
     yield server
     server.stop()
 
@@ -165,23 +305,42 @@ def test_hostile_requests_get_wire_shaped_4xx_and_change_nothing(fuzz_server):
     assert sum(statuses.values()) == 300 and all(status < 500 for status in statuses)
     assert {400, 401, 404, 413} <= set(statuses)  # the fuzzer reached every refusal
     # the server is still whole: the victim's conversation extends, a new session works
-    client = openai.OpenAI(base_url=victim["openai_base_url"], api_key=victim["api_key"], max_retries=0)
-    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": f"Remember {MARKER}."},
-                                                             {"role": "assistant", "content": victim["reply"]},
-                                                             {"role": "user", "content": "Again."}], max_tokens=2)
-    assert [r["action"] for r in fuzz_server.sessions[victim["session"]].requests] == ["open", "extend"]
+    client = openai.OpenAI(
+        base_url=victim["openai_base_url"], api_key=victim["api_key"], max_retries=0
+    )
+    client.chat.completions.create(
+        model="policy",
+        messages=[
+            {"role": "user", "content": f"Remember {MARKER}."},
+            {"role": "assistant", "content": victim["reply"]},
+            {"role": "user", "content": "Again."},
+        ],
+        max_tokens=2,
+    )
+    assert [r["action"] for r in fuzz_server.sessions[victim["session"]].requests] == [
+        "open",
+        "extend",
+    ]
 
 
 def test_token_limit_and_body_limit_are_enforced(fuzz_server):
     import openai
 
     session = fuzz_server.open_session(1)
-    client = openai.OpenAI(base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0)
+    client = openai.OpenAI(
+        base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0
+    )
     with pytest.raises(openai.BadRequestError, match="exceeds this server's limit of 256 tokens"):
-        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], max_tokens=300)
+        client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "x"}], max_tokens=300
+        )
     with pytest.raises(openai.BadRequestError, match="exceeds this server's limit"):
-        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "word " * 400}])
+        client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "word " * 400}]
+        )
     assert not fuzz_server.sessions[session["session"]].requests
     with pytest.raises(openai.APIStatusError, match="Request body over") as error:
-        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x" * MAX_BODY}])
+        client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "x" * MAX_BODY}]
+        )
     assert error.value.status_code == 413

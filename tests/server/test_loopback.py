@@ -3,7 +3,6 @@ extend vs seal, tool calls on both wires, streaming, retries, and bad requests r
 
 import copy
 import json
-import random
 import urllib.error
 import urllib.request
 
@@ -19,8 +18,15 @@ from workbench.server.loopback import MAX_BODY, LoopbackServer
 
 TOOL_PROMPT = "Use the tool."
 TOOL_REPLY = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
-OPENAI_TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {"type": "object"}}}]
-ANTHROPIC_TOOLS = [{"name": "add", "description": "Add.", "input_schema": {"type": "object"}}]  # renders the same
+OPENAI_TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "add", "description": "Add.", "parameters": {"type": "object"}},
+    }
+]
+ANTHROPIC_TOOLS = [
+    {"name": "add", "description": "Add.", "input_schema": {"type": "object"}}
+]  # renders the same
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +34,16 @@ def server(tiny_path, tokenizer):
     """A real engine on the tiny model, fine-tuned for a moment to answer TOOL_PROMPT with a tool call."""
     engine = TorchEngine(tiny_path)
     model = engine.model.train()
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": TOOL_PROMPT}], tools=OPENAI_TOOLS,
-                                           add_generation_prompt=True, tokenize=True)["input_ids"]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": TOOL_PROMPT}],
+        tools=OPENAI_TOOLS,
+        add_generation_prompt=True,
+        tokenize=True,
+    )["input_ids"]
     target = tokenizer(TOOL_REPLY, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     ids = torch.tensor([list(prompt) + target])
     labels = ids.clone()
-    labels[0, :len(prompt)] = -100
+    labels[0, : len(prompt)] = -100
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(0)
     for _ in range(150):
@@ -41,15 +51,24 @@ def server(tiny_path, tokenizer):
         model(input_ids=ids, labels=labels).loss.backward()
         optimizer.step()
     model.eval()
-    loopback = LoopbackServer(engine, tokenizer, SamplingParams(max_tokens=12, temperature=1.0,
-                                                                stop_token_ids=(tokenizer.eos_token_id,)))
+    loopback = LoopbackServer(
+        engine,
+        tokenizer,
+        SamplingParams(max_tokens=12, temperature=1.0, stop_token_ids=(tokenizer.eos_token_id,)),
+    )
     yield loopback
     loopback.stop()
 
 
 def clients(session):
-    return (openai.OpenAI(base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0),
-            anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key=session["api_key"], max_retries=0))
+    return (
+        openai.OpenAI(
+            base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0
+        ),
+        anthropic.Anthropic(
+            base_url=session["anthropic_base_url"], api_key=session["api_key"], max_retries=0
+        ),
+    )
 
 
 def test_server_binds_loopback_only(server):
@@ -63,17 +82,27 @@ def test_openai_turns_extend_and_turn_one_ids_reappear_verbatim(server, stream):
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     for _ in range(3):
         if stream:
-            chunks = list(client.chat.completions.create(model="policy", messages=messages, stream=True))
+            chunks = list(
+                client.chat.completions.create(model="policy", messages=messages, stream=True)
+            )
             assert chunks[-1].choices[0].finish_reason in ("stop", "length")
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         else:
-            text = client.chat.completions.create(model="policy", messages=messages).choices[0].message.content
+            text = (
+                client.chat.completions.create(model="policy", messages=messages)
+                .choices[0]
+                .message.content
+            )
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Again."}]
     (segment,), requests = server.close_session(session["session"])
-    assert [r["action"] for r in requests] == ["open", "extend", "extend"] and {r["stream"] for r in requests} == {stream}
+    assert [r["action"] for r in requests] == ["open", "extend", "extend"] and {
+        r["stream"] for r in requests
+    } == {stream}
     ids, mask = np.array(segment.token_ids), np.array(segment.loss_mask, bool)
     for turn, ((start, end), sampled) in enumerate(zip(segment.turn_spans, segment.sampled_turns)):
-        np.testing.assert_array_equal(ids[start:end], sampled)  # the ids the engine returned, verbatim
+        np.testing.assert_array_equal(
+            ids[start:end], sampled
+        )  # the ids the engine returned, verbatim
         if turn:  # and turn 2's input started with everything up to turn 1's end
             assert requests[turn]["prompt_tokens_reused"] == segment.turn_spans[turn - 1][1]
     assert segment.identity_holds() and mask.sum() == sum(len(s) for s in segment.sampled_turns)
@@ -102,17 +131,25 @@ def test_streamed_text_equals_the_whole_reply(server):
     session = server.open_session(3)
     client, _ = clients(session)
     messages = [{"role": "user", "content": "What is 1 + 1?"}]
-    chunks = list(client.chat.completions.create(model="policy", messages=messages, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="policy", messages=messages, stream=True, stream_options={"include_usage": True}
+        )
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[-1].usage.completion_tokens >= 1
     # an identical request is a retry: the committed reply comes back, nothing is generated again
-    again = list(client.chat.completions.create(model="policy", messages=messages, stream=True,
-                                                stream_options={"include_usage": True}))
+    again = list(
+        client.chat.completions.create(
+            model="policy", messages=messages, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in again if c.choices) == streamed
     (segment,), requests = server.close_session(session["session"])
     assert len(requests) == 1 and len(segment.turn_spans) == 1
-    assert server.tokenizer.decode(segment.sampled_turns[0][:len(streamed) and None]).startswith(streamed)
+    assert server.tokenizer.decode(segment.sampled_turns[0][: len(streamed) and None]).startswith(
+        streamed
+    )
 
 
 def test_a_compacted_conversation_seals_the_segment(server):
@@ -120,7 +157,10 @@ def test_a_compacted_conversation_seals_the_segment(server):
     client, _ = clients(session)
     first = [{"role": "user", "content": "Long story."}]
     text = client.chat.completions.create(model="policy", messages=first).choices[0].message.content
-    compacted = [{"role": "user", "content": "Summary of the story."}, {"role": "user", "content": "Go on."}]
+    compacted = [
+        {"role": "user", "content": "Summary of the story."},
+        {"role": "user", "content": "Go on."},
+    ]
     client.chat.completions.create(model="policy", messages=compacted)
     segments, requests = server.close_session(session["session"])
     assert [r["action"] for r in requests] == ["open", "seal"]
@@ -135,19 +175,30 @@ def test_a_template_that_rewrites_history_seals(server, tokenizer):
         "{%- for m in messages %}{%- if m['role'] == 'assistant' and not loop.last %}"
         "{{- '<|im_start|>assistant\\n(hidden)<|im_end|>\\n' }}{%- else %}"
         "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
     rewriting = LoopbackServer(server.engine, hiding, server.params)
     try:
         session = rewriting.open_session(5)
         client, _ = clients(session)
         messages = [{"role": "user", "content": "Think."}]
-        text = client.chat.completions.create(model="policy", messages=messages).choices[0].message.content
-        client.chat.completions.create(model="policy", messages=messages + [{"role": "assistant", "content": text},
-                                                                           {"role": "user", "content": "Next."}])
+        text = (
+            client.chat.completions.create(model="policy", messages=messages)
+            .choices[0]
+            .message.content
+        )
+        client.chat.completions.create(
+            model="policy",
+            messages=messages
+            + [{"role": "assistant", "content": text}, {"role": "user", "content": "Next."}],
+        )
         segments, requests = rewriting.close_session(session["session"])
     finally:
         rewriting.stop()
-    assert requests[1]["action"] == "seal" and [s.seal_reason for s in segments] == ["template_rewrite", "end"]
+    assert requests[1]["action"] == "seal" and [s.seal_reason for s in segments] == [
+        "template_rewrite",
+        "end",
+    ]
 
 
 def test_openai_tool_call_round_trip(server):
@@ -155,18 +206,24 @@ def test_openai_tool_call_round_trip(server):
     client, _ = clients(session)
     tools = OPENAI_TOOLS
     messages = [{"role": "user", "content": TOOL_PROMPT}]
-    reply = client.chat.completions.create(model="policy", messages=messages, tools=tools, temperature=0, max_tokens=40)
+    reply = client.chat.completions.create(
+        model="policy", messages=messages, tools=tools, temperature=0, max_tokens=40
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls", choice.message.content
     call = choice.message.tool_calls[0]
     assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 3}
-    messages += [choice.message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "5"},
+    ]
     client.chat.completions.create(model="policy", messages=messages, tools=tools, temperature=0)
     (segment,), requests = server.close_session(session["session"])
     assert [r["action"] for r in requests] == ["open", "extend"]
     assert "<tool_response>5</tool_response>" in server.tokenizer.decode(segment.token_ids)
-    assert TOOL_REPLY in server.tokenizer.decode(segment.sampled_turns[0])  # the call is the sampled ids
+    assert TOOL_REPLY in server.tokenizer.decode(
+        segment.sampled_turns[0]
+    )  # the call is the sampled ids
 
 
 def test_anthropic_tool_use_round_trip_streaming(server):
@@ -174,14 +231,20 @@ def test_anthropic_tool_use_round_trip_streaming(server):
     _, client = clients(session)
     tools = ANTHROPIC_TOOLS
     messages = [{"role": "user", "content": TOOL_PROMPT}]
-    with client.messages.stream(model="policy", max_tokens=40, messages=messages, tools=tools,
-                                extra_body={"temperature": 0}) as events:
+    with client.messages.stream(
+        model="policy", max_tokens=40, messages=messages, tools=tools, extra_body={"temperature": 0}
+    ) as events:
         reply = events.get_final_message()
     assert reply.stop_reason == "tool_use"
     use = next(b for b in reply.content if b.type == "tool_use")
     assert use.name == "add" and use.input == {"a": 2, "b": 3}
-    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]}]
+    messages += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}],
+        },
+    ]
     client.messages.create(model="policy", max_tokens=8, messages=messages, tools=tools)
     _, requests = server.close_session(session["session"])
     assert [r["action"] for r in requests] == ["open", "extend"]
@@ -194,16 +257,25 @@ def test_wrong_key_and_unknown_session_touch_nothing(server):
     with pytest.raises(openai.AuthenticationError):
         client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(anthropic.AuthenticationError):
-        aclient.messages.create(model="policy", max_tokens=4, messages=[{"role": "user", "content": "x"}])
-    ghost = dict(session, openai_base_url=session["openai_base_url"].replace(session["session"], "nope"))
+        aclient.messages.create(
+            model="policy", max_tokens=4, messages=[{"role": "user", "content": "x"}]
+        )
+    ghost = dict(
+        session, openai_base_url=session["openai_base_url"].replace(session["session"], "nope")
+    )
     with pytest.raises(openai.NotFoundError):
-        clients(ghost)[0].chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+        clients(ghost)[0].chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "x"}]
+        )
     assert server.close_session(session["session"]) == ([], [])
 
 
 def post(url: str, data: bytes, key: str) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=data, headers={"Authorization": f"Bearer {key}",
-                                                              "Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url,
+        data=data,
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request) as response:
             return response.status, json.loads(response.read())
@@ -218,17 +290,28 @@ def test_malformed_oversize_and_unsupported_requests_get_wire_shaped_errors(serv
     status, body = post(chat_url, b"{not json", session["api_key"])
     assert status == 400 and "Malformed JSON" in body["error"]["message"]
     status, body = post(messages_url, b"[1, 2]", session["api_key"])
-    assert status == 400 and body["type"] == "error" and "Malformed JSON" in body["error"]["message"]
+    assert (
+        status == 400 and body["type"] == "error" and "Malformed JSON" in body["error"]["message"]
+    )
     huge = json.dumps({"messages": [{"role": "user", "content": "x" * (MAX_BODY + 10)}]}).encode()
     status, body = post(chat_url, huge, session["api_key"])
     assert status == 413 and "Request body over" in body["error"]["message"]
     client, aclient = clients(session)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
-        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], logit_bias={"1": 2})
+        client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "x"}], logit_bias={"1": 2}
+        )
     with pytest.raises(openai.BadRequestError, match="n=1"):
-        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], n=2)
+        client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "x"}], n=2
+        )
     with pytest.raises(anthropic.BadRequestError, match="top_p"):
-        aclient.messages.create(model="policy", max_tokens=4, messages=[{"role": "user", "content": "x"}], extra_body={"top_p": 0.5})
+        aclient.messages.create(
+            model="policy",
+            max_tokens=4,
+            messages=[{"role": "user", "content": "x"}],
+            extra_body={"top_p": 0.5},
+        )
     assert server.close_session(session["session"]) == ([], [])
 
 
@@ -244,7 +327,9 @@ def test_concurrent_sessions_share_engine_calls_and_stay_separate(server):
 
     def ask(session):
         client, _ = clients(session)
-        return client.chat.completions.create(model="policy", messages=[{"role": "user", "content": session["session"]}])
+        return client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": session["session"]}]
+        )
 
     with ThreadPoolExecutor(6) as pool:
         list(pool.map(ask, sessions))
@@ -267,17 +352,28 @@ class FailingOnce(TorchEngine):
 
 def test_a_failed_generation_commits_nothing(tiny_path, tokenizer):
     engine = FailingOnce(tiny_path)
-    loopback = LoopbackServer(engine, tokenizer, SamplingParams(max_tokens=6, stop_token_ids=(tokenizer.eos_token_id,)))
+    loopback = LoopbackServer(
+        engine, tokenizer, SamplingParams(max_tokens=6, stop_token_ids=(tokenizer.eos_token_id,))
+    )
     try:
         session = loopback.open_session(0)
         client, _ = clients(session)
         messages = [{"role": "user", "content": "Hi"}]
-        text = client.chat.completions.create(model="policy", messages=messages).choices[0].message.content
-        longer = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": "And?"}]
+        text = (
+            client.chat.completions.create(model="policy", messages=messages)
+            .choices[0]
+            .message.content
+        )
+        longer = messages + [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": "And?"},
+        ]
         engine.fail_next = True
         with pytest.raises(openai.InternalServerError, match="nothing was recorded"):
             client.chat.completions.create(model="policy", messages=longer)
-        client.chat.completions.create(model="policy", messages=longer)  # the retry extends the committed turn
+        client.chat.completions.create(
+            model="policy", messages=longer
+        )  # the retry extends the committed turn
         (segment,), requests = loopback.close_session(session["session"])
     finally:
         loopback.stop()
@@ -288,7 +384,9 @@ def test_bad_sampling_values_are_refused(server):
     session = server.open_session(10)
     client, _ = clients(session)
     with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1"):
-        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], max_tokens=0)
+        client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "x"}], max_tokens=0
+        )
     assert server.close_session(session["session"]) == ([], [])
 
 
@@ -296,15 +394,32 @@ def test_stop_sequences_cut_the_reply_on_both_wires(server):
     session = server.open_session(11)
     client, aclient = clients(session)
     messages = [{"role": "user", "content": TOOL_PROMPT}]
-    reply = client.chat.completions.create(model="policy", messages=messages, tools=OPENAI_TOOLS, temperature=0,
-                                           max_tokens=40, stop=["arguments"])
-    assert reply.choices[0].message.content == '<tool_call>{"name": "add", "' and reply.choices[0].finish_reason == "stop"
+    reply = client.chat.completions.create(
+        model="policy",
+        messages=messages,
+        tools=OPENAI_TOOLS,
+        temperature=0,
+        max_tokens=40,
+        stop=["arguments"],
+    )
+    assert (
+        reply.choices[0].message.content == '<tool_call>{"name": "add", "'
+        and reply.choices[0].finish_reason == "stop"
+    )
     other = server.open_session(12)
     _, aclient = clients(other)
-    message = aclient.messages.create(model="policy", max_tokens=40, messages=messages, tools=ANTHROPIC_TOOLS,
-                                      stop_sequences=["arguments"], extra_body={"temperature": 0})
+    message = aclient.messages.create(
+        model="policy",
+        max_tokens=40,
+        messages=messages,
+        tools=ANTHROPIC_TOOLS,
+        stop_sequences=["arguments"],
+        extra_body={"temperature": 0},
+    )
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == "arguments"
     for name in (session["session"], other["session"]):
         (segment,), _ = server.close_session(name)
         sampled = server.tokenizer.decode(segment.sampled_turns[0])
-        assert sampled.endswith("arguments") or "arguments" in sampled[-12:]  # the ids up to the stop, kept
+        assert (
+            sampled.endswith("arguments") or "arguments" in sampled[-12:]
+        )  # the ids up to the stop, kept

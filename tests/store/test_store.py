@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import duckdb
 import numpy as np
@@ -20,18 +19,36 @@ from workbench.store.writer import RunWriter
 
 def make_segments(count: int, length: int = 10, step: int = 0) -> list[Segment]:
     mask = np.r_[np.zeros(length - 4), np.ones(4)].astype(np.uint8)
-    return [Segment("r1", step * 100 + i, 0, i // 2, np.arange(length, dtype=np.int32) + i, mask,
-                    (-mask * 0.5).astype(np.float32), np.where(mask == 1, step, -1).astype(np.int32), reward=float(i % 2))
-            for i in range(count)]
+    return [
+        Segment(
+            "r1",
+            step * 100 + i,
+            0,
+            i // 2,
+            np.arange(length, dtype=np.int32) + i,
+            mask,
+            (-mask * 0.5).astype(np.float32),
+            np.where(mask == 1, step, -1).astype(np.int32),
+            reward=float(i % 2),
+        )
+        for i in range(count)
+    ]
 
 
 def learner_rows(segments):
-    return {"train_logprob": [s.behavior_logprob - 0.1 for s in segments],
-            "is_weight": [np.ones(len(s.token_ids), np.float32) for s in segments],
-            "advantage": [float(i) for i in range(len(segments))],
-            "gate": {"staleness": [0] * len(segments), "seq_log_ratio": [-0.4] * len(segments),
-                     "geo_ratio": [0.9] * len(segments), "kept": [True] * len(segments), "reason": ["ok"] * len(segments),
-                     "tokens_masked": [0] * len(segments)}}
+    return {
+        "train_logprob": [s.behavior_logprob - 0.1 for s in segments],
+        "is_weight": [np.ones(len(s.token_ids), np.float32) for s in segments],
+        "advantage": [float(i) for i in range(len(segments))],
+        "gate": {
+            "staleness": [0] * len(segments),
+            "seq_log_ratio": [-0.4] * len(segments),
+            "geo_ratio": [0.9] * len(segments),
+            "kept": [True] * len(segments),
+            "reason": ["ok"] * len(segments),
+            "tokens_masked": [0] * len(segments),
+        },
+    }
 
 
 def write_step(writer, step, count=4, length=10):
@@ -49,10 +66,18 @@ def test_rows_round_trip_through_duckdb_views(tmp_path):
     assert db.execute("select count(*) from tokens").fetchone()[0] == 4 * 10 + 3 * 7
     assert db.execute("select sum(num_tokens) from segments").fetchone()[0] == 61
     # per-token columns are the segment's arrays, in order
-    row = db.execute("select list(token_id order by position), list(loss_mask order by position), "
-                 "list(behavior_version order by position) from tokens where step = 1 and rollout_id = 102").fetchone()
-    assert row[0] == list(range(2, 9)) and row[1] == [0, 0, 0, 1, 1, 1, 1] and row[2] == [-1, -1, -1, 1, 1, 1, 1]
-    assert db.execute("select min_version, max_version, advantage from segments where rollout_id = 102").fetchone() == (1, 1, 2.0)
+    row = db.execute(
+        "select list(token_id order by position), list(loss_mask order by position), "
+        "list(behavior_version order by position) from tokens where step = 1 and rollout_id = 102"
+    ).fetchone()
+    assert (
+        row[0] == list(range(2, 9))
+        and row[1] == [0, 0, 0, 1, 1, 1, 1]
+        and row[2] == [-1, -1, -1, 1, 1, 1, 1]
+    )
+    assert db.execute(
+        "select min_version, max_version, advantage from segments where rollout_id = 102"
+    ).fetchone() == (1, 1, 2.0)
     assert db.execute("select status from runs").fetchone()[0] == "finished"
 
 
@@ -82,7 +107,9 @@ WRITER_SCRIPT = textwrap.dedent("""
 
 
 def start_writer(tmp_path):
-    script = WRITER_SCRIPT.format(tests=os.path.dirname(os.path.dirname(__file__)), run_dir=str(tmp_path / "r1"))
+    script = WRITER_SCRIPT.format(
+        tests=os.path.dirname(os.path.dirname(__file__)), run_dir=str(tmp_path / "r1")
+    )
     return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
 
 
@@ -97,15 +124,25 @@ def test_another_process_reads_while_the_writer_runs_and_a_kill_loses_only_the_b
     finally:
         writer.send_signal(signal.SIGKILL)
         writer.wait()
-    flushed_steps = open_run("r1", str(tmp_path)).execute("select count(distinct step), max(step) from tokens").fetchone()
-    assert flushed_steps[0] == flushed_steps[1] + 1 >= last_flushed + 1  # every flushed step, none torn
+    flushed_steps = (
+        open_run("r1", str(tmp_path))
+        .execute("select count(distinct step), max(step) from tokens")
+        .fetchone()
+    )
+    assert (
+        flushed_steps[0] == flushed_steps[1] + 1 >= last_flushed + 1
+    )  # every flushed step, none torn
     for path in (tmp_path / "r1" / "tokens").glob("part-*.parquet"):
-        duckdb.execute(f"select count(*) from '{path}'").fetchone()  # every visible shard is a whole file
+        duckdb.execute(
+            f"select count(*) from '{path}'"
+        ).fetchone()  # every visible shard is a whole file
 
 
 def test_runs_are_listed_newest_first_and_found_by_prefix(tmp_path):
     for index, run_id in enumerate(["20260101-aaaa", "20260102-bbbb"]):
-        RunWriter(tmp_path / run_id, {"run_id": run_id, "created": float(index), "status": "finished"}).close()
+        RunWriter(
+            tmp_path / run_id, {"run_id": run_id, "created": float(index), "status": "finished"}
+        ).close()
     assert [r["run_id"] for r in list_runs(str(tmp_path))] == ["20260102-bbbb", "20260101-aaaa"]
     assert resolve_run("20260102", str(tmp_path)).name == "20260102-bbbb"
     with pytest.raises(ValueError, match="ambiguous"):
@@ -118,13 +155,19 @@ def test_run_row_updates_are_atomic_json(tmp_path):
     writer = RunWriter(tmp_path / "r1", {"run_id": "r1", "created": 1.0, "status": "running"})
     writer.update_run(steps_done=3, reward_mean=0.5)
     row = json.loads((tmp_path / "r1" / "run.json").read_text())
-    assert row["steps_done"] == 3 and row["status"] == "running" and row["updated"] >= row["created"]
+    assert (
+        row["steps_done"] == 3 and row["status"] == "running" and row["updated"] >= row["created"]
+    )
     assert not list((tmp_path / "r1").glob(".*.tmp"))
 
 
 def test_a_steps_progress_reaches_run_json_with_the_data_it_counts(tmp_path):
-    writer = RunWriter(tmp_path / "r2", {"run_id": "r2", "created": 1.0, "status": "running", "steps_done": 0})
+    writer = RunWriter(
+        tmp_path / "r2", {"run_id": "r2", "created": 1.0, "status": "running", "steps_done": 0}
+    )
     writer.update_run(at_flush=True, steps_done=4)
-    assert json.loads((tmp_path / "r2" / "run.json").read_text())["steps_done"] == 0  # not before its data
+    assert (
+        json.loads((tmp_path / "r2" / "run.json").read_text())["steps_done"] == 0
+    )  # not before its data
     writer.flush()
     assert json.loads((tmp_path / "r2" / "run.json").read_text())["steps_done"] == 4

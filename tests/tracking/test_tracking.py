@@ -12,15 +12,25 @@ from omegaconf import OmegaConf
 from workbench.tracking import make_sinks
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = [{"reward/mean": 0.25, "loss/policy": -1.5}, {"reward/mean": 0.5, "loss/policy": -1.0}, {"reward/mean": 0.75, "loss/policy": -0.5}]
+STEPS = [
+    {"reward/mean": 0.25, "loss/policy": -1.5},
+    {"reward/mean": 0.5, "loss/policy": -1.0},
+    {"reward/mean": 0.75, "loss/policy": -0.5},
+]
 CONFIG = {"lr": 3e-6, "model": {"name": "tiny-qwen", "layers": 2}, "notes": "x" * 10_000}
 
 
 def tracking(wandb_mode="disabled", mlflow_uri=None):
-    return OmegaConf.create({
-        "wandb": {"mode": wandb_mode, "project": "molt-wb", "entity": None},
-        "mlflow": {"enabled": mlflow_uri is not None, "tracking_uri": mlflow_uri, "experiment": "molt-wb"},
-    })
+    return OmegaConf.create(
+        {
+            "wandb": {"mode": wandb_mode, "project": "molt-wb", "entity": None},
+            "mlflow": {
+                "enabled": mlflow_uri is not None,
+                "tracking_uri": mlflow_uri,
+                "experiment": "molt-wb",
+            },
+        }
+    )
 
 
 def log_steps(sinks, status="finished"):
@@ -37,7 +47,9 @@ def run_python(code):
 
 
 def test_import_pulls_in_neither_wandb_nor_mlflow():
-    result = run_python("import sys, workbench.tracking; assert not {'wandb', 'mlflow'} & set(sys.modules), sys.modules.keys()")
+    result = run_python(
+        "import sys, workbench.tracking; assert not {'wandb', 'mlflow'} & set(sys.modules), sys.modules.keys()"
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -59,7 +71,13 @@ def test_wandb_offline_run_records_every_step(tmp_path):
     [run_file] = run_dir.glob("wandb/offline-run-*-run-7/run-run-7.wandb")
     # `wandb leet inspect --json` is wandb's own reader of the binary transaction log.
     env = os.environ | {"WANDB_MODE": "offline", "WANDB_ERROR_REPORTING": "false"}
-    inspect = subprocess.run(["wandb", "leet", "inspect", "--json", str(run_file)], env=env, capture_output=True, text=True, timeout=60)
+    inspect = subprocess.run(
+        ["wandb", "leet", "inspect", "--json", str(run_file)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     records = [json.loads(line) for line in inspect.stdout.splitlines()]
     history = [record["history"] for record in records if record["type"] == "history"]
     assert [entry["step"].get("num", 0) for entry in history] == [0, 1, 2]
@@ -68,7 +86,9 @@ def test_wandb_offline_run_records_every_step(tmp_path):
     [run] = [record["run"] for record in records if record["type"] == "run"]
     assert (run["run_id"], run["display_name"], run["run_group"]) == ("run-7", "run-7", "sweep-a")
     assert run["config"]["update"]["model"] == CONFIG["model"]
-    assert [record["exit"].get("exit_code", 0) for record in records if record["type"] == "exit"] == [0]
+    assert [
+        record["exit"].get("exit_code", 0) for record in records if record["type"] == "exit"
+    ] == [0]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +98,9 @@ def runs_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mlflow_uri(runs_root):
-    return f"sqlite:///{runs_root / 'mlflow.db'}"  # one store per module: its migrations take seconds
+    return (
+        f"sqlite:///{runs_root / 'mlflow.db'}"  # one store per module: its migrations take seconds
+    )
 
 
 def test_mlflow_run_in_the_default_store_records_every_step_and_the_params(runs_root, mlflow_uri):
@@ -92,14 +114,20 @@ def test_mlflow_run_in_the_default_store_records_every_step_and_the_params(runs_
     client = MlflowClient(mlflow_uri)
     for key in STEPS[0]:
         history = client.get_metric_history(sink.run_id, key)
-        assert [(point.step, point.value) for point in history] == [(step, metrics[key]) for step, metrics in enumerate(STEPS)]
+        assert [(point.step, point.value) for point in history] == [
+            (step, metrics[key]) for step, metrics in enumerate(STEPS)
+        ]
     run = client.get_run(sink.run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "run-8"
     assert run.data.params["model.name"] == "tiny-qwen" and run.data.params["model.layers"] == "2"
-    assert run.data.params["lr"] == str(3e-6) and run.data.params["notes"] == "x" * 6000  # mlflow's value limit
+    assert (
+        run.data.params["lr"] == str(3e-6) and run.data.params["notes"] == "x" * 6000
+    )  # mlflow's value limit
 
 
-@pytest.mark.parametrize(("status", "mlflow_status"), [("failed", "FAILED"), ("interrupted", "KILLED")])
+@pytest.mark.parametrize(
+    ("status", "mlflow_status"), [("failed", "FAILED"), ("interrupted", "KILLED")]
+)
 def test_mlflow_run_status_follows_close(tmp_path, mlflow_uri, status, mlflow_status):
     [sink] = make_sinks(tracking(mlflow_uri=mlflow_uri), str(tmp_path / "run-9"), "run-9", {})
     sink.close(status)
@@ -124,8 +152,16 @@ def test_enabled_mlflow_without_mlflow_installed_says_how_to_fix():
 def test_mlflow_runs_of_one_sweep_share_a_parent_run(tmp_path, mlflow_uri):
     from mlflow.tracking import MlflowClient
 
-    sinks = [make_sinks(tracking(mlflow_uri=mlflow_uri), str(tmp_path / f"job-{i}"), f"job-{i}", {}, group="sweep-x")[0]
-             for i in range(2)]
+    sinks = [
+        make_sinks(
+            tracking(mlflow_uri=mlflow_uri),
+            str(tmp_path / f"job-{i}"),
+            f"job-{i}",
+            {},
+            group="sweep-x",
+        )[0]
+        for i in range(2)
+    ]
     log_steps(sinks)
     client = MlflowClient(mlflow_uri)
     parents = {client.get_run(s.run_id).data.tags["mlflow.parentRunId"] for s in sinks}

@@ -9,17 +9,32 @@ import sys
 
 import pytest
 
-RUN = ["+recipe=arith", "agent.plugin=chat_minimal", "model=tiny-moe", "trainer.steps=3", "trainer.async_depth=1", "gate.level=seq",
-       "gate.max_staleness=0", "model.warm_start_steps=0", "tracking=none", "run.progress=false",
-       "trainer.prompts_per_step=2", "trainer.group_size=4"]
+RUN = [
+    "+recipe=arith",
+    "agent.plugin=chat_minimal",
+    "model=tiny-moe",
+    "trainer.steps=3",
+    "trainer.async_depth=1",
+    "gate.level=seq",
+    "gate.max_staleness=0",
+    "model.warm_start_steps=0",
+    "tracking=none",
+    "run.progress=false",
+    "trainer.prompts_per_step=2",
+    "trainer.group_size=4",
+]
 
 
 @pytest.fixture(scope="session")
 def made_run(tmp_path_factory):
     """(root, run_id) of the real run, plus a copy tagged with a sweep id (for the runs screen's sweep filter)."""
     root = tmp_path_factory.mktemp("tui-runs")
-    result = subprocess.run([sys.executable, "-m", "workbench.cli", "train", *RUN, f"run.root={root}"],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "workbench.cli", "train", *RUN, f"run.root={root}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     (run_id,) = [p.name for p in root.iterdir()]
     copy = root / "20000101-000000-5eed"

@@ -27,15 +27,21 @@ def screen_text(app) -> str:
 
 def drive(app, script, size=(100, 30)):
     """Run `script(pilot)` against the app headless; return what it returns."""
+
     async def main():
         async with app.run_test(size=size) as pilot:
             await pilot.pause()
             return await script(pilot)
+
     return asyncio.run(main())
 
 
 def tree_digest(folder: str) -> str:
-    return hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file())).hexdigest()
+    return hashlib.sha256(
+        b"".join(
+            p.name.encode() + p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()
+        )
+    ).hexdigest()
 
 
 def test_the_runs_screen_lists_runs_newest_first_and_filters_by_sweep(made_run):
@@ -70,7 +76,11 @@ def test_overview_shows_headline_numbers_plots_and_config(made_run):
         return before, screen_text(pilot.app), pilot.app.screen.query_one("#plot-reward-mean").plt
 
     before, expanded, _ = drive(InspectApp(root, run_id), script)
-    assert f"segments {segments}" in before and f"tokens {tokens}" in before and "status finished" in before
+    assert (
+        f"segments {segments}" in before
+        and f"tokens {tokens}" in before
+        and "status finished" in before
+    )
     assert "steps 3/3" in before and "reward/mean" in before and "▶ resolved config" in before
     assert '"tiny-moe"' in expanded and '"tiny-moe"' not in before
 
@@ -79,13 +89,23 @@ def test_segments_filters_match_sql_counts_and_sorting_and_paging_work(made_run,
     root, run_id = made_run
     db = open_run(run_id, root)
     total = db.execute("select count(*) from segments").fetchone()[0]
-    dropped = db.execute("select count(*) from gate_decisions where decision = 'dropped'").fetchone()[0]
-    prompt = db.execute("select prompt_text from segments order by step, rollout_id limit 1").fetchone()[0]
+    dropped = db.execute(
+        "select count(*) from gate_decisions where decision = 'dropped'"
+    ).fetchone()[0]
+    prompt = db.execute(
+        "select prompt_text from segments order by step, rollout_id limit 1"
+    ).fetchone()[0]
     question = prompt.split("\n")[1].split("<")[0]  # "What is 1 + 3?"
-    same_question = db.execute("select count(*) from segments where prompt_text ilike ?", [f"%{question}%"]).fetchone()[0]
+    same_question = db.execute(
+        "select count(*) from segments where prompt_text ilike ?", [f"%{question}%"]
+    ).fetchone()[0]
     longest = db.execute("select max(num_tokens) from segments").fetchone()[0]
-    tenth = db.execute("select rollout_id from segments order by step, rollout_id, segment_idx limit 1 offset 10").fetchone()[0]
-    assert 0 < dropped < total and 0 < same_question < total  # the fixture gives the filters something to do
+    tenth = db.execute(
+        "select rollout_id from segments order by step, rollout_id, segment_idx limit 1 offset 10"
+    ).fetchone()[0]
+    assert (
+        0 < dropped < total and 0 < same_question < total
+    )  # the fixture gives the filters something to do
     monkeypatch.setattr(tui_data, "PAGE", 10)
     monkeypatch.setattr("workbench.tui.app.PAGE", 10)
 
@@ -94,7 +114,9 @@ def test_segments_filters_match_sql_counts_and_sorting_and_paging_work(made_run,
         table = screen.query_one("#segments-table", DataTable)
         status = lambda: str(screen.query_one("#segments-status").render())  # noqa: E731
         await pilot.press("2")
-        seen["header"] = next(line for line in screen_text(pilot.app).splitlines() if "rollout_id" in line)
+        seen["header"] = next(
+            line for line in screen_text(pilot.app).splitlines() if "rollout_id" in line
+        )
         seen["first"], seen["rows"] = status(), table.row_count
         await pilot.press("right_square_bracket")
         seen["page2"], seen["page2_first"] = status(), table.get_row_at(0)[1]
@@ -110,7 +132,9 @@ def test_segments_filters_match_sql_counts_and_sorting_and_paging_work(made_run,
         seen["text"] = status()
         screen.query_one("#filter").value = ""
         await pilot.pause()
-        x = sum(c.get_render_width(table) for c in list(table.columns.values())[:4])  # the num_tokens header
+        x = sum(
+            c.get_render_width(table) for c in list(table.columns.values())[:4]
+        )  # the num_tokens header
         await pilot.click("#segments-table", offset=(x + 2, 0))
         await pilot.pause()
         seen["sorted"] = (status(), int(table.get_row_at(0)[4]))
@@ -119,13 +143,26 @@ def test_segments_filters_match_sql_counts_and_sorting_and_paging_work(made_run,
         return seen
 
     seen = drive(InspectApp(root, run_id), script)
-    assert seen["header"].split()[:5] == ["step", "rollout_id", "segment_idx", "reward", "num_tokens"]
+    assert seen["header"].split()[:5] == [
+        "step",
+        "rollout_id",
+        "segment_idx",
+        "reward",
+        "num_tokens",
+    ]
     assert seen["first"].startswith(f"rows 1-10 of {total}") and seen["rows"] == 10
     assert seen["page2"].startswith(f"rows 11-20 of {total}") and int(seen["page2_first"]) == tenth
-    assert seen["last"].startswith(f"rows {(total - 1) // 10 * 10 + 1}-{total} of {total}")  # ] past the end stays
-    assert seen["dropped"][0].startswith(f"rows 1-{min(dropped, 10)} of {dropped}") and seen["dropped"][1] == {"dropped"}
+    assert seen["last"].startswith(
+        f"rows {(total - 1) // 10 * 10 + 1}-{total} of {total}"
+    )  # ] past the end stays
+    assert seen["dropped"][0].startswith(f"rows 1-{min(dropped, 10)} of {dropped}") and seen[
+        "dropped"
+    ][1] == {"dropped"}
     assert "only dropped" in seen["dropped"][0]
-    assert seen["reward"] == db.execute("select count(*) from segments where reward >= 0.5").fetchone()[0]
+    assert (
+        seen["reward"]
+        == db.execute("select count(*) from segments where reward >= 0.5").fetchone()[0]
+    )
     assert seen["text"].startswith(f"rows 1-{min(same_question, 10)} of {same_question}")
     assert "sort num_tokens ↓" in seen["sorted"][0] and seen["sorted"][1] == longest
     assert "sort versions ↑" in seen["next_sort"]
@@ -135,11 +172,14 @@ def test_token_view_shows_pieces_values_and_colours_of_a_known_segment(made_run)
     root, run_id = made_run
     db = open_run(run_id, root)
     step, rollout, segment, prompt, spans = db.execute(
-        "select step, rollout_id, segment_idx, prompt_text, turn_spans from segments order by step, rollout_id limit 1").fetchone()
+        "select step, rollout_id, segment_idx, prompt_text, turn_spans from segments order by step, rollout_id limit 1"
+    ).fetchone()
     first_sampled = spans[0][0]
     token_id, behavior, train, version = db.execute(
         "select token_id, behavior_logprob, train_logprob, behavior_version from tokens "
-        "where step = ? and rollout_id = ? and segment_idx = ? and position = ?", [step, rollout, segment, first_sampled]).fetchone()
+        "where step = ? and rollout_id = ? and segment_idx = ? and position = ?",
+        [step, rollout, segment, first_sampled],
+    ).fetchone()
 
     async def script(pilot):
         seen = {}
@@ -165,24 +205,45 @@ def test_token_view_shows_pieces_values_and_colours_of_a_known_segment(made_run)
     assert "<|im_start|>user↵" in seen["open"] and question in seen["open"]
     assert seen["cursor"] == first_sampled
     assert f"id        {token_id}" in seen["side"] and f"behavior  {behavior:.4f}" in seen["side"]
-    assert f"train     {train:.4f}" in seen["side"] and f"δ         {train - behavior:+.4f}" in seen["side"]
+    assert (
+        f"train     {train:.4f}" in seen["side"]
+        and f"δ         {train - behavior:+.4f}" in seen["side"]
+    )
     assert "routing   L0✓ L1✓ L2✓" in seen["side"]  # tiny-moe: 3 sparse layers, replay agrees
     # colour of the known token under the logprob channel, by hand: p < .1 red, < .5 orange, < .9 yellow, else green
-    expected = "red" if behavior < -2.3 else "dark_orange" if behavior < -0.69 else "yellow" if behavior < -0.105 else "green"
+    expected = (
+        "red"
+        if behavior < -2.3
+        else "dark_orange"
+        if behavior < -0.69
+        else "yellow"
+        if behavior < -0.105
+        else "green"
+    )
     assert seen["styles"][first_sampled] == expected and seen["styles"][0] == "dim"
-    assert any(span.style == f"{expected} reverse" for span in seen["rendered"].spans)  # the cursor on it
-    assert seen["version_channel"] == "version" and seen["version_styles"][first_sampled] == "green"  # step 0: on-policy
+    assert any(
+        span.style == f"{expected} reverse" for span in seen["rendered"].spans
+    )  # the cursor on it
+    assert (
+        seen["version_channel"] == "version" and seen["version_styles"][first_sampled] == "green"
+    )  # step 0: on-policy
     assert "channel version" in seen["legend"] and "on-policy" in seen["legend"]
     assert isinstance(seen["back"], RunScreen)
 
 
-def test_a_stale_segment_is_coloured_by_version_and_gate_and_request_rows_jump_to_their_segment(made_run):
+def test_a_stale_segment_is_coloured_by_version_and_gate_and_request_rows_jump_to_their_segment(
+    made_run,
+):
     root, run_id = made_run
     db = open_run(run_id, root)
     gate_rows = db.execute("select count(*) from gate_decisions").fetchone()[0]
-    first = db.execute("select step, rollout_id, segment_idx, decision from gate_decisions order by step, rollout_id limit 1").fetchone()
-    stale = db.execute("select step, rollout_id, segment_idx, learner_version - min_version from segments "
-                       "where learner_version > min_version order by step, rollout_id limit 1").fetchone()
+    first = db.execute(
+        "select step, rollout_id, segment_idx, decision from gate_decisions order by step, rollout_id limit 1"
+    ).fetchone()
+    stale = db.execute(
+        "select step, rollout_id, segment_idx, learner_version - min_version from segments "
+        "where learner_version > min_version order by step, rollout_id limit 1"
+    ).fetchone()
 
     async def script(pilot):
         await pilot.press("3")
@@ -202,14 +263,24 @@ def test_a_stale_segment_is_coloured_by_version_and_gate_and_request_rows_jump_t
             await pilot.press("c")
         return rows, cells, gate_key, requests, request_key, pilot.app.screen
 
-    rows, cells, gate_key, requests, request_key, token_screen = drive(InspectApp(root, run_id), script)
+    rows, cells, gate_key, requests, request_key, token_screen = drive(
+        InspectApp(root, run_id), script
+    )
     assert rows == gate_rows and gate_key == first[:3] and first[3] in cells
     assert requests[0] == db.execute("select count(*) from requests").fetchone()[0] > 0
     rollout = db.execute("select rollout_id from requests order by time limit 1").fetchone()[0]
-    assert int(requests[1]) == rollout and request_key == db.execute(
-        "select step, rollout_id, segment_idx from segments where rollout_id = ? order by segment_idx", [rollout]).fetchone()
+    assert (
+        int(requests[1]) == rollout
+        and request_key
+        == db.execute(
+            "select step, rollout_id, segment_idx from segments where rollout_id = ? order by segment_idx",
+            [rollout],
+        ).fetchone()
+    )
     sampled = [i for i, t in enumerate(token_screen.tokens) if t["loss_mask"]]
-    assert {token_screen.token_styles()[i] for i in sampled} == {"yellow" if stale[3] == 1 else "red"}
+    assert {token_screen.token_styles()[i] for i in sampled} == {
+        "yellow" if stale[3] == 1 else "red"
+    }
 
 
 def test_help_quit_and_an_80x24_terminal(made_run):
@@ -227,14 +298,19 @@ def test_help_quit_and_an_80x24_terminal(made_run):
     assert "molt-wb inspect — keys" in help_text and "c channel" in help_text
     lines = small.splitlines()
     assert len(lines) == 24 and all(len(line) <= 80 for line in lines)
-    assert any("IS weight" in line for line in lines) and "Channel" in lines[-1]  # side panel and footer fit
+    assert (
+        any("IS weight" in line for line in lines) and "Channel" in lines[-1]
+    )  # side panel and footer fit
     assert not running
 
 
 def test_text_snapshots_of_key_screens_at_80x24(made_run):
     root, run_id = made_run
-    prompt, length = open_run(run_id, root).execute(
-        "select prompt_text, num_tokens from segments order by step, rollout_id limit 1").fetchone()
+    prompt, length = (
+        open_run(run_id, root)
+        .execute("select prompt_text, num_tokens from segments order by step, rollout_id limit 1")
+        .fetchone()
+    )
 
     async def script(pilot):
         shots = [screen_text(pilot.app)]
@@ -248,19 +324,35 @@ def test_text_snapshots_of_key_screens_at_80x24(made_run):
     assert overview[0].strip() == f"⭘                     run {run_id} — arith".strip()
     assert overview[1].rstrip() == " 1 Overview  2 Segments  3 Gate  4 Requests  5 Failures"
     assert overview[3].startswith("status finished  steps 3/3  segments 24  tokens ")
-    assert segments[5].rstrip() == " step  rollout_id  segment_idx  reward  num_tokens  versions  decision  seal_r"
-    assert segments[6].split()[:3] == ["0", "0", "0"] and segments[-1].startswith(" 1 Overview  2 Segments  3 Gate")
+    assert (
+        segments[5].rstrip()
+        == " step  rollout_id  segment_idx  reward  num_tokens  versions  decision  seal_r"
+    )
+    assert segments[6].split()[:3] == ["0", "0", "0"] and segments[-1].startswith(
+        " 1 Overview  2 Segments  3 Gate"
+    )
     assert tokens[1].rstrip() == "channel behavior logprob  prompt/env  ■ p<.1 ■ p<.5 ■ p<.9 ■ p≥.9"
     user, question, assistant = (line.split("│")[0].rstrip() for line in tokens[2:5])
-    assert (user, question, assistant) == ("<|im_start|>user↵", prompt.split("\n")[1] + "↵", "<|im_start|>assistant↵")
-    assert tokens[2].split("│")[1].strip() == f"token 1/{length}" and tokens[3].split("│")[1].strip() == "id        1"
+    assert (user, question, assistant) == (
+        "<|im_start|>user↵",
+        prompt.split("\n")[1] + "↵",
+        "<|im_start|>assistant↵",
+    )
+    assert (
+        tokens[2].split("│")[1].strip() == f"token 1/{length}"
+        and tokens[3].split("│")[1].strip() == "id        1"
+    )
 
 
 def test_the_app_reads_the_store_read_only_and_follows_a_live_run(made_run, tmp_path):
     root, run_id = made_run
     before = tree_digest(root)
     live = tmp_path / run_id
-    shutil.copytree(Path(root) / run_id, live, ignore=shutil.ignore_patterns("part-000002.parquet", "part-000001.parquet"))
+    shutil.copytree(
+        Path(root) / run_id,
+        live,
+        ignore=shutil.ignore_patterns("part-000002.parquet", "part-000001.parquet"),
+    )
     row = json.loads((live / "run.json").read_text())
     (live / "run.json").write_text(json.dumps({**row, "status": "running", "steps_done": 1}))
     total = open_run(run_id, root).execute("select count(*) from segments").fetchone()[0]
@@ -281,9 +373,16 @@ def test_the_app_reads_the_store_read_only_and_follows_a_live_run(made_run, tmp_
                 break
         return early, status(), early_headline, headline()
 
-    early, late, early_headline, late_headline = drive(InspectApp(str(tmp_path), run_id, poll=0.2), script)
-    assert not early.endswith(f"of {total} · sort step ↑") and late.startswith(f"rows 1-{total} of {total}")
-    assert "status running  steps 1/3" in early_headline and "status finished  steps 3/3" in late_headline
+    early, late, early_headline, late_headline = drive(
+        InspectApp(str(tmp_path), run_id, poll=0.2), script
+    )
+    assert not early.endswith(f"of {total} · sort step ↑") and late.startswith(
+        f"rows 1-{total} of {total}"
+    )
+    assert (
+        "status running  steps 1/3" in early_headline
+        and "status finished  steps 3/3" in late_headline
+    )
     assert tree_digest(root) == before
 
 
@@ -292,22 +391,32 @@ def test_inspect_command_errors_are_one_sentence(made_run, monkeypatch):
 
     root, run_id = made_run
     result = CliRunner().invoke(app, ["inspect", run_id[:-1] + "x", "--root", root])
-    assert result.exit_code == 2 and f"No run '{run_id[:-1]}x' under {root}/. Close matches: {run_id}" in result.output
-    monkeypatch.setitem(__import__("sys").modules, "workbench.tui.app", None)  # as if textual were not installed
+    assert (
+        result.exit_code == 2
+        and f"No run '{run_id[:-1]}x' under {root}/. Close matches: {run_id}" in result.output
+    )
+    monkeypatch.setitem(
+        __import__("sys").modules, "workbench.tui.app", None
+    )  # as if textual were not installed
     result = CliRunner().invoke(app, ["inspect", "--root", root])
     assert result.exit_code == 2 and "pip install 'molt-wb[tui]'" in result.output
 
 
-@pytest.mark.parametrize("line, expected", [
-    ("dropped reward>=0.5 What is", Filter(dropped=True, reward_min=0.5, text="What is")),
-    ("mismatch reward<1", Filter(mismatch=True, reward_max=1.0)),
-    ("", Filter()),
-])
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ("dropped reward>=0.5 What is", Filter(dropped=True, reward_min=0.5, text="What is")),
+        ("mismatch reward<1", Filter(mismatch=True, reward_max=1.0)),
+        ("", Filter()),
+    ],
+)
 def test_filter_words_parse(line, expected):
     assert Filter.parse(line) == expected
 
 
-def test_failed_episodes_tab_lists_failures_and_shows_the_highlighted_ones_traceback(made_run, tmp_path):
+def test_failed_episodes_tab_lists_failures_and_shows_the_highlighted_ones_traceback(
+    made_run, tmp_path
+):
     """Issue 10: a user's exception is shown with its traceback in the TUI, not lost in a worker log."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -316,11 +425,25 @@ def test_failed_episodes_tab_lists_failures_and_shows_the_highlighted_ones_trace
 
     root, run_id = made_run
     shutil.copytree(Path(root) / run_id, tmp_path / run_id)
-    rows = [{"run_id": run_id, "step": 1, "rollout_id": 40 + i, "group_id": 10, "worker": 0, "kind": "env_error",
-             "error": f"ZeroDivisionError: episode {i}", "traceback": f"Traceback (most recent call last):\n  marker-{i}\n",
-             "time": 1.0 + i} for i in range(2)]
+    rows = [
+        {
+            "run_id": run_id,
+            "step": 1,
+            "rollout_id": 40 + i,
+            "group_id": 10,
+            "worker": 0,
+            "kind": "env_error",
+            "error": f"ZeroDivisionError: episode {i}",
+            "traceback": f"Traceback (most recent call last):\n  marker-{i}\n",
+            "time": 1.0 + i,
+        }
+        for i in range(2)
+    ]
     (tmp_path / run_id / "failed_episodes").mkdir(exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows, schema=FAILED_EPISODES), tmp_path / run_id / "failed_episodes" / "part-000000.parquet")
+    pq.write_table(
+        pa.Table.from_pylist(rows, schema=FAILED_EPISODES),
+        tmp_path / run_id / "failed_episodes" / "part-000000.parquet",
+    )
 
     async def script(pilot):
         await pilot.press("5")
@@ -328,9 +451,16 @@ def test_failed_episodes_tab_lists_failures_and_shows_the_highlighted_ones_trace
         table = pilot.app.screen.query_one("#failures-table")
         await pilot.press("down")
         await pilot.pause()
-        return table.row_count, [str(c.label) for c in table.columns.values()], str(pilot.app.screen.query_one("#failures-traceback").render())
+        return (
+            table.row_count,
+            [str(c.label) for c in table.columns.values()],
+            str(pilot.app.screen.query_one("#failures-traceback").render()),
+        )
 
     count, columns, traceback = drive(InspectApp(str(tmp_path), run_id), script)
-    assert count == 2 and "traceback" not in columns and {"kind", "error", "rollout_id"} <= set(columns)
+    assert (
+        count == 2
+        and "traceback" not in columns
+        and {"kind", "error", "rollout_id"} <= set(columns)
+    )
     assert "marker-1" in traceback and "marker-0" not in traceback
-

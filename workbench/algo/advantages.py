@@ -4,14 +4,20 @@ A rollout split into several training rows (segments of one episode) shares one 
 estimators below dedup rows by `rollout_ids` before taking any mean or std, then give each row
 its rollout's advantage.
 """
+
 import torch
 from torch import Tensor
 
 ESTIMATORS = ("reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo")
 
 
-def compute_advantages(rewards: Tensor, group_ids: Tensor, estimator: str,
-                       rollout_ids: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+def compute_advantages(
+    rewards: Tensor,
+    group_ids: Tensor,
+    estimator: str,
+    rollout_ids: Tensor | None = None,
+    eps: float = 1e-6,
+) -> Tensor:
     """Per-row advantage [N] from per-row rewards [N], prompt groups [N] and rollouts [N].
 
     reinforce: r.  reinforce_baseline: r - batch mean.  rloo: r - mean of the other rollouts
@@ -19,7 +25,9 @@ def compute_advantages(rewards: Tensor, group_ids: Tensor, estimator: str,
     A group holding a single rollout gets advantage 0 under rloo, grpo and dr_grpo.
     """
     if estimator not in ESTIMATORS:
-        raise ValueError(f"Unknown advantage estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}.")
+        raise ValueError(
+            f"Unknown advantage estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}."
+        )
     n_rows = rewards.shape[0]
     if rollout_ids is None:
         rollout_ids = torch.arange(n_rows, device=rewards.device)
@@ -27,7 +35,8 @@ def compute_advantages(rewards: Tensor, group_ids: Tensor, estimator: str,
     n_rollouts = int(row_rollout.max()) + 1 if n_rows else 0
     rows = torch.arange(n_rows, device=rewards.device)
     first_row = torch.full((n_rollouts,), n_rows, device=rewards.device).scatter_reduce(
-        0, row_rollout, rows, reduce="amin")  # [R] one representative row per rollout
+        0, row_rollout, rows, reduce="amin"
+    )  # [R] one representative row per rollout
     reward = rewards[first_row]  # [R]
     group = group_ids[first_row]  # [R]
     if (rewards != reward[row_rollout]).any() or (group_ids != group[row_rollout]).any():
@@ -56,8 +65,13 @@ def compute_advantages(rewards: Tensor, group_ids: Tensor, estimator: str,
     return torch.where(count > 1, advantage, 0.0)[row_rollout]
 
 
-def _reference_advantages(rewards: Tensor, group_ids: Tensor, estimator: str,
-                          rollout_ids: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+def _reference_advantages(
+    rewards: Tensor,
+    group_ids: Tensor,
+    estimator: str,
+    rollout_ids: Tensor | None = None,
+    eps: float = 1e-6,
+) -> Tensor:
     """Plain-loop `compute_advantages`, for tests only."""
     rollouts = list(range(len(rewards))) if rollout_ids is None else rollout_ids.tolist()
     reward_of, group_of = {}, {}
@@ -85,7 +99,9 @@ def _reference_advantages(rewards: Tensor, group_ids: Tensor, estimator: str,
     return torch.tensor([advantage_of[o] for o in rollouts], dtype=rewards.dtype)
 
 
-def distill_advantages(student_logprob: Tensor, teacher_logprob: Tensor, loss_mask: Tensor, coef: float = 1.0) -> Tensor:
+def distill_advantages(
+    student_logprob: Tensor, teacher_logprob: Tensor, loss_mask: Tensor, coef: float = 1.0
+) -> Tensor:
     """on_policy_distill: per-token advantage [B, T] = -coef·(log π_student − log π_teacher) on sampled tokens, 0 elsewhere.
 
     No scalar reward: each token the student sampled is pushed towards the teacher by how much more
@@ -98,6 +114,10 @@ def uniform_groups(rewards: Tensor, group_ids: Tensor) -> Tensor:
     """Rows [N] (bool) whose prompt group has one reward for all its rows: no relative signal, so dynamic filtering drops them."""
     _, group = torch.unique(group_ids, return_inverse=True)  # [N] -> group index
     n_groups = int(group.max()) + 1 if len(group) else 0
-    low = torch.full((n_groups,), torch.inf, dtype=rewards.dtype).scatter_reduce(0, group, rewards, reduce="amin")
-    high = torch.full((n_groups,), -torch.inf, dtype=rewards.dtype).scatter_reduce(0, group, rewards, reduce="amax")
+    low = torch.full((n_groups,), torch.inf, dtype=rewards.dtype).scatter_reduce(
+        0, group, rewards, reduce="amin"
+    )
+    high = torch.full((n_groups,), -torch.inf, dtype=rewards.dtype).scatter_reduce(
+        0, group, rewards, reduce="amax"
+    )
     return (low == high)[group]

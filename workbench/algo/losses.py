@@ -3,6 +3,7 @@
 Only tokens where `loss_mask` is true contribute anything, values and gradients alike; positions
 outside the mask may hold any value (even -inf) without leaking NaN into the loss.
 """
+
 import torch
 from torch import Tensor
 
@@ -41,7 +42,9 @@ def approx_kl(logp: Tensor, logq: Tensor, mask: Tensor, estimator: str = "k3") -
     With log r = logq - logp:  k1 = -log r,  k2 = (log r)^2 / 2,  k3 = (r - 1) - log r.
     """
     if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"Unknown KL estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}.")
+        raise ValueError(
+            f"Unknown KL estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}."
+        )
     log_r = torch.where(mask.bool(), logq - logp, 0.0)  # [B, T]
     if estimator == "k1":
         per_token = -log_r
@@ -52,10 +55,18 @@ def approx_kl(logp: Tensor, logq: Tensor, mask: Tensor, estimator: str = "k3") -
     return masked_mean(per_token, mask)
 
 
-def policy_gradient_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, loss_mask: Tensor,
-                         clip_low: float = 0.2, clip_high: float = 0.2, aggregation: str = "token_mean",
-                         constant_denominator: float | None = None,
-                         is_weight: Tensor | None = None, loss_type: str = "ppo") -> tuple[Tensor, dict[str, float]]:
+def policy_gradient_loss(
+    logprob: Tensor,
+    old_logprob: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    aggregation: str = "token_mean",
+    constant_denominator: float | None = None,
+    is_weight: Tensor | None = None,
+    loss_type: str = "ppo",
+) -> tuple[Tensor, dict[str, float]]:
     """PPO-clip (or CISPO) loss over masked tokens, and its metrics.
 
     Per token, with ratio = exp(logprob - old_logprob):
@@ -73,7 +84,9 @@ def policy_gradient_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tenso
     (still attached to the graph) and all metrics 0.
     """
     if aggregation not in AGGREGATIONS:
-        raise ValueError(f"Unknown loss aggregation {aggregation!r}; choose one of {', '.join(AGGREGATIONS)}.")
+        raise ValueError(
+            f"Unknown loss aggregation {aggregation!r}; choose one of {', '.join(AGGREGATIONS)}."
+        )
     if aggregation == "constant" and (constant_denominator is None or constant_denominator <= 0):
         raise ValueError("aggregation='constant' needs a positive constant_denominator; pass one.")
     mask = loss_mask.bool()  # [B, T]
@@ -104,8 +117,14 @@ def policy_gradient_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tenso
     with torch.no_grad():
         any_token = bool(mask.any())
         metrics = {
-            "clip_frac": masked_mean(((ratio < 1 - clip_low) | (ratio > 1 + clip_high) if loss_type == "cispo"
-                                      else clipped < unclipped).float(), mask).item(),
+            "clip_frac": masked_mean(
+                (
+                    (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
+                    if loss_type == "cispo"
+                    else clipped < unclipped
+                ).float(),
+                mask,
+            ).item(),
             "ratio_mean": masked_mean(ratio, mask).item(),
             "ratio_max": ratio[mask].max().item() if any_token else 0.0,
             "approx_kl": approx_kl(old_logprob, logprob, mask, "k3").item(),
@@ -121,5 +140,7 @@ def sequence_ratio_logprob(logprob: Tensor, old_logprob: Tensor, loss_mask: Tens
     acts on s, per sequence (GSPO uses a narrow band, e.g. clip_low 3e-4, clip_high 4e-4).
     """
     mask = loss_mask.bool()  # [B, T]
-    log_seq_ratio = torch.where(mask, logprob - old_logprob, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
+    log_seq_ratio = torch.where(mask, logprob - old_logprob, 0.0).sum(-1) / mask.sum(-1).clamp(
+        min=1
+    )  # [B]
     return old_logprob + log_seq_ratio.detach()[:, None] + (logprob - logprob.detach())  # [B, T]

@@ -32,7 +32,9 @@ class SamplingParams:
 class Generation:
     token_ids: np.ndarray  # int32 [n] sampled ids, stop token included
     logprobs: np.ndarray  # float32 [n] log-prob of each sampled id under the sampling distribution
-    versions: np.ndarray  # int32 [n] weight version that sampled each token (partial rollouts span several)
+    versions: (
+        np.ndarray
+    )  # int32 [n] weight version that sampled each token (partial rollouts span several)
     finish_reason: str  # "stop" | "length"
     extras: dict = field(default_factory=dict)
 
@@ -71,8 +73,18 @@ def from_wire(wire: dict) -> dict:
 
     import torch
 
-    with warnings.catch_warnings():  # Ray hands out read-only arrays; the engines only read (copy) them
+    with (
+        warnings.catch_warnings()
+    ):  # Ray hands out read-only arrays; the engines only read (copy) them
         warnings.simplefilter("ignore", UserWarning)
         # each tensor on its own storage over its bytes: pickling one (vLLM's RPC) then sends its bytes, not the whole buffer
-        return {name: (torch.frombuffer(wire["raw"], dtype=dtype, count=size // dtype.itemsize, offset=offset) if size
-                       else torch.empty(0, dtype=dtype)).reshape(shape) for name, dtype, shape, offset, size in wire["layout"]}
+        return {
+            name: (
+                torch.frombuffer(
+                    wire["raw"], dtype=dtype, count=size // dtype.itemsize, offset=offset
+                )
+                if size
+                else torch.empty(0, dtype=dtype)
+            ).reshape(shape)
+            for name, dtype, shape, offset, size in wire["layout"]
+        }

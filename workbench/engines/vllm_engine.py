@@ -40,13 +40,19 @@ import torch
 from workbench.engines.base import Generation, SamplingParams
 from workbench.engines.torch_engine import TorchEngine
 
-CPU_DEFAULTS = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+CPU_DEFAULTS = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
 
 
 class WeightSync:
     """vLLM worker extension (runs in each vLLM worker): in-place reload with an optional check."""
 
-    def load_policy_weights(self, weights: list[tuple[str, torch.Tensor]], check: bool) -> list[str]:
+    def load_policy_weights(
+        self, weights: list[tuple[str, torch.Tensor]], check: bool
+    ) -> list[str]:
         """Reload from (name, tensor) pairs in checkpoint format; with `check`, every parameter is first
         filled with NaN, and the names of those still holding NaN afterwards (not updated) are returned."""
         model = self.model_runner.get_model()
@@ -55,19 +61,31 @@ class WeightSync:
                 for parameter in model.parameters():
                     parameter.fill_(float("nan"))
         self.reload_weights(weights_iterator=iter(weights))
-        for module in model.modules():  # CPU MoE kernels read prepacked experts, packed only at the first load
+        for module in (
+            model.modules()
+        ):  # CPU MoE kernels read prepacked experts, packed only at the first load
             kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
             if kernel is not None and module.w13_weight.device.type == "cpu":
                 kernel.fused_experts.process_weights_after_loading(module)
-        return [name for name, p in model.named_parameters() if check and bool(torch.isnan(p).any())]
+        return [
+            name for name, p in model.named_parameters() if check and bool(torch.isnan(p).any())
+        ]
 
 
 class VllmEngine(TorchEngine):
     """Same protocol, weight slot and hold/partial semantics as the torch engine; vLLM does the sampling."""
 
-    def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, partial: bool = False,
-                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5, check_weight_sync: bool = False,
-                 routed_experts: bool = True):
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        seed: int = 0,
+        partial: bool = False,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        check_weight_sync: bool = False,
+        routed_experts: bool = True,
+    ):
         from workbench.models.multimodal import ImageCodec, is_vision_language
         from workbench.models.tiny import is_moe
 
@@ -79,15 +97,30 @@ class VllmEngine(TorchEngine):
         from vllm import LLM
 
         self.moe = is_moe(AutoConfig.from_pretrained(model_path).get_text_config())
-        self.routes = self.moe and routed_experts and not cpu  # vLLM serves them with Model Runner V2 only (GPU)
+        self.routes = (
+            self.moe and routed_experts and not cpu
+        )  # vLLM serves them with Model Runner V2 only (GPU)
         # vLLM's CPU kernels keep the OpenMP settings of the thread that started them: all calls run on that thread
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="vllm")
-        self.llm = self._call(LLM, model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=tensor_parallel_size,
-                              gpu_memory_utilization=gpu_memory_utilization, enforce_eager=cpu, enable_prefix_caching=False,
-                              logprobs_mode="processed_logprobs", max_logprobs=0, async_scheduling=False,
-                              worker_extension_cls=f"{__name__}.WeightSync", enable_return_routed_experts=self.routes,
-                              **({"limit_mm_per_prompt": {"image": 8}} if vision else {}))
-        self.codec = ImageCodec(model_path) if vision else None  # the rollout expands placeholders as vLLM does
+        self.llm = self._call(
+            LLM,
+            model=model_path,
+            dtype=dtype,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=cpu,
+            enable_prefix_caching=False,
+            logprobs_mode="processed_logprobs",
+            max_logprobs=0,
+            async_scheduling=False,
+            worker_extension_cls=f"{__name__}.WeightSync",
+            enable_return_routed_experts=self.routes,
+            **({"limit_mm_per_prompt": {"image": 8}} if vision else {}),
+        )
+        self.codec = (
+            ImageCodec(model_path) if vision else None
+        )  # the rollout expands placeholders as vLLM does
         self.seed, self.check = seed, check_weight_sync
         self.version, self.partial, self.ids = 0, partial, itertools.count()
         self._lock, self._pending, self._busy = threading.Lock(), None, 0
@@ -108,32 +141,57 @@ class VllmEngine(TorchEngine):
         state_dict, version = self._pending
         self._pending = None
         weights = [(name, tensor.detach().cpu()) for name, tensor in state_dict.items()]
-        stale = self._call(self.llm.collective_rpc, "load_policy_weights", args=(weights, self.check))
+        stale = self._call(
+            self.llm.collective_rpc, "load_policy_weights", args=(weights, self.check)
+        )
         missed = sorted({name for worker in stale for name in worker})
         if missed:
-            raise RuntimeError(f"Weight sync to version {version} left {len(missed)} vLLM parameter(s) not updated "
-                               f"(e.g. {missed[0]}): the pushed state dict does not cover the engine's model.")
+            raise RuntimeError(
+                f"Weight sync to version {version} left {len(missed)} vLLM parameter(s) not updated "
+                f"(e.g. {missed[0]}): the pushed state dict does not cover the engine's model."
+            )
         self.version = version
 
-    def _steps(self, prompts: list[np.ndarray], params: SamplingParams, images: list[list[bytes]]) -> list[Generation]:
+    def _steps(
+        self, prompts: list[np.ndarray], params: SamplingParams, images: list[list[bytes]]
+    ) -> list[Generation]:
         from PIL import Image
-        from vllm import SamplingParams as VllmParams, TokensPrompt
+        from vllm import SamplingParams as VllmParams
+        from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         greedy = params.temperature <= 0
-        sampling = VllmParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=1 if greedy else params.top_p,
-                              logprobs=0, detokenize=False,
-                              ignore_eos=True, stop_token_ids=list(params.stop_token_ids), skip_special_tokens=False,
-                              output_kind=RequestOutputKind.DELTA)
+        sampling = VllmParams(
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=1 if greedy else params.top_p,
+            logprobs=0,
+            detokenize=False,
+            ignore_eos=True,
+            stop_token_ids=list(params.stop_token_ids),
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
         engine, rows = self.llm.llm_engine, {}
         for row, prompt in enumerate(prompts):
-            sampling = sampling.clone()  # a seed per request: the engine's own stream, or the call's seed and the row
-            sampling.seed = (self.seed * 1_000_003 + next(self.ids) if params.seed is None
-                             else (params.seed * 1_000_003 + row) % 2**63)
-            request_id = f"r{next(self.ids)}"  # outputs carry this id (add_request returns an internal one)
-            inputs = TokensPrompt(prompt_token_ids=[int(t) for t in prompt])  # placeholders already expanded
+            sampling = (
+                sampling.clone()
+            )  # a seed per request: the engine's own stream, or the call's seed and the row
+            sampling.seed = (
+                self.seed * 1_000_003 + next(self.ids)
+                if params.seed is None
+                else (params.seed * 1_000_003 + row) % 2**63
+            )
+            request_id = (
+                f"r{next(self.ids)}"  # outputs carry this id (add_request returns an internal one)
+            )
+            inputs = TokensPrompt(
+                prompt_token_ids=[int(t) for t in prompt]
+            )  # placeholders already expanded
             if images[row]:
-                inputs["multi_modal_data"] = {"image": [Image.open(io.BytesIO(b)).convert("RGB") for b in images[row]]}
+                inputs["multi_modal_data"] = {
+                    "image": [Image.open(io.BytesIO(b)).convert("RGB") for b in images[row]]
+                }
             engine.add_request(request_id, inputs, sampling)
             rows[request_id] = row
         parts = {row: ([], [], []) for row in range(len(prompts))}  # ids, logprobs, versions
@@ -144,7 +202,10 @@ class VllmEngine(TorchEngine):
                 row, completion = rows[output.request_id], output.outputs[0]
                 ids, logprobs, versions = parts[row]
                 ids += completion.token_ids
-                logprobs += [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)]
+                logprobs += [
+                    entry[token].logprob
+                    for entry, token in zip(completion.logprobs, completion.token_ids)
+                ]
                 versions += [version] * len(completion.token_ids)
                 if output.finished:
                     finish[row], routes[row] = completion.finish_reason, completion.routed_experts
@@ -154,11 +215,17 @@ class VllmEngine(TorchEngine):
         generations = []
         for row, prompt in enumerate(prompts):
             ids, logprobs, versions = parts[row]
-            generation = Generation(np.asarray(ids, dtype=np.int32), np.asarray(logprobs, dtype=np.float32),
-                                    np.asarray(versions, dtype=np.int32), "stop" if finish[row] == "stop" else "length")
+            generation = Generation(
+                np.asarray(ids, dtype=np.int32),
+                np.asarray(logprobs, dtype=np.float32),
+                np.asarray(versions, dtype=np.int32),
+                "stop" if finish[row] == "stop" else "length",
+            )
             if routes.get(row) is not None:
                 from workbench.invariants.routing_replay import decode_vllm_routed_experts
 
-                generation.extras["routed_experts"] = decode_vllm_routed_experts(routes[row], len(prompt) + len(ids))
+                generation.extras["routed_experts"] = decode_vllm_routed_experts(
+                    routes[row], len(prompt) + len(ids)
+                )
             generations.append(generation)
         return generations

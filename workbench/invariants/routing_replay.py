@@ -22,7 +22,11 @@ import torch
 
 def find_routers(model) -> list[torch.nn.Module]:
     """The MoE router modules of a transformers model, in layer order (empty for a dense model)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k")]
+    return [
+        m
+        for m in model.modules()
+        if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k")
+    ]
 
 
 @contextlib.contextmanager
@@ -45,8 +49,11 @@ def capture_routes(model):
         def record(module, inputs, output):
             current[index] = output[2].detach().to(torch.int16)
             if len(current) == len(routers):  # the last MoE layer of this forward
-                per_forward.append(torch.stack([current[i] for i in range(len(routers))], dim=1).numpy())
+                per_forward.append(
+                    torch.stack([current[i] for i in range(len(routers))], dim=1).numpy()
+                )
                 current.clear()
+
         return record
 
     with _hooked(routers, hook):
@@ -69,21 +76,31 @@ def replay_routes(model, routed_experts: torch.Tensor, enabled: bool = True):
     def hook(layer):
         def force(module, inputs, output):
             logits, live_weights, live = output  # [tokens, experts], [tokens, k], [tokens, k]
-            recorded = routed_experts[:, :, layer, :].reshape(-1, live.shape[-1]).to(live.device).long()
+            recorded = (
+                routed_experts[:, :, layer, :].reshape(-1, live.shape[-1]).to(live.device).long()
+            )
             known = (recorded >= 0).all(-1)  # [tokens]
             same = (live.sort(-1).values == recorded.sort(-1).values).all(-1)
-            stats.setdefault("mismatch", torch.zeros(batch, seq, len(routers), dtype=torch.bool))[:, :, layer] = \
-                (known & ~same).view(batch, seq)
-            stats.setdefault("known", torch.zeros(batch, seq, len(routers), dtype=torch.bool))[:, :, layer] = known.view(batch, seq)
-            stats.setdefault("live", torch.full((batch, seq, len(routers), live.shape[-1]), -1, dtype=torch.int16))[:, :, layer] = \
-                live.view(batch, seq, -1)
+            stats.setdefault("mismatch", torch.zeros(batch, seq, len(routers), dtype=torch.bool))[
+                :, :, layer
+            ] = (known & ~same).view(batch, seq)
+            stats.setdefault("known", torch.zeros(batch, seq, len(routers), dtype=torch.bool))[
+                :, :, layer
+            ] = known.view(batch, seq)
+            stats.setdefault(
+                "live",
+                torch.full((batch, seq, len(routers), live.shape[-1]), -1, dtype=torch.int16),
+            )[:, :, layer] = live.view(batch, seq, -1)
             if not enabled:
                 return output
             chosen = torch.where(known[:, None], recorded, live)  # [tokens, k]
             weights = torch.softmax(logits.float(), dim=-1).gather(-1, chosen)
-            if getattr(module, "norm_topk_prob", True):  # Mixtral always re-normalises; Qwen3-MoE / OLMoE by config
+            if getattr(
+                module, "norm_topk_prob", True
+            ):  # Mixtral always re-normalises; Qwen3-MoE / OLMoE by config
                 weights = weights / weights.sum(-1, keepdim=True)
             return logits, weights.to(live_weights.dtype), chosen
+
         return force
 
     with _hooked(routers, hook):
@@ -99,9 +116,13 @@ def decode_vllm_routed_experts(data, num_tokens: int) -> np.ndarray:
     else:
         array = np.asarray(data)
     if array.ndim != 3:
-        raise ValueError(f"routed_experts must be [tokens, layers, top_k]; got shape {array.shape}.")
+        raise ValueError(
+            f"routed_experts must be [tokens, layers, top_k]; got shape {array.shape}."
+        )
     if not num_tokens - 1 <= len(array) <= num_tokens:
-        raise ValueError(f"routed_experts has {len(array)} rows for {num_tokens} tokens (expected {num_tokens - 1} or {num_tokens}).")
+        raise ValueError(
+            f"routed_experts has {len(array)} rows for {num_tokens} tokens (expected {num_tokens - 1} or {num_tokens})."
+        )
     out = np.full((num_tokens, *array.shape[1:]), -1, dtype=np.int16)
-    out[:len(array)] = array.astype(np.int16)
+    out[: len(array)] = array.astype(np.int16)
     return out

@@ -30,10 +30,16 @@ class SegmentTokens:
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
     seal_reason: str = ""
     prompt_text: str = ""
-    sampled_turns: list[np.ndarray] = field(default_factory=list)  # what the engine returned, per turn
+    sampled_turns: list[np.ndarray] = field(
+        default_factory=list
+    )  # what the engine returned, per turn
     finish: str = ""  # finish reason of the last sampled turn
-    images: list[bytes] = field(default_factory=list)  # encoded images, in the order of their placeholder runs
-    routes: np.ndarray | None = None  # int16 [t, layers, k] experts of the latest forward over positions 0..t
+    images: list[bytes] = field(
+        default_factory=list
+    )  # encoded images, in the order of their placeholder runs
+    routes: np.ndarray | None = (
+        None  # int16 [t, layers, k] experts of the latest forward over positions 0..t
+    )
 
     def extend(self, ids, sampled: bool, logprobs=None, versions=None) -> None:
         self.token_ids.extend(int(i) for i in ids)
@@ -44,24 +50,34 @@ class SegmentTokens:
     def identity_holds(self) -> bool:
         """Audit: the mask-1 ids are exactly the engine's sampled ids, in order."""
         sampled = np.asarray(self.token_ids, dtype=np.int64)[np.asarray(self.loss_mask, dtype=bool)]
-        returned = np.concatenate(self.sampled_turns) if self.sampled_turns else np.zeros(0, np.int64)
+        returned = (
+            np.concatenate(self.sampled_turns) if self.sampled_turns else np.zeros(0, np.int64)
+        )
         return np.array_equal(sampled, returned)
 
     def arrays(self) -> dict[str, np.ndarray]:
         routed = None
         if self.routes is not None:  # positions added after the last forward are unknown (-1)
             routed = np.full((len(self.token_ids), *self.routes.shape[1:]), -1, dtype=np.int16)
-            routed[:len(self.routes)] = self.routes[:len(self.token_ids)]
-        return {"routed_experts": routed,"token_ids": np.asarray(self.token_ids, dtype=np.int32),
-                "loss_mask": np.asarray(self.loss_mask, dtype=np.uint8),
-                "behavior_logprob": np.asarray(self.behavior_logprob, dtype=np.float32),
-                "behavior_version": np.asarray(self.behavior_version, dtype=np.int32)}
+            routed[: len(self.routes)] = self.routes[: len(self.token_ids)]
+        return {
+            "routed_experts": routed,
+            "token_ids": np.asarray(self.token_ids, dtype=np.int32),
+            "loss_mask": np.asarray(self.loss_mask, dtype=np.uint8),
+            "behavior_logprob": np.asarray(self.behavior_logprob, dtype=np.float32),
+            "behavior_version": np.asarray(self.behavior_version, dtype=np.int32),
+        }
 
 
 def message_images(messages: list[dict]) -> list[bytes]:
     """Encoded images of `messages` in render order (content parts `{"type": "image", "image": bytes}`)."""
-    return [part["image"] for m in messages if isinstance(m.get("content"), list)
-            for part in m["content"] if part.get("type") == "image"]
+    return [
+        part["image"]
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for part in m["content"]
+        if part.get("type") == "image"
+    ]
 
 
 def retokenize_drift(tokenizer, token_ids: list[int]) -> bool:
@@ -69,8 +85,12 @@ def retokenize_drift(tokenizer, token_ids: list[int]) -> bool:
     Through the fast tokenizer's Rust backend when there is one: the same round trip, a quarter of the cost."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        return tokenizer(tokenizer.decode(token_ids), add_special_tokens=False)["input_ids"] != list(token_ids)
-    return backend.encode(backend.decode(list(token_ids), skip_special_tokens=False), add_special_tokens=False).ids != list(token_ids)
+        return tokenizer(tokenizer.decode(token_ids), add_special_tokens=False)[
+            "input_ids"
+        ] != list(token_ids)
+    return backend.encode(
+        backend.decode(list(token_ids), skip_special_tokens=False), add_special_tokens=False
+    ).ids != list(token_ids)
 
 
 def reply_text(tokenizer, token_ids, finish_reason: str) -> str:
@@ -80,20 +100,25 @@ def reply_text(tokenizer, token_ids, finish_reason: str) -> str:
 
 
 class TokenAccumulator:
-    def __init__(self, tokenizer, messages: list[dict], tools: list[dict] | None = None, codec=None):
+    def __init__(
+        self, tokenizer, messages: list[dict], tools: list[dict] | None = None, codec=None
+    ):
         self.tokenizer, self.tools, self.codec = tokenizer, tools or None, codec
         self.sealed: list[SegmentTokens] = []
         self.last_finish = "stop"
         self._open(list(messages))
 
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
     def encode(self, text: str, images: list[bytes] = ()) -> list[int]:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if images and self.codec is None:
-            raise ValueError("A message holds an image but the policy has no vision tower: use a vision-language model.")
+            raise ValueError(
+                "A message holds an image but the policy has no vision tower: use a vision-language model."
+            )
         return self.codec.expand(ids, images) if images else ids
 
     @property
@@ -101,14 +126,23 @@ class TokenAccumulator:
         """The exact ids generation continues from (int32 [t])."""
         return np.asarray(self.open.token_ids, dtype=np.int32)
 
-    def add_sampled(self, token_ids: np.ndarray, logprobs: np.ndarray, versions, message: dict, finish_reason: str,
-                    routed_experts: np.ndarray | None = None) -> None:
+    def add_sampled(
+        self,
+        token_ids: np.ndarray,
+        logprobs: np.ndarray,
+        versions,
+        message: dict,
+        finish_reason: str,
+        routed_experts: np.ndarray | None = None,
+    ) -> None:
         """Append what the engine sampled, untouched, with each token's log-prob and weight version
         (`versions`: one int for the whole turn or int [n]). `message` is the assistant message decoded
         from it (text, tool calls), for the conversation only; `finish_reason` "stop" means the last
         id is the template's stop token."""
         if len(logprobs) != len(token_ids):
-            raise ValueError(f"The engine returned {len(logprobs)} log-probs for {len(token_ids)} sampled tokens.")
+            raise ValueError(
+                f"The engine returned {len(logprobs)} log-probs for {len(token_ids)} sampled tokens."
+            )
         start = len(self.open.token_ids)
         versions = np.broadcast_to(np.asarray(versions, dtype=np.int32), (len(token_ids),))
         self.open.extend(token_ids, sampled=True, logprobs=logprobs, versions=versions)
@@ -123,7 +157,11 @@ class TokenAccumulator:
         """Take a client's whole conversation: `extend` when it continues this one (our messages are its
         prefix and the render stays a prefix), else `seal` and start a new segment from its full render."""
         known = len(self.messages)
-        if (tools or None) == self.tools and len(messages) > known and messages[:known] == self.messages:
+        if (
+            (tools or None) == self.tools
+            and len(messages) > known
+            and messages[:known] == self.messages
+        ):
             return "extend" if self.add_messages(messages[known:]) else "seal"
         self.seal("compaction" if (tools or None) == self.tools else "tools_changed")
         self.tools = tools or None
@@ -142,19 +180,29 @@ class TokenAccumulator:
         # out of tokens never sampled the stop token, so it is added here, untrainable.
         eos = self.tokenizer.eos_token
         end = previous.rfind(eos)
-        tail = previous[end + len(eos):] if self.last_finish == "stop" else previous[end:]
+        tail = previous[end + len(eos) :] if self.last_finish == "stop" else previous[end:]
         images = message_images(new_messages)
-        self.open.extend(self.encode(tail + full[len(previous):], images), sampled=False)
+        self.open.extend(self.encode(tail + full[len(previous) :], images), sampled=False)
         self.open.images += images
         self.messages.extend(new_messages)
         return True
 
     def fork(self) -> "TokenAccumulator":
         """A copy to try a turn on; the original is untouched until the copy replaces it."""
-        twin, o = copy.copy(self), self.open  # lists are copied; their items (ints, arrays, bytes, messages) are never mutated
-        twin.open = dataclasses.replace(o, token_ids=list(o.token_ids), loss_mask=list(o.loss_mask),
-                                        behavior_logprob=list(o.behavior_logprob), behavior_version=list(o.behavior_version),
-                                        turn_spans=list(o.turn_spans), sampled_turns=list(o.sampled_turns), images=list(o.images))
+        twin, o = (
+            copy.copy(self),
+            self.open,
+        )  # lists are copied; their items (ints, arrays, bytes, messages) are never mutated
+        twin.open = dataclasses.replace(
+            o,
+            token_ids=list(o.token_ids),
+            loss_mask=list(o.loss_mask),
+            behavior_logprob=list(o.behavior_logprob),
+            behavior_version=list(o.behavior_version),
+            turn_spans=list(o.turn_spans),
+            sampled_turns=list(o.sampled_turns),
+            images=list(o.images),
+        )
         twin.sealed, twin.messages = list(self.sealed), list(self.messages)
         return twin
 

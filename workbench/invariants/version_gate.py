@@ -32,7 +32,9 @@ MAX_LOG_RATIO = 20.0  # log-ratios are clamped here before exponentiation: e^20 
 
 @dataclass
 class GateResult:
-    token_weight: Tensor  # [B, T] weight of each token in the loss (0 outside the mask or where rejected)
+    token_weight: (
+        Tensor  # [B, T] weight of each token in the loss (0 outside the mask or where rejected)
+    )
     loss_mask: Tensor  # [B, T] bool: tokens counted in the loss denominator
     kept: Tensor  # [B] bool: sequence kept
     reason: list[str]  # [B] ok | stale | ratio_low | ratio_high
@@ -42,17 +44,28 @@ class GateResult:
     tokens_masked: Tensor  # [B] sampled tokens given weight 0 by the gate
 
 
-def version_gate(behavior_logprob: Tensor, train_logprob: Tensor, loss_mask: Tensor, behavior_version: Tensor,
-                 learner_version: int, level: str = "off", mode: str = "mask", band: tuple[float, float] = (0.5, 2.0),
-                 max_staleness: int | None = None, token_cap: float | None = None,
-                 denominator: str = "all") -> GateResult:
+def version_gate(
+    behavior_logprob: Tensor,
+    train_logprob: Tensor,
+    loss_mask: Tensor,
+    behavior_version: Tensor,
+    learner_version: int,
+    level: str = "off",
+    mode: str = "mask",
+    band: tuple[float, float] = (0.5, 2.0),
+    max_staleness: int | None = None,
+    token_cap: float | None = None,
+    denominator: str = "all",
+) -> GateResult:
     """Per-sequence decisions and per-token weights for one batch (all inputs [B, T])."""
     if level not in LEVELS or mode not in MODES or denominator not in DENOMINATORS:
         raise ValueError(f"gate level/mode/denominator must be in {LEVELS}/{MODES}/{DENOMINATORS}.")
     low, high = band
     mask = loss_mask.bool()
     sampled = mask.sum(-1)  # [B]
-    delta = torch.where(mask, train_logprob - behavior_logprob, 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # [B, T]
+    delta = torch.where(mask, train_logprob - behavior_logprob, 0.0).clamp(
+        -MAX_LOG_RATIO, MAX_LOG_RATIO
+    )  # [B, T]
     seq_log_ratio = delta.sum(-1)  # [B]
     geo_log_ratio = seq_log_ratio / sampled.clamp(min=1)
     oldest = torch.where(mask, behavior_version, torch.iinfo(behavior_version.dtype).max).amin(-1)
@@ -70,7 +83,11 @@ def version_gate(behavior_logprob: Tensor, train_logprob: Tensor, loss_mask: Ten
         else:
             weight = ratio.clamp(min=low if mode == "clip" else None, max=high) * mask
     else:
-        sequence_ratio = (seq_log_ratio if level == "seq" else geo_log_ratio).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+        sequence_ratio = (
+            (seq_log_ratio if level == "seq" else geo_log_ratio)
+            .clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+            .exp()
+        )
         reason = torch.where(sequence_ratio < low, 2, torch.where(sequence_ratio > high, 3, 0))
         weight = (ratio.clamp(max=token_cap) if token_cap is not None else ratio) * mask
     if max_staleness is not None:
@@ -79,16 +96,25 @@ def version_gate(behavior_logprob: Tensor, train_logprob: Tensor, loss_mask: Ten
     keep_token &= kept[:, None]
     weight = weight * keep_token
     names = ("ok", "stale", "ratio_low", "ratio_high")
-    return GateResult(token_weight=weight, loss_mask=mask if denominator == "all" else keep_token, kept=kept,
-                      reason=[names[r] for r in reason.tolist()], staleness=staleness, seq_log_ratio=seq_log_ratio,
-                      geo_ratio=geo_log_ratio.exp(), tokens_masked=(mask & ~keep_token).sum(-1))
+    return GateResult(
+        token_weight=weight,
+        loss_mask=mask if denominator == "all" else keep_token,
+        kept=kept,
+        reason=[names[r] for r in reason.tolist()],
+        staleness=staleness,
+        seq_log_ratio=seq_log_ratio,
+        geo_ratio=geo_log_ratio.exp(),
+        tokens_masked=(mask & ~keep_token).sum(-1),
+    )
 
 
 def gate_metrics(gate: GateResult, loss_mask: Tensor) -> dict[str, float]:
     """Per-step aggregates: kept and stale fractions, the fraction of sampled tokens filtered, staleness."""
     sampled = loss_mask.bool().sum().clamp(min=1)
-    return {"gate/kept_frac": float(gate.kept.float().mean()),
-            "gate/stale_frac": sum(r == "stale" for r in gate.reason) / max(len(gate.reason), 1),
-            "gate/is_filter_ratio": float(gate.tokens_masked.sum() / sampled),
-            "gate/weight_mean": float(gate.token_weight.sum() / sampled),
-            "async/mean_staleness": float(gate.staleness.float().mean())}
+    return {
+        "gate/kept_frac": float(gate.kept.float().mean()),
+        "gate/stale_frac": sum(r == "stale" for r in gate.reason) / max(len(gate.reason), 1),
+        "gate/is_filter_ratio": float(gate.tokens_masked.sum() / sampled),
+        "gate/weight_mean": float(gate.token_weight.sum() / sampled),
+        "async/mean_staleness": float(gate.staleness.float().mean()),
+    }

@@ -34,9 +34,24 @@ def load_policy(path: str, dtype: str = "float32"):
     # The vision markers are input only: a sampled image placeholder has no image behind it. Their logits
     # are -inf in every forward (engine, learner, warm start), so no distribution ever gives them mass.
     config, vocab = model.config, model.config.get_text_config().vocab_size
-    banned = torch.tensor([i for i in (getattr(config, k, None) for k in ("image_token_id", "video_token_id",
-                           "vision_start_token_id", "vision_end_token_id")) if i is not None and i < vocab])
-    model.get_output_embeddings().register_forward_hook(lambda module, inputs, logits: logits.index_fill(-1, banned, float("-inf")))
+    banned = torch.tensor(
+        [
+            i
+            for i in (
+                getattr(config, k, None)
+                for k in (
+                    "image_token_id",
+                    "video_token_id",
+                    "vision_start_token_id",
+                    "vision_end_token_id",
+                )
+            )
+            if i is not None and i < vocab
+        ]
+    )
+    model.get_output_embeddings().register_forward_hook(
+        lambda module, inputs, logits: logits.index_fill(-1, banned, float("-inf"))
+    )
     return model
 
 
@@ -47,8 +62,10 @@ class ImageCodec:
         from transformers import AutoImageProcessor, AutoTokenizer
 
         self.processor = AutoImageProcessor.from_pretrained(path)
-        self.placeholder_id = AutoTokenizer.from_pretrained(path).convert_tokens_to_ids("<|image_pad|>")
-        self.merge = self.processor.merge_size ** 2
+        self.placeholder_id = AutoTokenizer.from_pretrained(path).convert_tokens_to_ids(
+            "<|image_pad|>"
+        )
+        self.merge = self.processor.merge_size**2
         self._cached = lru_cache(maxsize=4096)(self._process)
 
     def _process(self, image: bytes) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,16 +81,28 @@ class ImageCodec:
         """Replace the k-th single placeholder in `ids` by as many as `images[k]` takes."""
         out, images = [], iter(images)
         for token in ids:
-            out.extend([token] * self.placeholders(next(images)) if token == self.placeholder_id else [token])
+            out.extend(
+                [token] * self.placeholders(next(images))
+                if token == self.placeholder_id
+                else [token]
+            )
         return out
 
     def pixels(self, images: list[bytes]) -> dict[str, torch.Tensor]:
         processed = [self._cached(image) for image in images]
-        return {"pixel_values": torch.cat([p for p, _ in processed]), "image_grid_thw": torch.stack([g for _, g in processed])}
+        return {
+            "pixel_values": torch.cat([p for p, _ in processed]),
+            "image_grid_thw": torch.stack([g for _, g in processed]),
+        }
 
 
-def forward_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: list[list[bytes]] | None = None,
-                   codec: ImageCodec | None = None) -> dict[str, torch.Tensor]:
+def forward_inputs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    images: list[list[bytes]] | None = None,
+    codec: ImageCodec | None = None,
+) -> dict[str, torch.Tensor]:
     """Keyword inputs of a full forward over padded rows: position ids that skip padding (3-row M-RoPE
     positions for a vision-language model) and, when any row has images, their pixels in row order."""
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
@@ -86,5 +115,7 @@ def forward_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         inputs.update(codec.pixels(flat))
         grid = inputs["image_grid_thw"]
     kinds = (input_ids == codec.placeholder_id).int()
-    inputs["position_ids"], _ = model.model.get_rope_index(input_ids, kinds, grid, attention_mask)  # [3, batch, seq]
+    inputs["position_ids"], _ = model.model.get_rope_index(
+        input_ids, kinds, grid, attention_mask
+    )  # [3, batch, seq]
     return inputs

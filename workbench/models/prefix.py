@@ -24,7 +24,9 @@ class Plan:
     group_of: np.ndarray  # [batch] the group of each row
 
 
-def plan(token_ids: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor, min_saved: float = 0.25) -> Plan | None:
+def plan(
+    token_ids: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor, min_saved: float = 0.25
+) -> Plan | None:
     """Each group's longest common prefix (leaving every row at least one token of its own; a group
     of one row shares with itself); None when a group shares no token, or when sharing would save
     under `min_saved` of the batch's tokens."""
@@ -37,11 +39,21 @@ def plan(token_ids: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor
         same = (ids[rows, :limit] == ids[rows[0], :limit]).all(0)
         prefix_len[g] = limit if same.all() else int(np.argmin(same))
     saved = int(prefix_len[group_of].sum() - prefix_len.sum())
-    return Plan(prefix_len, group_of) if prefix_len.min() > 0 and saved >= min_saved * lengths.sum() else None
+    return (
+        Plan(prefix_len, group_of)
+        if prefix_len.min() > 0 and saved >= min_saved * lengths.sum()
+        else None
+    )
 
 
-def shared_prefix_logprobs(model, token_ids: torch.Tensor, attention_mask: torch.Tensor, plan: Plan,
-                           temperature: float = 1.0, packed: bool | None = None) -> torch.Tensor:
+def shared_prefix_logprobs(
+    model,
+    token_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    plan: Plan,
+    temperature: float = 1.0,
+    packed: bool | None = None,
+) -> torch.Tensor:
     """Log-probs [batch, seq] of right-padded rows' own ids, as `token_logprobs` of a full forward gives
     them (padding positions hold any value), with each group's prefix computed once: `packed` in one
     forward, else in two (prefixes, then rows on their KV cache). By default packed while a group's
@@ -50,10 +62,17 @@ def shared_prefix_logprobs(model, token_ids: torch.Tensor, attention_mask: torch
     lengths = attention_mask.sum(-1)
     prefix_len, group_of = torch.from_numpy(plan.prefix_len), torch.from_numpy(plan.group_of)
     own = prefix_len[group_of]  # [batch] where each row's own tokens start
-    member = torch.nn.functional.one_hot(group_of, len(prefix_len)) * (lengths - own)[:, None]  # [batch, groups]
+    member = (
+        torch.nn.functional.one_hot(group_of, len(prefix_len)) * (lengths - own)[:, None]
+    )  # [batch, groups]
     width = int((prefix_len + member.sum(0)).max())  # the longest packed row
-    if packed is None:  # (a 4D mask is an additive bias for sdpa and eager attention; flash kernels take none)
-        packed = width <= 2 * model.config.get_text_config().hidden_size and model.config._attn_implementation in ("sdpa", "eager")
+    if (
+        packed is None
+    ):  # (a 4D mask is an additive bias for sdpa and eager attention; flash kernels take none)
+        packed = (
+            width <= 2 * model.config.get_text_config().hidden_size
+            and model.config._attn_implementation in ("sdpa", "eager")
+        )
     if not packed:
         return _cached(model, token_ids, lengths, plan, temperature)
     return _packed(model, token_ids, lengths, group_of, temperature, own, member, width)
@@ -63,26 +82,47 @@ def _packed(model, token_ids, lengths, group_of, temperature, own, member, width
     """One row per group: its prefix once, then each of its rows' own tokens, under a mask by which a
     row's tokens see the prefix and their own earlier tokens only, at their own positions."""
     groups = member.shape[1]
-    start = own + (member.cumsum(0) - member).gather(1, group_of[:, None])[:, 0]  # [batch] own tokens' packed column
+    start = (
+        own + (member.cumsum(0) - member).gather(1, group_of[:, None])[:, 0]
+    )  # [batch] own tokens' packed column
     t = torch.arange(token_ids.shape[1])[None]  # [1, seq]
     column = torch.where(t < own[:, None], t, start[:, None] + t - own[:, None])
     spare = groups * width  # the slot every padding position writes to (dropped)
-    slot = torch.where(t < lengths[:, None], group_of[:, None] * width + column, spare)  # [batch, seq] packed slot
+    slot = torch.where(
+        t < lengths[:, None], group_of[:, None] * width + column, spare
+    )  # [batch, seq] packed slot
 
-    def pack(values: torch.Tensor, fill: int) -> torch.Tensor:  # [groups, width]; a group's rows agree on its prefix
-        return torch.full((spare + 1,), fill).index_put_((slot.flatten(),), values.flatten())[:spare].view(-1, width)
+    def pack(
+        values: torch.Tensor, fill: int
+    ) -> torch.Tensor:  # [groups, width]; a group's rows agree on its prefix
+        return (
+            torch.full((spare + 1,), fill)
+            .index_put_((slot.flatten(),), values.flatten())[:spare]
+            .view(-1, width)
+        )
 
     ids, positions = pack(token_ids, 0), pack(t.expand_as(token_ids), 0)
-    owner = pack(torch.where(t < own[:, None], -1, torch.arange(len(token_ids))[:, None]), -2)  # prefix -1, padding -2
-    sees = ((owner[:, None, :] == owner[:, :, None]) | (owner[:, None, :] == -1)) & (positions[:, None, :] <= positions[:, :, None])
+    owner = pack(
+        torch.where(t < own[:, None], -1, torch.arange(len(token_ids))[:, None]), -2
+    )  # prefix -1, padding -2
+    sees = ((owner[:, None, :] == owner[:, :, None]) | (owner[:, None, :] == -1)) & (
+        positions[:, None, :] <= positions[:, :, None]
+    )
     dtype = next(model.parameters()).dtype
-    bias = torch.zeros(sees.shape, dtype=dtype).masked_fill(~sees, torch.finfo(dtype).min)[:, None]  # [groups, 1, q, k]
-    logits = model(input_ids=ids, attention_mask=bias, position_ids=positions,
-                   use_cache=False).logits.flatten(0, 1).float()
+    bias = torch.zeros(sees.shape, dtype=dtype).masked_fill(~sees, torch.finfo(dtype).min)[
+        :, None
+    ]  # [groups, 1, q, k]
+    logits = (
+        model(input_ids=ids, attention_mask=bias, position_ids=positions, use_cache=False)
+        .logits.flatten(0, 1)
+        .float()
+    )
     if temperature != 1.0:
         logits = logits / temperature
     source = slot[:, :-1].clamp(max=spare - 1)  # the slot whose logits predict each next id
-    picked = logits[source, token_ids[:, 1:]] - torch.logsumexp(logits, dim=-1)[source]  # [batch, seq - 1]
+    picked = (
+        logits[source, token_ids[:, 1:]] - torch.logsumexp(logits, dim=-1)[source]
+    )  # [batch, seq - 1]
     return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
 
 
@@ -93,25 +133,51 @@ def _cached(model, token_ids, lengths, plan, temperature):
     prefix_len, group_of = torch.from_numpy(plan.prefix_len), torch.from_numpy(plan.group_of)
     first_rows = torch.from_numpy(np.unique(plan.group_of, return_index=True)[1])
     longest = int(prefix_len.max())
-    prefix_mask = (torch.arange(longest)[None] < prefix_len[:, None]).long()  # [groups, prefix], right-padded
+    prefix_mask = (
+        torch.arange(longest)[None] < prefix_len[:, None]
+    ).long()  # [groups, prefix], right-padded
     prefix_ids = token_ids[first_rows, :longest] * prefix_mask
-    out = model(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=torch.arange(longest)[None].expand_as(prefix_ids),
-                use_cache=True)
+    out = model(
+        input_ids=prefix_ids,
+        attention_mask=prefix_mask,
+        position_ids=torch.arange(longest)[None].expand_as(prefix_ids),
+        use_cache=True,
+    )
     cache = output_cache(out)
     cache.batch_select_indices(group_of)  # each row reads its group's prefix keys and values
     own = prefix_len[group_of]  # [batch]
     steps = torch.arange(int((lengths - own).max()))[None]  # [1, suffix]
     suffix_mask = (steps < (lengths - own)[:, None]).long()  # [batch, suffix]
-    suffix_ids = token_ids.gather(1, (own[:, None] + steps).clamp(max=token_ids.shape[1] - 1)) * suffix_mask
-    suffix = model(input_ids=suffix_ids, attention_mask=torch.cat([prefix_mask[group_of], suffix_mask], dim=1),
-                   position_ids=own[:, None] + steps, use_cache=True, **cache_input(model, cache)).logits
+    suffix_ids = (
+        token_ids.gather(1, (own[:, None] + steps).clamp(max=token_ids.shape[1] - 1)) * suffix_mask
+    )
+    suffix = model(
+        input_ids=suffix_ids,
+        attention_mask=torch.cat([prefix_mask[group_of], suffix_mask], dim=1),
+        position_ids=own[:, None] + steps,
+        use_cache=True,
+        **cache_input(model, cache),
+    ).logits
     # a row's first own token is predicted by its group's last prefix position; the rest by its suffix
     last = out.logits[torch.arange(len(prefix_len)), prefix_len - 1][group_of]  # [batch, vocab]
-    head = torch.log_softmax(last.float() / temperature, dim=-1).gather(-1, suffix_ids[:, :1])  # [batch, 1]
-    joined = torch.cat([token_logprobs(out.logits, prefix_ids, temperature)[group_of], head,
-                        token_logprobs(suffix, suffix_ids, temperature)[:, 1:]], dim=1)  # [batch, prefix + suffix]
+    head = torch.log_softmax(last.float() / temperature, dim=-1).gather(
+        -1, suffix_ids[:, :1]
+    )  # [batch, 1]
+    joined = torch.cat(
+        [
+            token_logprobs(out.logits, prefix_ids, temperature)[group_of],
+            head,
+            token_logprobs(suffix, suffix_ids, temperature)[:, 1:],
+        ],
+        dim=1,
+    )  # [batch, prefix + suffix]
     t = torch.arange(token_ids.shape[1])[None]
-    return joined.gather(1, torch.where(t < own[:, None], t, (longest + t - own[:, None]).clamp(max=joined.shape[1] - 1)))
+    return joined.gather(
+        1,
+        torch.where(
+            t < own[:, None], t, (longest + t - own[:, None]).clamp(max=joined.shape[1] - 1)
+        ),
+    )
 
 
 def output_cache(out):
@@ -123,7 +189,11 @@ def cache_input(model, cache) -> dict:
     """The keyword a forward takes its KV cache by (`cache`; `past_key_values` before transformers 5.20)."""
     import inspect
 
-    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+    return {
+        "cache"
+        if "cache" in inspect.signature(model.forward).parameters
+        else "past_key_values": cache
+    }
 
 
 def unique_rows(prompts: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:

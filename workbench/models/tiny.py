@@ -17,7 +17,11 @@ import tempfile
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
-VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]  # Qwen2-VL's; image_pad is expanded per image
+VISION_TOKENS = [
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+]  # Qwen2-VL's; image_pad is expanded per image
 
 # ChatML with Qwen-style tools: a tool list in the system turn, calls as <tool_call>{json}</tool_call>
 # after the assistant's text, tool results as <tool_response> user turns.
@@ -29,7 +33,7 @@ CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}{%- if first_system %}{{- content(messages[0]['content']) + '\\n\\n' }}{%- endif %}"
     "{{- '# Tools\\n<tools>\\n' }}{%- for tool in tools %}{{- tool | tojson }}{{- '\\n' }}{%- endfor %}"
-    "{{- '</tools>\\nCall a tool as <tool_call>{\\\"name\\\": ..., \\\"arguments\\\": ...}</tool_call>.<|im_end|>\\n' }}"
+    '{{- \'</tools>\\nCall a tool as <tool_call>{\\"name\\": ..., \\"arguments\\": ...}</tool_call>.<|im_end|>\\n\' }}'
     "{%- elif first_system %}{{- '<|im_start|>system\\n' + content(messages[0]['content']) + '<|im_end|>\\n' }}{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message['role'] == 'system' and loop.first %}"
@@ -45,21 +49,58 @@ CHAT_TEMPLATE = (
 )
 
 # Shapes of the built-in tiny models. head_dim 32 is the smallest vLLM's CPU attention accepts.
-_SHAPE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512)
+_SHAPE = dict(
+    hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512
+)
 TINY_SPECS: dict[str, dict] = {
     "tiny": dict(_SHAPE, family="qwen3", num_hidden_layers=2, intermediate_size=256),
     # a dense Qwen3 with ~10x tiny's compute per token (4.2M parameters): scaling benchmarks, heavier CPU runs
-    "small": dict(_SHAPE, family="qwen3", hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
-                  num_hidden_layers=4, intermediate_size=1024),
+    "small": dict(
+        _SHAPE,
+        family="qwen3",
+        hidden_size=256,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_hidden_layers=4,
+        intermediate_size=1024,
+    ),
     # mixtures of experts: 8 experts, top-2, every one of 3 layers sparse
-    "tiny-moe": dict(_SHAPE, family="qwen3_moe", num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
-                     moe_intermediate_size=64, intermediate_size=256, norm_topk_prob=True),
-    "tiny-mixtral": dict(_SHAPE, family="mixtral", num_hidden_layers=3, num_local_experts=8, num_experts_per_tok=2,
-                         intermediate_size=64),
+    "tiny-moe": dict(
+        _SHAPE,
+        family="qwen3_moe",
+        num_hidden_layers=3,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        intermediate_size=256,
+        norm_topk_prob=True,
+    ),
+    "tiny-mixtral": dict(
+        _SHAPE,
+        family="mixtral",
+        num_hidden_layers=3,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=64,
+    ),
     # vision-language: Qwen2-VL with a 2-block vision tower; a 112x112 image is 64 patches, 16 tokens after merging
-    "tiny-vl": dict(_SHAPE, vocab_size=1024, family="qwen2_vl", num_hidden_layers=2, intermediate_size=256, image_pixels=112 * 112,
-                    vision=dict(depth=2, embed_dim=64, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
-                                temporal_patch_size=2)),
+    "tiny-vl": dict(
+        _SHAPE,
+        vocab_size=1024,
+        family="qwen2_vl",
+        num_hidden_layers=2,
+        intermediate_size=256,
+        image_pixels=112 * 112,
+        vision=dict(
+            depth=2,
+            embed_dim=64,
+            num_heads=2,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+    ),
 }
 
 _CORPUS = """\
@@ -106,11 +147,17 @@ def build_tokenizer(vocab_size: int, vision: bool = False):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + (VISION_TOKENS if vision else []),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator((_CORPUS + (_TOOL_CORPUS if vision else "")).splitlines(), trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>",
-                                        pad_token="<|endoftext|>", bos_token=None)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS + (VISION_TOKENS if vision else []),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(
+        (_CORPUS + (_TOOL_CORPUS if vision else "")).splitlines(), trainer=trainer
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -121,33 +168,65 @@ def build_model(spec: dict, tokenizer, seed: int = 0):
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    fields = {k: v for k, v in spec.items() if k not in ("family", "vocab_size", "seed", "template", "vision", "image_pixels")}
-    fields.update(vocab_size=len(tokenizer), tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.pad_token_id, max_position_embeddings=2048)
+    fields = {
+        k: v
+        for k, v in spec.items()
+        if k not in ("family", "vocab_size", "seed", "template", "vision", "image_pixels")
+    }
+    fields.update(
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.pad_token_id,
+        max_position_embeddings=2048,
+    )
     torch.manual_seed(seed)
     if "vision" not in spec:
         return AutoModelForCausalLM.from_config(CONFIG_MAPPING[spec["family"]](**fields))
     from transformers import AutoModelForImageTextToText
 
-    fields.pop("head_dim")  # Qwen2-VL derives it; mrope sections (t, h, w) split its 16 rotary pairs
-    fields["rope_parameters"] = {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 1e6}
+    fields.pop(
+        "head_dim"
+    )  # Qwen2-VL derives it; mrope sections (t, h, w) split its 16 rotary pairs
+    fields["rope_parameters"] = {
+        "rope_type": "default",
+        "mrope_section": [4, 6, 6],
+        "rope_theta": 1e6,
+    }
     start, end, pad = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
-    config = CONFIG_MAPPING[spec["family"]](text_config=fields, vision_config=dict(spec["vision"], hidden_size=fields["hidden_size"]),
-                                            image_token_id=pad, vision_start_token_id=start, vision_end_token_id=end,
-                                            tie_word_embeddings=False)
+    config = CONFIG_MAPPING[spec["family"]](
+        text_config=fields,
+        vision_config=dict(spec["vision"], hidden_size=fields["hidden_size"]),
+        image_token_id=pad,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+        tie_word_embeddings=False,
+    )
     return AutoModelForImageTextToText.from_config(config)
 
 
 def is_moe(model_config) -> bool:
     """Whether a transformers config describes a mixture-of-experts model."""
-    return any(getattr(model_config, key, 0) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+    return any(
+        getattr(model_config, key, 0)
+        for key in ("num_experts", "num_local_experts", "n_routed_experts")
+    )
 
 
 def tiny_model_path(name: str = "tiny", seed: int = 0) -> Path:
     """Build (once) and return the folder of the tiny model `name`; safe under concurrent callers."""
     if name not in TINY_SPECS:
-        raise ValueError(f"Unknown tiny model {name!r}: use one of {sorted(TINY_SPECS)} or set model.path.")
-    spec = dict(TINY_SPECS[name], seed=seed, template=spec_hash({"t": CHAT_TEMPLATE, "tools": "vision" in TINY_SPECS[name] and _TOOL_CORPUS}))
+        raise ValueError(
+            f"Unknown tiny model {name!r}: use one of {sorted(TINY_SPECS)} or set model.path."
+        )
+    spec = dict(
+        TINY_SPECS[name],
+        seed=seed,
+        template=spec_hash(
+            {"t": CHAT_TEMPLATE, "tools": "vision" in TINY_SPECS[name] and _TOOL_CORPUS}
+        ),
+    )
     target = cache_root() / "models" / f"{name}-{spec_hash(spec)}"
     if (target / "config.json").exists():
         return target
@@ -157,13 +236,21 @@ def tiny_model_path(name: str = "tiny", seed: int = 0) -> Path:
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}-"))
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    if "vision" in spec:  # images are resized to exactly image_pixels (no download: the processor is built here)
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    if (
+        "vision" in spec
+    ):  # images are resized to exactly image_pixels (no download: the processor is built here)
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
 
         vision = spec["vision"]
-        Qwen2VLImageProcessorPil(min_pixels=spec["image_pixels"], max_pixels=spec["image_pixels"], patch_size=vision["patch_size"],
-                                 merge_size=vision["spatial_merge_size"],
-                                 temporal_patch_size=vision["temporal_patch_size"]).save_pretrained(staging)
+        Qwen2VLImageProcessorPil(
+            min_pixels=spec["image_pixels"],
+            max_pixels=spec["image_pixels"],
+            patch_size=vision["patch_size"],
+            merge_size=vision["spatial_merge_size"],
+            temporal_patch_size=vision["temporal_patch_size"],
+        ).save_pretrained(staging)
     try:
         os.rename(staging, target)  # atomic: a half-built model is never visible
     except OSError:  # another process won the race

@@ -17,16 +17,26 @@ from pathlib import Path
 import torch
 
 
-def demonstration(tokenizer, codec, env, sample: dict, completion) -> tuple[list[int], list[int], list[bytes]]:
+def demonstration(
+    tokenizer, codec, env, sample: dict, completion
+) -> tuple[list[int], list[int], list[bytes]]:
     """(ids, trainable mask, images) of one demonstrated episode, built as a rollout builds it: `completion` is
     the assistant's text, or a list of turns `{"role": "assistant" | "tool" | "user", "content": ...}`."""
     from workbench.invariants.token_identity import TokenAccumulator
 
     system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
-    episode = TokenAccumulator(tokenizer, system + [{"role": "user", "content": env.reset(sample)}], env.tools, codec)
-    for turn in [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion:
+    episode = TokenAccumulator(
+        tokenizer, system + [{"role": "user", "content": env.reset(sample)}], env.tools, codec
+    )
+    for turn in (
+        [{"role": "assistant", "content": completion}]
+        if isinstance(completion, str)
+        else completion
+    ):
         if turn["role"] == "assistant":
-            ids = tokenizer(turn["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            ids = tokenizer(turn["content"], add_special_tokens=False)["input_ids"] + [
+                tokenizer.eos_token_id
+            ]
             episode.add_sampled(ids, [0.0] * len(ids), 0, turn, "stop")
         else:
             episode.add_messages([turn])
@@ -34,8 +44,12 @@ def demonstration(tokenizer, codec, env, sample: dict, completion) -> tuple[list
     return piece.token_ids, piece.loss_mask, piece.images
 
 
-def warm_started_path(base: Path, plugin, plugin_source: str, steps: int, lr: float, seed: int, batch: int = 64) -> Path:
-    key = hashlib.sha256(f"{base.resolve()}|{plugin_source}|{steps}|{lr}|{seed}|{batch}".encode()).hexdigest()[:12]
+def warm_started_path(
+    base: Path, plugin, plugin_source: str, steps: int, lr: float, seed: int, batch: int = 64
+) -> Path:
+    key = hashlib.sha256(
+        f"{base.resolve()}|{plugin_source}|{steps}|{lr}|{seed}|{batch}".encode()
+    ).hexdigest()[:12]
     target = base.parent / f"{base.name}-warm-{key}"
     if (target / "config.json").exists():
         return target
@@ -66,10 +80,14 @@ def warm_started_path(base: Path, plugin, plugin_source: str, steps: int, lr: fl
         attention = torch.zeros((len(rows), longest), dtype=torch.long)
         labels = torch.full((len(rows), longest), -100)
         for row, (ids, mask, _) in enumerate(rows):
-            input_ids[row, :len(ids)] = torch.tensor(ids)
-            attention[row, :len(ids)] = 1
-            labels[row, :len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), -100)
-        inputs = forward_inputs(model, input_ids, attention, [images for _, _, images in rows], codec)
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            attention[row, : len(ids)] = 1
+            labels[row, : len(ids)] = torch.where(
+                torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), -100
+            )
+        inputs = forward_inputs(
+            model, input_ids, attention, [images for _, _, images in rows], codec
+        )
         loss = model(**inputs, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()

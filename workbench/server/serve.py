@@ -16,24 +16,36 @@ class Recorder:
     def __init__(self, cfg, sessions: int):
         run_dir, row = runtime.start_run(cfg)
         self.run_id = cfg.run.id
-        self.writer = RunWriter(str(run_dir), dict(row, recipe=row["recipe"] or "serve"), cfg.run.flush_rows, cfg.run.flush_seconds)
+        self.writer = RunWriter(
+            str(run_dir),
+            dict(row, recipe=row["recipe"] or "serve"),
+            cfg.run.flush_rows,
+            cfg.run.flush_seconds,
+        )
         self.worker = RolloutWorker(cfg, runtime.policy_path(cfg))
         server = self.worker.server()
-        self.infos = [dict(server.open_session(rollout_id), run_id=self.run_id) for rollout_id in range(sessions)]
+        self.infos = [
+            dict(server.open_session(rollout_id), run_id=self.run_id)
+            for rollout_id in range(sessions)
+        ]
 
     def close(self) -> None:
         """Seal every session, store its segments and requests, mark the run finished."""
         segments = []
         for rollout_id, info in enumerate(self.infos):
             pieces, requests = self.worker.server().close_session(info["session"])
-            episode = self.worker._segments(Job({}, rollout_id, rollout_id), pieces, 0.0, pieces[-1].finish if pieces else "")
+            episode = self.worker._segments(
+                Job({}, rollout_id, rollout_id), pieces, 0.0, pieces[-1].finish if pieces else ""
+            )
             if episode:
                 episode[0].requests = requests
             segments += episode
         if segments:
-            learner = {"train_logprob": [np.full(len(s.token_ids), np.nan, np.float32) for s in segments],
-                       "is_weight": [np.ones(len(s.token_ids), np.float32) for s in segments],
-                       "advantage": [0.0] * len(segments)}
+            learner = {
+                "train_logprob": [np.full(len(s.token_ids), np.nan, np.float32) for s in segments],
+                "is_weight": [np.ones(len(s.token_ids), np.float32) for s in segments],
+                "advantage": [0.0] * len(segments),
+            }
             for name, table in step_tables(self.run_id, 0, 0, segments, learner).items():
                 self.writer.append(name, table)
         self.writer.close("finished")

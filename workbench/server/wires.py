@@ -58,11 +58,19 @@ def parse_assistant(text: str) -> tuple[str, list[dict]]:
     for match in TOOL_CALL.finditer(text):
         try:
             call = json.loads(match.group(1))
-            calls.append({"id": f"call_{uuid.uuid4().hex[:12]}", "name": str(call["name"]),
-                          "arguments": dict(call.get("arguments") or {})})
+            calls.append(
+                {
+                    "id": f"call_{uuid.uuid4().hex[:12]}",
+                    "name": str(call["name"]),
+                    "arguments": dict(call.get("arguments") or {}),
+                }
+            )
         except (ValueError, KeyError, TypeError, AttributeError):
-            return text, []  # a malformed call stays text: the agent sees exactly what was generated
-    return (text[:text.index("<tool_call>")] if calls else text), calls
+            return (
+                text,
+                [],
+            )  # a malformed call stays text: the agent sees exactly what was generated
+    return (text[: text.index("<tool_call>")] if calls else text), calls
 
 
 def _text(content, where: str) -> str:
@@ -70,7 +78,9 @@ def _text(content, where: str) -> str:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" for p in content
+    ):
         return "".join(p.get("text", "") for p in content)
     raise WireError(400, f"{where}: only text content is supported here.")
 
@@ -90,8 +100,11 @@ def _image(data: str, where: str) -> dict:
         raw = base64.b64decode(payload, validate=True)
         Image.open(io.BytesIO(raw)).verify()
     except (ValueError, binascii.Error, OSError):
-        raise WireError(400, f"{where}: an image must be inline base64 data of a PNG or JPEG "
-                             f"(data:image/png;base64,...); URLs are not fetched.") from None
+        raise WireError(
+            400,
+            f"{where}: an image must be inline base64 data of a PNG or JPEG "
+            f"(data:image/png;base64,...); URLs are not fetched.",
+        ) from None
     return {"type": "image", "image": raw}
 
 
@@ -109,7 +122,10 @@ def _content(content, where: str):
         elif kind == "image" and isinstance(part.get("source"), dict):  # Anthropic
             parts.append(_image(str(part["source"].get("data", "")), where))
         else:
-            raise WireError(400, f"{where}: content part type {kind!r} is not supported (text and inline images are).")
+            raise WireError(
+                400,
+                f"{where}: content part type {kind!r} is not supported (text and inline images are).",
+            )
     return parts if any(p["type"] == "image" for p in parts) else "".join(p["text"] for p in parts)
 
 
@@ -128,7 +144,9 @@ def _strings(value, key: str) -> list[str]:
 
 
 def _objects(value, key: str) -> list[dict]:
-    if value is not None and not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
+    if value is not None and not (
+        isinstance(value, list) and all(isinstance(v, dict) for v in value)
+    ):
         raise WireError(400, f"'{key}' must be a list of objects.")
     return value or []
 
@@ -142,14 +160,33 @@ def _arguments(value, where: str) -> dict:
 def _refuse_unknown(body: dict, allowed: set[str]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise WireError(400, f"Unsupported field(s) {', '.join(unknown)}: this server samples exact token ids and supports only "
-                             f"{', '.join(sorted(allowed))}.")
+        raise WireError(
+            400,
+            f"Unsupported field(s) {', '.join(unknown)}: this server samples exact token ids and supports only "
+            f"{', '.join(sorted(allowed))}.",
+        )
 
 
 # ---- OpenAI chat completions
 
-OPENAI_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "n",
-                 "stream", "stream_options", "tools", "tool_choice", "user", "seed", "metadata", "parallel_tool_calls"}
+OPENAI_FIELDS = {
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "tools",
+    "tool_choice",
+    "user",
+    "seed",
+    "metadata",
+    "parallel_tool_calls",
+}
 
 
 def openai_request(body: dict) -> ChatRequest:
@@ -157,7 +194,9 @@ def openai_request(body: dict) -> ChatRequest:
     if body.get("n", 1) != 1:
         raise WireError(400, "Only n=1 is supported: send one request per sample.")
     if body.get("top_p", 1) != 1:
-        raise WireError(400, "Only top_p=1 is supported: the learner must be able to recompute every log-prob.")
+        raise WireError(
+            400, "Only top_p=1 is supported: the learner must be able to recompute every log-prob."
+        )
     if body.get("tool_choice", "auto") not in ("auto", "none"):
         raise WireError(400, "Only tool_choice 'auto' or 'none' is supported.")
     raw = body.get("messages")
@@ -167,30 +206,57 @@ def openai_request(body: dict) -> ChatRequest:
     for index, message in enumerate(raw):
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ("system", "developer", "user", "assistant", "tool"):
-            raise WireError(400, f"messages[{index}].role must be system, developer, user, assistant or tool.")
+            raise WireError(
+                400, f"messages[{index}].role must be system, developer, user, assistant or tool."
+            )
         read = _content if role == "user" else _text
-        entry = {"role": "system" if role == "developer" else role, "content": read(message.get("content"), f"messages[{index}]")}
+        entry = {
+            "role": "system" if role == "developer" else role,
+            "content": read(message.get("content"), f"messages[{index}]"),
+        }
         if role == "assistant" and message.get("tool_calls"):
             try:
-                entry["tool_calls"] = [{"id": str(c["id"]), "name": str(c["function"]["name"]),
-                                        "arguments": _arguments(json.loads(c["function"]["arguments"] or "{}"), f"messages[{index}]")}
-                                       for c in message["tool_calls"]]
+                entry["tool_calls"] = [
+                    {
+                        "id": str(c["id"]),
+                        "name": str(c["function"]["name"]),
+                        "arguments": _arguments(
+                            json.loads(c["function"]["arguments"] or "{}"), f"messages[{index}]"
+                        ),
+                    }
+                    for c in message["tool_calls"]
+                ]
             except (KeyError, TypeError, ValueError, RecursionError):
-                raise WireError(400, f"messages[{index}].tool_calls must be function calls with JSON arguments.") from None
+                raise WireError(
+                    400, f"messages[{index}].tool_calls must be function calls with JSON arguments."
+                ) from None
         if role == "tool":
             entry["tool_call_id"] = str(message.get("tool_call_id", ""))
         messages.append(entry)
     tools = None if body.get("tool_choice") == "none" else _objects(body.get("tools"), "tools")
     if not isinstance(body.get("stream_options") or {}, dict):
         raise WireError(400, "'stream_options' must be an object.")
-    return ChatRequest(messages, tools or None, _number(body, "max_completion_tokens", int) or _number(body, "max_tokens", int),
-                       _number(body, "temperature"), _strings(body.get("stop"), "stop"), bool(body.get("stream")),
-                       bool((body.get("stream_options") or {}).get("include_usage")))
+    return ChatRequest(
+        messages,
+        tools or None,
+        _number(body, "max_completion_tokens", int) or _number(body, "max_tokens", int),
+        _number(body, "temperature"),
+        _strings(body.get("stop"), "stop"),
+        bool(body.get("stream")),
+        bool((body.get("stream_options") or {}).get("include_usage")),
+    )
 
 
 def _openai_tool_calls(reply: ChatReply, with_index: bool = False) -> list[dict]:
-    return [dict({"index": i} if with_index else {}, id=c["id"], type="function",
-                 function={"name": c["name"], "arguments": json.dumps(c["arguments"])}) for i, c in enumerate(reply.tool_calls)]
+    return [
+        dict(
+            {"index": i} if with_index else {},
+            id=c["id"],
+            type="function",
+            function={"name": c["name"], "arguments": json.dumps(c["arguments"])},
+        )
+        for i, c in enumerate(reply.tool_calls)
+    ]
 
 
 def _openai_finish(reply: ChatReply) -> str:
@@ -198,29 +264,52 @@ def _openai_finish(reply: ChatReply) -> str:
 
 
 def _usage(reply: ChatReply) -> dict:
-    return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
-            "total_tokens": reply.prompt_tokens + reply.completion_tokens}
+    return {
+        "prompt_tokens": reply.prompt_tokens,
+        "completion_tokens": reply.completion_tokens,
+        "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+    }
 
 
 def openai_reply(reply: ChatReply) -> dict:
     message = {"role": "assistant", "content": reply.text}
     if reply.tool_calls:
         message["tool_calls"] = _openai_tool_calls(reply)
-    return {"id": f"chatcmpl-{reply.id}", "object": "chat.completion", "created": int(time.time()), "model": reply.model,
-            "choices": [{"index": 0, "message": message, "finish_reason": _openai_finish(reply), "logprobs": None}],
-            "usage": _usage(reply)}
+    return {
+        "id": f"chatcmpl-{reply.id}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": reply.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "finish_reason": _openai_finish(reply),
+                "logprobs": None,
+            }
+        ],
+        "usage": _usage(reply),
+    }
 
 
 def openai_events(reply: ChatReply, include_usage: bool, pieces: list[str]) -> list[bytes]:
     """SSE chunks: role, one chunk per generated text piece, tool calls, finish, usage, [DONE]."""
+
     def chunk(delta: dict, finish=None, usage=None) -> bytes:
-        body = {"id": f"chatcmpl-{reply.id}", "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": reply.model, "choices": [] if usage else [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        body = {
+            "id": f"chatcmpl-{reply.id}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": reply.model,
+            "choices": [] if usage else [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
         if usage:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n".encode()
 
-    events = [chunk({"role": "assistant", "content": ""})] + [chunk({"content": piece}) for piece in pieces if piece]
+    events = [chunk({"role": "assistant", "content": ""})] + [
+        chunk({"content": piece}) for piece in pieces if piece
+    ]
     if reply.tool_calls:
         events.append(chunk({"tool_calls": _openai_tool_calls(reply, with_index=True)}))
     events.append(chunk({}, finish=_openai_finish(reply)))
@@ -235,14 +324,27 @@ def openai_error(error: WireError) -> dict:
 
 # ---- Anthropic messages
 
-ANTHROPIC_FIELDS = {"model", "messages", "max_tokens", "system", "temperature", "top_p", "stop_sequences", "stream",
-                    "tools", "tool_choice", "metadata"}
+ANTHROPIC_FIELDS = {
+    "model",
+    "messages",
+    "max_tokens",
+    "system",
+    "temperature",
+    "top_p",
+    "stop_sequences",
+    "stream",
+    "tools",
+    "tool_choice",
+    "metadata",
+}
 
 
 def anthropic_request(body: dict) -> ChatRequest:
     _refuse_unknown(body, ANTHROPIC_FIELDS)
     if body.get("top_p", 1) != 1:
-        raise WireError(400, "Only top_p=1 is supported: the learner must be able to recompute every log-prob.")
+        raise WireError(
+            400, "Only top_p=1 is supported: the learner must be able to recompute every log-prob."
+        )
     if not isinstance(body.get("max_tokens"), int):
         raise WireError(400, "max_tokens: Field required (an integer).")
     raw = body.get("messages")
@@ -267,63 +369,157 @@ def anthropic_request(body: dict) -> ChatRequest:
             elif kind == "image" and role == "user":
                 parts.append(block)
             elif kind == "tool_use" and role == "assistant":
-                calls.append({"id": str(block.get("id", "")), "name": str(block.get("name", "")),
-                              "arguments": _arguments(block.get("input") or {}, f"messages.{index}.content")})
+                calls.append(
+                    {
+                        "id": str(block.get("id", "")),
+                        "name": str(block.get("name", "")),
+                        "arguments": _arguments(
+                            block.get("input") or {}, f"messages.{index}.content"
+                        ),
+                    }
+                )
             elif kind == "tool_result" and role == "user":
-                messages.append({"role": "tool", "content": _text(block.get("content"), f"messages.{index}.tool_result"),
-                                 "tool_call_id": str(block.get("tool_use_id", ""))})
+                messages.append(
+                    {
+                        "role": "tool",
+                        "content": _text(block.get("content"), f"messages.{index}.tool_result"),
+                        "tool_call_id": str(block.get("tool_use_id", "")),
+                    }
+                )
             else:
-                raise WireError(400, f"messages.{index}.content: block type {kind!r} is not supported for role {role}.")
+                raise WireError(
+                    400,
+                    f"messages.{index}.content: block type {kind!r} is not supported for role {role}.",
+                )
         if role == "assistant":
-            messages.append(dict({"role": "assistant", "content": "".join(text)}, **({"tool_calls": calls} if calls else {})))
+            messages.append(
+                dict(
+                    {"role": "assistant", "content": "".join(text)},
+                    **({"tool_calls": calls} if calls else {}),
+                )
+            )
         elif parts:
-            messages.append({"role": "user", "content": _content(parts, f"messages.{index}.content")})
-    tools = [{"type": "function", "function": {"name": str(t.get("name")), "description": str(t.get("description", "")),
-                                                "parameters": _arguments(t.get("input_schema", {}), "tools")}}
-             for t in _objects(body.get("tools"), "tools")]
+            messages.append(
+                {"role": "user", "content": _content(parts, f"messages.{index}.content")}
+            )
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": str(t.get("name")),
+                "description": str(t.get("description", "")),
+                "parameters": _arguments(t.get("input_schema", {}), "tools"),
+            },
+        }
+        for t in _objects(body.get("tools"), "tools")
+    ]
     if not isinstance(body.get("tool_choice") or {}, dict):
-        raise WireError(400, "tool_choice: must be an object such as {\"type\": \"auto\"}.")
+        raise WireError(400, 'tool_choice: must be an object such as {"type": "auto"}.')
     if (body.get("tool_choice") or {}).get("type", "auto") not in ("auto", "none"):
         raise WireError(400, "tool_choice: only auto or none is supported.")
     if (body.get("tool_choice") or {}).get("type") == "none":
         tools = []
-    return ChatRequest(messages, tools or None, body["max_tokens"], _number(body, "temperature"),
-                       _strings(body.get("stop_sequences"), "stop_sequences"), bool(body.get("stream")))
+    return ChatRequest(
+        messages,
+        tools or None,
+        body["max_tokens"],
+        _number(body, "temperature"),
+        _strings(body.get("stop_sequences"), "stop_sequences"),
+        bool(body.get("stream")),
+    )
 
 
 def _anthropic_stop(reply: ChatReply) -> str:
-    return ("tool_use" if reply.tool_calls else "max_tokens" if reply.finish == "length"
-            else "stop_sequence" if reply.finish == "stop_sequence" else "end_turn")
+    return (
+        "tool_use"
+        if reply.tool_calls
+        else "max_tokens"
+        if reply.finish == "length"
+        else "stop_sequence"
+        if reply.finish == "stop_sequence"
+        else "end_turn"
+    )
 
 
 def anthropic_reply(reply: ChatReply) -> dict:
-    content = ([{"type": "text", "text": reply.text}] if reply.text or not reply.tool_calls else [])
-    content += [{"type": "tool_use", "id": c["id"], "name": c["name"], "input": c["arguments"]} for c in reply.tool_calls]
-    return {"id": f"msg_{reply.id}", "type": "message", "role": "assistant", "model": reply.model, "content": content,
-            "stop_reason": _anthropic_stop(reply), "stop_sequence": reply.stop_sequence,
-            "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens}}
+    content = [{"type": "text", "text": reply.text}] if reply.text or not reply.tool_calls else []
+    content += [
+        {"type": "tool_use", "id": c["id"], "name": c["name"], "input": c["arguments"]}
+        for c in reply.tool_calls
+    ]
+    return {
+        "id": f"msg_{reply.id}",
+        "type": "message",
+        "role": "assistant",
+        "model": reply.model,
+        "content": content,
+        "stop_reason": _anthropic_stop(reply),
+        "stop_sequence": reply.stop_sequence,
+        "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens},
+    }
 
 
 def anthropic_events(reply: ChatReply, pieces: list[str]) -> list[bytes]:
     """message_start, per block start / deltas / stop, message_delta, message_stop."""
+
     def event(name: str, data: dict) -> bytes:
         return f"event: {name}\ndata: {json.dumps(dict(type=name, **data))}\n\n".encode()
 
     whole = anthropic_reply(reply)
-    start = dict(whole, content=[], stop_reason=None, usage={"input_tokens": reply.prompt_tokens, "output_tokens": 0})
+    start = dict(
+        whole,
+        content=[],
+        stop_reason=None,
+        usage={"input_tokens": reply.prompt_tokens, "output_tokens": 0},
+    )
     events = [event("message_start", {"message": start})]
     for index, block in enumerate(whole["content"]):
         if block["type"] == "text":
-            events.append(event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}}))
-            events += [event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": piece}})
-                       for piece in pieces if piece]
+            events.append(
+                event(
+                    "content_block_start",
+                    {"index": index, "content_block": {"type": "text", "text": ""}},
+                )
+            )
+            events += [
+                event(
+                    "content_block_delta",
+                    {"index": index, "delta": {"type": "text_delta", "text": piece}},
+                )
+                for piece in pieces
+                if piece
+            ]
         else:
-            events.append(event("content_block_start", {"index": index, "content_block": dict(block, input={})}))
-            events.append(event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
-                                                                                  "partial_json": json.dumps(block["input"])}}))
+            events.append(
+                event(
+                    "content_block_start", {"index": index, "content_block": dict(block, input={})}
+                )
+            )
+            events.append(
+                event(
+                    "content_block_delta",
+                    {
+                        "index": index,
+                        "delta": {
+                            "type": "input_json_delta",
+                            "partial_json": json.dumps(block["input"]),
+                        },
+                    },
+                )
+            )
         events.append(event("content_block_stop", {"index": index}))
-    events.append(event("message_delta", {"delta": {"stop_reason": whole["stop_reason"], "stop_sequence": reply.stop_sequence},
-                                          "usage": {"output_tokens": reply.completion_tokens}}))
+    events.append(
+        event(
+            "message_delta",
+            {
+                "delta": {
+                    "stop_reason": whole["stop_reason"],
+                    "stop_sequence": reply.stop_sequence,
+                },
+                "usage": {"output_tokens": reply.completion_tokens},
+            },
+        )
+    )
     return events + [event("message_stop", {})]
 
 

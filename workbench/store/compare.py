@@ -7,8 +7,21 @@ from pathlib import Path
 
 from workbench.store.query import list_runs, resolve_run
 
-COLUMNS = ("run_id", "status", "final_reward", "best_reward", "kept_frac", "kept_token_frac", "mismatch_kl", "stale_frac", "tokens_per_s",
-           "eval_reward", "distill_kl_first", "distill_kl", "wall_s")
+COLUMNS = (
+    "run_id",
+    "status",
+    "final_reward",
+    "best_reward",
+    "kept_frac",
+    "kept_token_frac",
+    "mismatch_kl",
+    "stale_frac",
+    "tokens_per_s",
+    "eval_reward",
+    "distill_kl_first",
+    "distill_kl",
+    "wall_s",
+)
 
 
 def sweeps(root: str = "runs") -> list[dict]:
@@ -16,14 +29,25 @@ def sweeps(root: str = "runs") -> list[dict]:
     table: dict[str, dict] = {}
     for row in list_runs(root):
         if row.get("sweep_id"):
-            entry = table.setdefault(row["sweep_id"], {"sweep_id": row["sweep_id"], "runs": 0, "finished": 0, "failed": 0,
-                                                       "swept": set(), "created": row.get("created", 0)})
+            entry = table.setdefault(
+                row["sweep_id"],
+                {
+                    "sweep_id": row["sweep_id"],
+                    "runs": 0,
+                    "finished": 0,
+                    "failed": 0,
+                    "swept": set(),
+                    "created": row.get("created", 0),
+                },
+            )
             entry["runs"] += 1
             entry["finished"] += row.get("status") == "finished"
             entry["failed"] += row.get("status") == "failed"
             entry["swept"] |= set(row.get("swept") or {})
             entry["created"] = min(entry["created"], row.get("created", 0))
-    return sorted(({**e, "swept": sorted(e["swept"])} for e in table.values()), key=lambda e: -e["created"])
+    return sorted(
+        ({**e, "swept": sorted(e["swept"])} for e in table.values()), key=lambda e: -e["created"]
+    )
 
 
 def compare_rows(selection: list[str], root: str = "runs") -> tuple[list[str], list[dict]]:
@@ -47,8 +71,12 @@ def compare_rows(selection: list[str], root: str = "runs") -> tuple[list[str], l
                    arg_min(value, step) filter (where key = 'distill/kl'), arg_max(value, step) filter (where key = 'distill/kl')
             from read_parquet('{metrics}/*.parquet')""").fetchone()
         wall = run.get("updated", time.time()) - run.get("created", 0)
-        rows.append(dict(zip(COLUMNS, (run["run_id"], run.get("status"), *stats, wall)),
-                         **{key: (run.get("swept") or {}).get(key) for key in swept}))
+        rows.append(
+            dict(
+                zip(COLUMNS, (run["run_id"], run.get("status"), *stats, wall)),
+                **{key: (run.get("swept") or {}).get(key) for key in swept},
+            )
+        )
     return swept, rows
 
 
@@ -56,8 +84,13 @@ def reward_curves(run_ids: list[str], root: str = "runs") -> dict[str, list[tupl
     import duckdb
 
     db = duckdb.connect()
-    return {run_id: db.execute(f"select step, value from read_parquet('{Path(root, run_id, 'metrics').resolve()}/*.parquet') "
-                               f"where key = 'reward/mean' order by step").fetchall() for run_id in run_ids}
+    return {
+        run_id: db.execute(
+            f"select step, value from read_parquet('{Path(root, run_id, 'metrics').resolve()}/*.parquet') "
+            f"where key = 'reward/mean' order by step"
+        ).fetchall()
+        for run_id in run_ids
+    }
 
 
 def plot(rows: list[dict], swept: list[str], root: str, path: str):
@@ -69,7 +102,9 @@ def plot(rows: list[dict], swept: list[str], root: str, path: str):
     import matplotlib.pyplot as plt
 
     figure, (curves, tradeoff) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for row, (run_id, points) in zip(rows, reward_curves([r["run_id"] for r in rows], root).items()):
+    for row, (run_id, points) in zip(
+        rows, reward_curves([r["run_id"] for r in rows], root).items()
+    ):
         label = ", ".join(f"{k}={row[k]}" for k in swept) or run_id
         curves.plot([p[0] for p in points], [p[1] for p in points], label=label)
         kept = row["kept_token_frac"] if row["kept_token_frac"] is not None else 1.0
@@ -77,7 +112,11 @@ def plot(rows: list[dict], swept: list[str], root: str, path: str):
         tradeoff.annotate(label, (kept, row["final_reward"] or 0.0), fontsize=7)
     curves.set(xlabel="step", ylabel="reward/mean", title="reward")
     curves.legend(fontsize=7)
-    tradeoff.set(xlabel="sampled tokens kept by the gate (mean)", ylabel="final reward", title="kept fraction vs reward")
+    tradeoff.set(
+        xlabel="sampled tokens kept by the gate (mean)",
+        ylabel="final reward",
+        title="kept fraction vs reward",
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)

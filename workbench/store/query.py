@@ -20,7 +20,11 @@ def list_runs(root: str = "runs") -> list[dict]:
             row = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue  # a folder that is not (yet) a run
-        if row.get("status") == "running" and row.get("host") == socket.gethostname() and not _alive(row.get("pid")):
+        if (
+            row.get("status") == "running"
+            and row.get("host") == socket.gethostname()
+            and not _alive(row.get("pid"))
+        ):
             from workbench.store.writer import write_json_atomic
 
             row["status"] = "crashed"
@@ -50,7 +54,9 @@ def resolve_run(run_id: str, root: str = "runs") -> Path:
     if len(matches) == 1:
         return Path(root) / matches[0]
     if matches:
-        raise ValueError(f"Run id {run_id!r} is ambiguous under {root}/: it starts {', '.join(matches[:5])}; give more of it.")
+        raise ValueError(
+            f"Run id {run_id!r} is ambiguous under {root}/: it starts {', '.join(matches[:5])}; give more of it."
+        )
     close = difflib.get_close_matches(run_id, ids, n=3, cutoff=0.3)
     hint = f" Close matches: {', '.join(close)}." if close else " `molt-wb runs` lists them."
     raise ValueError(f"No run {run_id!r} under {root}/.{hint}")
@@ -65,7 +71,11 @@ def open_run(run_id: str, root: str = "runs"):
 
     folder = resolve_run(run_id, root).resolve()
     connection = duckdb.connect()
-    for name in (name for name in TABLES if (folder / name).is_dir()):  # a run older than a table lacks it
-        connection.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet('{folder / name}/*.parquet', union_by_name = true)")
+    for name in (
+        name for name in TABLES if (folder / name).is_dir()
+    ):  # a run older than a table lacks it
+        connection.execute(
+            f"CREATE VIEW {name} AS SELECT * FROM read_parquet('{folder / name}/*.parquet', union_by_name = true)"
+        )
     connection.execute(f"CREATE VIEW runs AS SELECT * FROM read_json_auto('{folder / 'run.json'}')")
     return connection

@@ -14,59 +14,152 @@ import pyarrow as pa
 
 from workbench.segment import image_name
 
-SEGMENTS = pa.schema([
-    ("run_id", pa.string()), ("step", pa.int32()), ("rollout_id", pa.int64()), ("segment_idx", pa.int32()),
-    ("group_id", pa.int64()), ("reward", pa.float64()), ("advantage", pa.float32()),
-    ("num_tokens", pa.int32()), ("num_sampled", pa.int32()), ("min_version", pa.int32()),
-    ("max_version", pa.int32()), ("learner_version", pa.int32()), ("finish_reason", pa.string()),
-    ("seal_reason", pa.string()), ("turn_spans", pa.list_(pa.list_(pa.int32()))),
-    ("prompt_text", pa.string()), ("response_text", pa.string()), ("images", pa.list_(pa.string())),
-    ("info", pa.string()),  # JSON: the episode's last `Result.info` (e.g. a judge's prompt and verdict)
-])
+SEGMENTS = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("step", pa.int32()),
+        ("rollout_id", pa.int64()),
+        ("segment_idx", pa.int32()),
+        ("group_id", pa.int64()),
+        ("reward", pa.float64()),
+        ("advantage", pa.float32()),
+        ("num_tokens", pa.int32()),
+        ("num_sampled", pa.int32()),
+        ("min_version", pa.int32()),
+        ("max_version", pa.int32()),
+        ("learner_version", pa.int32()),
+        ("finish_reason", pa.string()),
+        ("seal_reason", pa.string()),
+        ("turn_spans", pa.list_(pa.list_(pa.int32()))),
+        ("prompt_text", pa.string()),
+        ("response_text", pa.string()),
+        ("images", pa.list_(pa.string())),
+        (
+            "info",
+            pa.string(),
+        ),  # JSON: the episode's last `Result.info` (e.g. a judge's prompt and verdict)
+    ]
+)
 
-TOKENS = pa.schema([
-    ("run_id", pa.string()), ("step", pa.int32()), ("rollout_id", pa.int64()), ("segment_idx", pa.int32()),
-    ("position", pa.int32()), ("token_id", pa.int32()), ("loss_mask", pa.uint8()),
-    ("behavior_logprob", pa.float32()), ("train_logprob", pa.float32()), ("behavior_version", pa.int32()),
-    ("is_weight", pa.float32()), ("advantage", pa.float32()),
-])
+TOKENS = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("step", pa.int32()),
+        ("rollout_id", pa.int64()),
+        ("segment_idx", pa.int32()),
+        ("position", pa.int32()),
+        ("token_id", pa.int32()),
+        ("loss_mask", pa.uint8()),
+        ("behavior_logprob", pa.float32()),
+        ("train_logprob", pa.float32()),
+        ("behavior_version", pa.int32()),
+        ("is_weight", pa.float32()),
+        ("advantage", pa.float32()),
+    ]
+)
 
-METRICS = pa.schema([("run_id", pa.string()), ("step", pa.int32()), ("key", pa.string()),
-                     ("value", pa.float64()), ("time", pa.float64())])
+METRICS = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("step", pa.int32()),
+        ("key", pa.string()),
+        ("value", pa.float64()),
+        ("time", pa.float64()),
+    ]
+)
 
-GATE_DECISIONS = pa.schema([
-    ("run_id", pa.string()), ("step", pa.int32()), ("rollout_id", pa.int64()), ("segment_idx", pa.int32()),
-    ("learner_version", pa.int32()), ("min_version", pa.int32()), ("max_version", pa.int32()),
-    ("staleness", pa.int32()), ("seq_log_ratio", pa.float64()), ("geo_ratio", pa.float64()),
-    ("decision", pa.string()), ("reason", pa.string()), ("tokens_masked", pa.int32()),
-])
+GATE_DECISIONS = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("step", pa.int32()),
+        ("rollout_id", pa.int64()),
+        ("segment_idx", pa.int32()),
+        ("learner_version", pa.int32()),
+        ("min_version", pa.int32()),
+        ("max_version", pa.int32()),
+        ("staleness", pa.int32()),
+        ("seq_log_ratio", pa.float64()),
+        ("geo_ratio", pa.float64()),
+        ("decision", pa.string()),
+        ("reason", pa.string()),
+        ("tokens_masked", pa.int32()),
+    ]
+)
 
-REQUESTS = pa.schema([
-    ("run_id", pa.string()), ("step", pa.int32()), ("session", pa.string()), ("rollout_id", pa.int64()),
-    ("wire", pa.string()), ("stream", pa.bool_()), ("action", pa.string()), ("prompt_tokens_reused", pa.int32()),
-    ("new_prompt_tokens", pa.int32()), ("generated_tokens", pa.int32()), ("latency_s", pa.float64()), ("time", pa.float64()),
-])
+REQUESTS = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("step", pa.int32()),
+        ("session", pa.string()),
+        ("rollout_id", pa.int64()),
+        ("wire", pa.string()),
+        ("stream", pa.bool_()),
+        ("action", pa.string()),
+        ("prompt_tokens_reused", pa.int32()),
+        ("new_prompt_tokens", pa.int32()),
+        ("generated_tokens", pa.int32()),
+        ("latency_s", pa.float64()),
+        ("time", pa.float64()),
+    ]
+)
 
-ROUTING = pa.schema([
-    ("run_id", pa.string()), ("step", pa.int32()), ("rollout_id", pa.int64()), ("segment_idx", pa.int32()),
-    ("layer", pa.int32()), ("tokens", pa.int32()), ("mismatched", pa.int32()), ("positions", pa.list_(pa.int32())),
-    ("rollout_experts", pa.list_(pa.list_(pa.int16()))), ("learner_experts", pa.list_(pa.list_(pa.int16()))),  # at positions
-])
+ROUTING = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("step", pa.int32()),
+        ("rollout_id", pa.int64()),
+        ("segment_idx", pa.int32()),
+        ("layer", pa.int32()),
+        ("tokens", pa.int32()),
+        ("mismatched", pa.int32()),
+        ("positions", pa.list_(pa.int32())),
+        ("rollout_experts", pa.list_(pa.list_(pa.int16()))),
+        ("learner_experts", pa.list_(pa.list_(pa.int16()))),  # at positions
+    ]
+)
 
-FAILED_EPISODES = pa.schema([  # an episode that never reached a batch: kind env_error | agent_error | worker_died | timeout
-    ("run_id", pa.string()), ("step", pa.int32()), ("rollout_id", pa.int64()), ("group_id", pa.int64()),
-    ("worker", pa.int32()), ("kind", pa.string()), ("error", pa.string()), ("traceback", pa.string()), ("time", pa.float64()),
-])
+FAILED_EPISODES = pa.schema(
+    [  # an episode that never reached a batch: kind env_error | agent_error | worker_died | timeout
+        ("run_id", pa.string()),
+        ("step", pa.int32()),
+        ("rollout_id", pa.int64()),
+        ("group_id", pa.int64()),
+        ("worker", pa.int32()),
+        ("kind", pa.string()),
+        ("error", pa.string()),
+        ("traceback", pa.string()),
+        ("time", pa.float64()),
+    ]
+)
 
-EVAL = pa.schema([("run_id", pa.string()), ("step", pa.int32()), ("checkpoint", pa.string()), ("split", pa.string()),
-                  ("n", pa.int32()), ("mean_reward", pa.float64()), ("accuracy", pa.float64()), ("time", pa.float64())])
+EVAL = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("step", pa.int32()),
+        ("checkpoint", pa.string()),
+        ("split", pa.string()),
+        ("n", pa.int32()),
+        ("mean_reward", pa.float64()),
+        ("accuracy", pa.float64()),
+        ("time", pa.float64()),
+    ]
+)
 
-TABLES: dict[str, pa.Schema] = {"segments": SEGMENTS, "tokens": TOKENS, "metrics": METRICS,
-                                "gate_decisions": GATE_DECISIONS, "requests": REQUESTS,
-                                "routing": ROUTING, "failed_episodes": FAILED_EPISODES, "eval": EVAL}
+TABLES: dict[str, pa.Schema] = {
+    "segments": SEGMENTS,
+    "tokens": TOKENS,
+    "metrics": METRICS,
+    "gate_decisions": GATE_DECISIONS,
+    "requests": REQUESTS,
+    "routing": ROUTING,
+    "failed_episodes": FAILED_EPISODES,
+    "eval": EVAL,
+}
 
 
-def step_tables(run_id: str, step: int, learner_version: int, segments: list, train: dict) -> dict[str, pa.Table]:
+def step_tables(
+    run_id: str, step: int, learner_version: int, segments: list, train: dict
+) -> dict[str, pa.Table]:
     """Segment and token rows of one consumed batch.
 
     `train` holds from the learner: `train_logprob` and `is_weight` (float32 arrays whose concatenation
@@ -76,17 +169,26 @@ def step_tables(run_id: str, step: int, learner_version: int, segments: list, tr
     lengths = np.array([len(s.token_ids) for s in segments], dtype=np.int64)
     versions = [s.version_range() for s in segments]
     segment_rows = {
-        "run_id": [run_id] * len(segments), "step": [step] * len(segments),
-        "rollout_id": [s.rollout_id for s in segments], "segment_idx": [s.segment_idx for s in segments],
-        "group_id": [s.group_id for s in segments], "reward": [s.reward for s in segments],
-        "advantage": train["advantage"], "num_tokens": lengths.tolist(),
-        "num_sampled": [s.num_sampled for s in segments], "min_version": [v[0] for v in versions],
-        "max_version": [v[1] for v in versions], "learner_version": [learner_version] * len(segments),
-        "finish_reason": [s.finish_reason for s in segments], "seal_reason": [s.seal_reason for s in segments],
+        "run_id": [run_id] * len(segments),
+        "step": [step] * len(segments),
+        "rollout_id": [s.rollout_id for s in segments],
+        "segment_idx": [s.segment_idx for s in segments],
+        "group_id": [s.group_id for s in segments],
+        "reward": [s.reward for s in segments],
+        "advantage": train["advantage"],
+        "num_tokens": lengths.tolist(),
+        "num_sampled": [s.num_sampled for s in segments],
+        "min_version": [v[0] for v in versions],
+        "max_version": [v[1] for v in versions],
+        "learner_version": [learner_version] * len(segments),
+        "finish_reason": [s.finish_reason for s in segments],
+        "seal_reason": [s.seal_reason for s in segments],
         "turn_spans": [[list(span) for span in s.turn_spans] for s in segments],
         "prompt_text": [s.display.get("prompt", "") for s in segments],
         "response_text": [s.display.get("response", "") for s in segments],
-        "images": [[image_name(image) for image in s.images] for s in segments],  # files under images/
+        "images": [
+            [image_name(image) for image in s.images] for s in segments
+        ],  # files under images/
         "info": [json.dumps(s.display.get("info") or {}, default=str) for s in segments],
     }
     total = int(lengths.sum())
@@ -104,22 +206,47 @@ def step_tables(run_id: str, step: int, learner_version: int, segments: list, tr
         "is_weight": np.concatenate(train["is_weight"]).astype(np.float32),
         "advantage": np.repeat(np.asarray(train["advantage"], dtype=np.float32), lengths),
     }
-    gate = train.get("gate") or {k: [] for k in ("staleness", "seq_log_ratio", "geo_ratio", "kept", "reason", "tokens_masked")}
+    gate = train.get("gate") or {
+        k: []
+        for k in ("staleness", "seq_log_ratio", "geo_ratio", "kept", "reason", "tokens_masked")
+    }
     gated = len(gate["kept"])  # no learner (molt-wb serve): no gate decisions
-    gate_rows = {key: segment_rows[key][:gated] for key in ("run_id", "step", "rollout_id", "segment_idx", "learner_version",
-                                                           "min_version", "max_version")}
-    gate_rows.update(staleness=gate["staleness"], seq_log_ratio=gate["seq_log_ratio"], geo_ratio=gate["geo_ratio"],
-                     decision=["kept" if kept else "dropped" for kept in gate["kept"]], reason=gate["reason"],
-                     tokens_masked=gate["tokens_masked"])
-    return {"segments": pa.table(segment_rows, schema=SEGMENTS), "tokens": pa.table(token_rows, schema=TOKENS),
-            "gate_decisions": pa.table(gate_rows, schema=GATE_DECISIONS),
-            "requests": request_table(run_id, step, [r for s in segments for r in s.requests]),
-            "routing": rows_table(ROUTING, run_id, step, train.get("routing") or [])}
+    gate_rows = {
+        key: segment_rows[key][:gated]
+        for key in (
+            "run_id",
+            "step",
+            "rollout_id",
+            "segment_idx",
+            "learner_version",
+            "min_version",
+            "max_version",
+        )
+    }
+    gate_rows.update(
+        staleness=gate["staleness"],
+        seq_log_ratio=gate["seq_log_ratio"],
+        geo_ratio=gate["geo_ratio"],
+        decision=["kept" if kept else "dropped" for kept in gate["kept"]],
+        reason=gate["reason"],
+        tokens_masked=gate["tokens_masked"],
+    )
+    return {
+        "segments": pa.table(segment_rows, schema=SEGMENTS),
+        "tokens": pa.table(token_rows, schema=TOKENS),
+        "gate_decisions": pa.table(gate_rows, schema=GATE_DECISIONS),
+        "requests": request_table(run_id, step, [r for s in segments for r in s.requests]),
+        "routing": rows_table(ROUTING, run_id, step, train.get("routing") or []),
+    }
 
 
 def rows_table(schema: pa.Schema, run_id: str, step: int, rows: list[dict]) -> pa.Table:
-    columns = {name: [row[name] for row in rows] for name in schema.names if name not in ("run_id", "step")}
-    return pa.table(dict(run_id=[run_id] * len(rows), step=[step] * len(rows), **columns), schema=schema)
+    columns = {
+        name: [row[name] for row in rows] for name in schema.names if name not in ("run_id", "step")
+    }
+    return pa.table(
+        dict(run_id=[run_id] * len(rows), step=[step] * len(rows), **columns), schema=schema
+    )
 
 
 def request_table(run_id: str, step: int, rows: list[dict]) -> pa.Table:

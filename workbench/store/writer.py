@@ -27,7 +27,9 @@ def write_json_atomic(path: Path, payload: dict) -> None:
 
 
 class RunWriter:
-    def __init__(self, run_dir: str, run_row: dict, flush_rows: int = 50_000, flush_seconds: float = 5.0):
+    def __init__(
+        self, run_dir: str, run_row: dict, flush_rows: int = 50_000, flush_seconds: float = 5.0
+    ):
         self.run_dir = Path(run_dir)
         self.flush_rows, self.flush_seconds = flush_rows, flush_seconds
         self.buffers: dict[str, list[pa.Table]] = {name: [] for name in TABLES}
@@ -37,7 +39,9 @@ class RunWriter:
             folder = self.run_dir / name
             folder.mkdir(parents=True, exist_ok=True)
             self.next_shard[name] = len(list(folder.glob("part-*.parquet")))
-            if self.next_shard[name] == 0:  # an empty shard keeps `read_parquet(folder/*)` valid from the start
+            if (
+                self.next_shard[name] == 0
+            ):  # an empty shard keeps `read_parquet(folder/*)` valid from the start
                 self._write_shard(name, schema.empty_table())
         self.last_flush = time.monotonic()
         self.run_row, self.row_pending = dict(run_row, updated=time.time()), False
@@ -50,6 +54,7 @@ class RunWriter:
 
     def flush_every(self, seconds: float) -> None:
         """Flush buffered rows every `seconds` on a daemon thread, until close."""
+
         def run():
             while not self.closed:
                 time.sleep(seconds)

@@ -20,7 +20,9 @@ class Sink(Protocol):
         """End the run; `status` is one of STATUSES."""
 
 
-def make_sinks(tracking, run_dir: str, run_id: str, config: dict, group: str | None = None) -> list[Sink]:
+def make_sinks(
+    tracking, run_dir: str, run_id: str, config: dict, group: str | None = None
+) -> list[Sink]:
     """Build one sink per enabled backend; `tracking` is read through attributes only."""
     sinks: list[Sink] = []
     mode = tracking.wandb.mode

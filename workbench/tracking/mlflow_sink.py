@@ -45,7 +45,11 @@ class MlflowSink:
         uri = mlflow_config.tracking_uri or f"sqlite:///{os.path.join(runs_root, 'mlflow.db')}"
         self.client = MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name(mlflow_config.experiment)
-        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(mlflow_config.experiment)
+        experiment_id = (
+            experiment.experiment_id
+            if experiment
+            else self.client.create_experiment(mlflow_config.experiment)
+        )
         tags = {"workbench.run_id": run_id} | ({"workbench.group": group} if group else {})
         if group:  # the runs of a sweep are children of one parent run named after the sweep
             tags["mlflow.parentRunId"] = self._parent(experiment_id, group)
@@ -58,10 +62,14 @@ class MlflowSink:
             self.client.log_batch(self.run_id, params=batch)
 
     def _parent(self, experiment_id: str, group: str) -> str:
-        found = self.client.search_runs([experiment_id], f"tags.`workbench.sweep` = '{group}'", max_results=1)
+        found = self.client.search_runs(
+            [experiment_id], f"tags.`workbench.sweep` = '{group}'", max_results=1
+        )
         if found:
             return found[0].info.run_id
-        return self.client.create_run(experiment_id, run_name=group, tags={"workbench.sweep": group}).info.run_id
+        return self.client.create_run(
+            experiment_id, run_name=group, tags={"workbench.sweep": group}
+        ).info.run_id
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         timestamp_ms = int(time.time() * 1000)

@@ -16,10 +16,32 @@ from workbench.store.query import resolve_run
 from workbench.store.schema import TABLES
 
 PAGE = 200
-PLOTS = ("reward/mean", "loss/policy", "gate/kept_frac", "mismatch/kl", "routing/mismatch_token_frac", "eval/reward", "distill/kl")
-SEGMENT_COLUMNS = ("step", "rollout_id", "segment_idx", "reward", "num_tokens", "versions", "decision", "seal_reason",
-                   "mismatched", "images")
-SORT_KEYS = {**{c: c for c in SEGMENT_COLUMNS}, "versions": "s.max_version", "images": "len(s.images)"}
+PLOTS = (
+    "reward/mean",
+    "loss/policy",
+    "gate/kept_frac",
+    "mismatch/kl",
+    "routing/mismatch_token_frac",
+    "eval/reward",
+    "distill/kl",
+)
+SEGMENT_COLUMNS = (
+    "step",
+    "rollout_id",
+    "segment_idx",
+    "reward",
+    "num_tokens",
+    "versions",
+    "decision",
+    "seal_reason",
+    "mismatched",
+    "images",
+)
+SORT_KEYS = {
+    **{c: c for c in SEGMENT_COLUMNS},
+    "versions": "s.max_version",
+    "images": "len(s.images)",
+}
 
 
 def read_runs(root: str) -> list[dict]:
@@ -36,6 +58,7 @@ def read_runs(root: str) -> list[dict]:
 @dataclass
 class Filter:
     """A segments filter, parsed from words like `dropped mismatch reward>=0.5 some text`."""
+
     dropped: bool = False
     mismatch: bool = False
     reward_min: float = -math.inf
@@ -74,14 +97,20 @@ class RunData:
     def refresh(self) -> bool:
         """Re-read run.json and (re)create views for tables whose first shard appeared; True if anything changed."""
         self.run = json.loads((self.folder / "run.json").read_text())
-        state = (self.run.get("status"), self.run.get("steps_done"), *(len(list((self.folder / t).glob("*.parquet"))) for t in TABLES))
+        state = (
+            self.run.get("status"),
+            self.run.get("steps_done"),
+            *(len(list((self.folder / t).glob("*.parquet"))) for t in TABLES),
+        )
         changed, self.state = state != getattr(self, "state", None), state
         for name, schema in TABLES.items():
             if name in self._present:
                 continue
             if any((self.folder / name).glob("*.parquet")):
-                self.db.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM "
-                                f"read_parquet('{self.folder / name}/*.parquet', union_by_name = true)")
+                self.db.execute(
+                    f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM "
+                    f"read_parquet('{self.folder / name}/*.parquet', union_by_name = true)"
+                )
                 self._present.add(name)
             else:
                 self.db.register(f"_{name}", schema.empty_table())
@@ -93,17 +122,32 @@ class RunData:
 
     # ---- overview
     def series(self, key: str) -> list[tuple[int, float]]:
-        return self.rows("select step, avg(value) from metrics where key = ? group by step order by step", key)
+        return self.rows(
+            "select step, avg(value) from metrics where key = ? group by step order by step", key
+        )
 
     def headline(self) -> dict:
-        segments, tokens, sampled = self.rows("select count(*), coalesce(sum(num_tokens), 0), coalesce(sum(num_sampled), 0) "
-                                              "from segments")[0]
-        stats = dict(self.rows("select key, avg(value) from metrics where key in ('gate/kept_frac', 'mismatch/kl', "
-                               "'routing/mismatch_token_frac') group by key"))
+        segments, tokens, sampled = self.rows(
+            "select count(*), coalesce(sum(num_tokens), 0), coalesce(sum(num_sampled), 0) "
+            "from segments"
+        )[0]
+        stats = dict(
+            self.rows(
+                "select key, avg(value) from metrics where key in ('gate/kept_frac', 'mismatch/kl', "
+                "'routing/mismatch_token_frac') group by key"
+            )
+        )
         rewards = [value for _, value in self.series("reward/mean")]
-        return {"status": self.run.get("status"), "steps": f"{self.run.get('steps_done', 0)}/{self.run.get('steps', '?')}",
-                "segments": segments, "tokens": tokens, "sampled": sampled,
-                "reward (last)": rewards[-1] if rewards else None, "reward (best)": max(rewards) if rewards else None, **stats}
+        return {
+            "status": self.run.get("status"),
+            "steps": f"{self.run.get('steps_done', 0)}/{self.run.get('steps', '?')}",
+            "segments": segments,
+            "tokens": tokens,
+            "sampled": sampled,
+            "reward (last)": rewards[-1] if rewards else None,
+            "reward (best)": max(rewards) if rewards else None,
+            **stats,
+        }
 
     # ---- segments
     _SEGMENTS = """
@@ -119,46 +163,82 @@ class RunData:
 
     def _where(self, found: Filter) -> list:
         like = f"%{found.text}%"
-        return [max(found.reward_min, -1e300), min(found.reward_max, 1e300), found.dropped, found.mismatch, found.text, like, like]
+        return [
+            max(found.reward_min, -1e300),
+            min(found.reward_max, 1e300),
+            found.dropped,
+            found.mismatch,
+            found.text,
+            like,
+            like,
+        ]
 
     def segment_count(self, found: Filter) -> int:
         return self.rows(f"select count(*) from ({self._SEGMENTS})", *self._where(found))[0][0]
 
-    def segment_page(self, found: Filter, offset: int = 0, sort: str = "step", descending: bool = False) -> list[tuple]:
+    def segment_page(
+        self, found: Filter, offset: int = 0, sort: str = "step", descending: bool = False
+    ) -> list[tuple]:
         order = f"{SORT_KEYS.get(sort, 'step')} {'desc' if descending else 'asc'}"
-        return self.rows(f"{self._SEGMENTS} order by {order}, step, rollout_id, segment_idx limit {PAGE} offset {int(offset)}",
-                         *self._where(found))
+        return self.rows(
+            f"{self._SEGMENTS} order by {order}, step, rollout_id, segment_idx limit {PAGE} offset {int(offset)}",
+            *self._where(found),
+        )
 
     def segment(self, step: int, rollout_id: int, segment_idx: int) -> dict:
-        result = self.db.execute("select * from segments where step = ? and rollout_id = ? and segment_idx = ?",
-                                 [step, rollout_id, segment_idx])
+        result = self.db.execute(
+            "select * from segments where step = ? and rollout_id = ? and segment_idx = ?",
+            [step, rollout_id, segment_idx],
+        )
         names = [d[0] for d in result.description]
         return dict(zip(names, result.fetchone()))
 
     def siblings(self, rollout_id: int) -> list[tuple[int, int]]:
         """(step, segment_idx) of every segment of one rollout, in order."""
-        return self.rows("select step, segment_idx from segments where rollout_id = ? order by segment_idx, step", rollout_id)
+        return self.rows(
+            "select step, segment_idx from segments where rollout_id = ? order by segment_idx, step",
+            rollout_id,
+        )
 
     def tokens(self, step: int, rollout_id: int, segment_idx: int) -> list[tuple]:
-        return self.rows("select position, token_id, loss_mask, behavior_logprob, train_logprob, behavior_version, is_weight "
-                         "from tokens where step = ? and rollout_id = ? and segment_idx = ? order by position",
-                         step, rollout_id, segment_idx)
+        return self.rows(
+            "select position, token_id, loss_mask, behavior_logprob, train_logprob, behavior_version, is_weight "
+            "from tokens where step = ? and rollout_id = ? and segment_idx = ? order by position",
+            step,
+            rollout_id,
+            segment_idx,
+        )
 
     def routing(self, step: int, rollout_id: int, segment_idx: int) -> dict[int, dict[int, tuple]]:
         """Layer -> {position: (rollout experts, learner experts)} where the learner's live routing disagreed."""
-        return {layer: dict(zip(positions or [], zip(rollout or [], learner or []))) for layer, positions, rollout, learner in self.rows(
-            "select layer, positions, rollout_experts, learner_experts from routing "
-            "where step = ? and rollout_id = ? and segment_idx = ? order by layer", step, rollout_id, segment_idx)}
+        return {
+            layer: dict(zip(positions or [], zip(rollout or [], learner or [])))
+            for layer, positions, rollout, learner in self.rows(
+                "select layer, positions, rollout_experts, learner_experts from routing "
+                "where step = ? and rollout_id = ? and segment_idx = ? order by layer",
+                step,
+                rollout_id,
+                segment_idx,
+            )
+        }
 
     # ---- other tables
     def page(self, table: str, offset: int = 0) -> tuple[list[str], list[tuple]]:
         order = "step, rollout_id, segment_idx" if table == "gate_decisions" else "time"
-        exclude = "run_id, traceback" if table == "failed_episodes" else "run_id"  # the traceback: below the table
-        result = self.db.execute(f"select * exclude ({exclude}) from {table} order by {order} limit {PAGE} offset {int(offset)}")
+        exclude = (
+            "run_id, traceback" if table == "failed_episodes" else "run_id"
+        )  # the traceback: below the table
+        result = self.db.execute(
+            f"select * exclude ({exclude}) from {table} order by {order} limit {PAGE} offset {int(offset)}"
+        )
         return [d[0] for d in result.description], result.fetchall()
 
     def traceback(self, step: int, rollout_id: int) -> str:
-        found = self.rows("select traceback from failed_episodes where step = ? and rollout_id = ? limit 1", step, rollout_id)
+        found = self.rows(
+            "select traceback from failed_episodes where step = ? and rollout_id = ? limit 1",
+            step,
+            rollout_id,
+        )
         return found[0][0] if found else ""
 
     # ---- token text
@@ -166,7 +246,11 @@ class RunData:
         """The text of one token under the run's tokenizer (cached); `⟨id⟩` when the tokenizer cannot be found."""
         if token_id not in self.pieces:
             tokenizer = self.tokenizer()
-            self.pieces[token_id] = tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else f"⟨{token_id}⟩"
+            self.pieces[token_id] = (
+                tokenizer.decode([token_id], skip_special_tokens=False)
+                if tokenizer
+                else f"⟨{token_id}⟩"
+            )
         return self.pieces[token_id]
 
     def tokenizer(self):
