@@ -1,10 +1,13 @@
-"""Fuzz the loopback server for longer than CI does: `python bench/fuzz_server.py [--requests 3000] [--seed 1]`.
+"""Fuzz the loopback server for longer than CI does.
 
-The same hostile requests as tests/server/test_fuzz.py (malformed and deeply nested JSON, invalid UTF-8,
-wrong types, unknown roles, broken tool calls, huge bodies, other sessions' ids and keys, unknown
-routes) against a real engine on the tiny model. Prints the requests tried, the status codes seen
-and every broken promise (a 5xx, an error not in the wire's shape, a refused request that changed a
-session, another session's content or key in a reply); exits 1 if there was any.
+    python bench/fuzz_server.py [--quick] [--requests 3000] [--seed 1]
+
+The same hostile requests as tests/server/test_fuzz.py (malformed and deeply nested JSON, invalid
+UTF-8, wrong types, unknown roles, broken tool calls, huge bodies, other sessions' ids and keys,
+unknown routes) against a real engine on the tiny model. Prints the requests tried, the status
+codes seen and every broken promise (a 5xx, an error not in the wire's shape, a refused request
+that changed a session, another session's content or key in a reply); exits 1 if there was any.
+`--quick` sends 100 requests: a smoke run of seconds.
 """
 
 import argparse
@@ -14,24 +17,26 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
+from workbench.engines.base import SamplingParams
+from workbench.engines.torch_engine import TorchEngine
+from workbench.models.tiny import tiny_model_path
+from workbench.server.loopback import LoopbackServer
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="100 requests, for a CI smoke run")
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
+    budget = 100 if args.quick else args.requests
     spec = importlib.util.spec_from_file_location(
         "test_fuzz", Path(__file__).parent.parent / "tests/server/test_fuzz.py"
     )
     fuzzing = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fuzzing)
-    from transformers import AutoTokenizer
-
-    from workbench.engines.base import SamplingParams
-    from workbench.engines.torch_engine import TorchEngine
-    from workbench.models.tiny import tiny_model_path
-    from workbench.server.loopback import LoopbackServer
-
     path = str(tiny_model_path())
     tokenizer = AutoTokenizer.from_pretrained(path)
     server = LoopbackServer(
@@ -41,14 +46,14 @@ def main() -> int:
         max_total_tokens=256,
     )
     victim, target = fuzzing.victim_and_target(server)
-    statuses, problems = Counter(), []
+    statuses = Counter()
+    problems = []
     started = time.perf_counter()
-    fuzzing.fuzz(server, victim, target, args.requests, statuses, problems, seed=args.seed)
+    fuzzing.fuzz(server, victim, target, budget, statuses, problems, seed=args.seed)
     seconds = time.perf_counter() - started
     server.stop()
-    print(
-        f"requests tried: {sum(statuses.values())} in {seconds:.1f} s ({sum(statuses.values()) / seconds:.0f}/s)"
-    )
+    tried = sum(statuses.values())
+    print(f"requests tried: {tried} in {seconds:.1f} s ({tried / seconds:.0f}/s)")
     print(
         "status codes:   "
         + ", ".join(f"{code}: {count}" for code, count in sorted(statuses.items()))

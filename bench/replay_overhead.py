@@ -23,10 +23,9 @@ from workbench.segment import Segment
 def segments_from(engine, count, max_tokens):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(5, 400, size=16).astype(np.int32) for _ in range(count)]
+    generations = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, seed=1))
     out = []
-    for i, (p, g) in enumerate(
-        zip(prompts, engine.generate(prompts, SamplingParams(max_tokens=max_tokens, seed=1)))
-    ):
+    for i, (p, g) in enumerate(zip(prompts, generations, strict=True)):
         mask = np.r_[np.zeros(len(p)), np.ones(len(g.token_ids))].astype(np.uint8)
         out.append(
             Segment(
@@ -61,7 +60,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model", default="tiny-moe")
     args = parser.parse_args()
-    count, tokens, repeats = (8, 16, 3) if args.quick else (32, 48, 15)
+    # sequences, new tokens per sequence, timed rounds
+    count = 32
+    tokens = 48
+    repeats = 15
+    if args.quick:
+        count = 8
+        tokens = 16
+        repeats = 3
     torch.set_num_threads(2)
     path = str(tiny_model_path(args.model))
     cfg = compose_config([f"model={args.model}", "algo.routing_replay=true"])
@@ -69,25 +75,26 @@ def main() -> None:
     learner = Learner(cfg, path)
     batch = collate(segments_from(TorchEngine(path), count, tokens))
     unrouted = {k: v for k, v in batch.items() if k != "routed_experts"}
+    # no hooks; routes measured only; replayed
     cases = [
         (unrouted, False),
         (batch, False),
         (batch, True),
-    ]  # no hooks; routes measured only; replayed
+    ]
     for case in cases:
         forward_backward_seconds(learner, *case, 2)  # warm-up
-    rounds = np.array(
-        [[forward_backward_seconds(learner, *case, 1) for case in cases] for _ in range(repeats)]
-    )
-    bare, plain, replayed = np.median(
-        rounds, axis=0
-    )  # interleaved rounds: drift hits every case alike
+    # interleaved rounds: drift hits every case alike
+    rounds = []
+    for _ in range(repeats):
+        rounds.append([forward_backward_seconds(learner, *case, 1) for case in cases])
+    bare, plain, replayed = np.median(np.array(rounds), axis=0)
     print(
-        f"{args.model}: {count} sequences x {batch['token_ids'].shape[1]} tokens, {len(find_routers(learner.model))} MoE layers"
+        f"{args.model}: {count} sequences x {batch['token_ids'].shape[1]} tokens, "
+        f"{len(find_routers(learner.model))} MoE layers"
     )
     print(
-        f"forward+backward  no hooks {bare * 1e3:7.1f} ms   measured only {plain * 1e3:7.1f} ms   with replay "
-        f"{replayed * 1e3:7.1f} ms   replay / no hooks {replayed / bare:.3f}"
+        f"forward+backward  no hooks {bare * 1e3:7.1f} ms   measured only {plain * 1e3:7.1f} ms   "
+        f"with replay {replayed * 1e3:7.1f} ms   replay / no hooks {replayed / bare:.3f}"
     )
     noisy = TorchEngine(path)
     torch.manual_seed(1)
@@ -100,12 +107,15 @@ def main() -> None:
         old = learner.logprobs(batch, routing=routing)
     metrics = learner.routing_metrics(batch, routing, old)
     print(
-        f"router noise on the rollout: mismatched tokens {metrics['routing/mismatch_token_frac']:.3f}, "
+        "router noise on the rollout: mismatched tokens "
+        f"{metrics['routing/mismatch_token_frac']:.3f}, "
         f"(token, layer) pairs {metrics['routing/mismatch_layer_frac']:.3f}"
     )
+    kl_no_replay = metrics["mismatch/kl_no_replay"]
+    kl_replay = metrics["mismatch/kl_replay"]
     print(
-        f"KL(rollout || learner)  without replay {metrics['mismatch/kl_no_replay']:.2e}   with replay "
-        f"{metrics['mismatch/kl_replay']:.2e}   reduction {metrics['mismatch/kl_no_replay'] / max(metrics['mismatch/kl_replay'], 1e-12):.1f}x"
+        f"KL(rollout || learner)  without replay {kl_no_replay:.2e}   with replay "
+        f"{kl_replay:.2e}   reduction {kl_no_replay / max(kl_replay, 1e-12):.1f}x"
     )
 
 

@@ -7,8 +7,8 @@ Model compute is timed where it happens: `perf/generate_s` (the engine's generat
 slowest worker's when several run side by side) and `perf/learner_compute_s` (the learner's
 forwards, backward and optimizer step). Framework overhead is the rest of `perf/step_s`: Ray
 calls and transfers, episode and Segment building, the token-identity audit, collation, gate and
-advantages, metrics, the weight push. The store's writes run in its own actor, off the step; its share
-is its CPU seconds per step (`perf/store_cpu_s`) over the step's wall time.
+advantages, metrics, the weight push. The store's writes run in its own actor, off the step; its
+share is its CPU seconds per step (`perf/store_cpu_s`) over the step's wall time.
 
 Runs: the arith recipe as it is (warm-started: 2-token replies, so compute is smallest), then the
 scaling points from a base without the warm start (replies run to `engine.max_tokens`): base
@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workbench import loop  # noqa: E402
+from workbench import cluster, loop  # noqa: E402
 from workbench.config import compose_config  # noqa: E402
 from workbench.store import open_run  # noqa: E402
 
@@ -48,15 +48,15 @@ class PeakRSS:
     def __enter__(self):
         import psutil
 
-        self.peak, self.done, me = 0, threading.Event(), psutil.Process()
+        self.peak = 0
+        self.done = threading.Event()
+        me = psutil.Process()
 
         def sample():
             while not self.done.wait(0.1):
                 try:
-                    self.peak = max(
-                        self.peak,
-                        sum(p.memory_info().rss for p in [me, *me.children(recursive=True)]),
-                    )
+                    tree = [me, *me.children(recursive=True)]
+                    self.peak = max(self.peak, sum(p.memory_info().rss for p in tree))
                 except psutil.Error:
                     pass
 
@@ -84,22 +84,18 @@ def measure(root: str, name: str, steps: int, overrides: list[str]) -> dict:
     )
     with PeakRSS() as memory:
         run_id = loop.train(cfg)
+    averages = ", ".join(f"avg(value) filter (where key = 'perf/{k}')" for k in KEYS)
     db = open_run(run_id, root)
-    means = dict(
-        zip(
-            KEYS,
-            db.execute(
-                "select "
-                + ", ".join(f"avg(value) filter (where key = 'perf/{k}')" for k in KEYS)
-                + " from metrics where step > 0"
-            ).fetchone(),
-        )
-    )
+    row = db.execute(f"select {averages} from metrics where step > 0").fetchone()
+    means = dict(zip(KEYS, row, strict=True))
     means["peak_mb"] = memory.peak / 2**20
-    # model compute on the step's critical path: generation then training when synchronous; when rollout runs
-    # ahead (async_depth > 0) the two overlap, and the step waits on the slower of them
+    # model compute on the step's critical path: generation then training when synchronous; when
+    # rollout runs ahead (async_depth > 0) the two overlap, and the step waits on the slower of them
     both = (means["generate_s"], means["learner_compute_s"])
-    means["overhead_s"] = means["step_s"] - (max(both) if cfg.trainer.async_depth else sum(both))
+    if cfg.trainer.async_depth:
+        means["overhead_s"] = means["step_s"] - max(both)
+    else:
+        means["overhead_s"] = means["step_s"] - sum(both)
     means["overhead"] = means["overhead_s"] / means["step_s"]
     return means
 
@@ -107,12 +103,12 @@ def measure(root: str, name: str, steps: int, overrides: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "--quick", action="store_true", help="arith and base only, 3 steps each unless --steps"
+        "--quick", action="store_true", help="arith and base only, 2 steps each unless --steps"
     )
     parser.add_argument("--steps", type=int, help="steps per run (default 12)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
-    steps = args.steps or (3 if args.quick else 12)
+    steps = args.steps or (2 if args.quick else 12)
     base = [
         "model.warm_start_steps=0",
         "engine.max_tokens=32",
@@ -129,11 +125,8 @@ def main() -> None:
     }
     if args.quick:
         runs = dict(list(runs.items())[:2])
-    from workbench import runtime
-
-    runtime.init_ray(
-        compose_config(["ray.rollout_workers=2"])
-    )  # one Ray for every run, with a slot per actor of the largest
+    # one Ray for every run, with a slot per actor of the largest
+    cluster.init_ray(compose_config(["ray.rollout_workers=2"]))
     with tempfile.TemporaryDirectory() as root:
         results = {
             name: measure(root, f"run{i}", steps, [*overrides, *args.overrides])
@@ -141,19 +134,26 @@ def main() -> None:
         }
     print(
         f"{'run':>12} {'step_s':>7} {'rollout':>7} {'train':>6} {'generate':>8} {'learn':>6} "
-        f"{'overhead':>8} {'ms':>5} {'store':>6} {'tokens/s':>8} {'peak_MB':>7} {'x step':>6} {'x mem':>5}"
+        f"{'overhead':>8} {'ms':>5} {'store':>6} {'tokens/s':>8} {'peak_MB':>7} {'x step':>6} "
+        f"{'x mem':>5}"
     )
     for name, r in results.items():
-        scale = results["base"] if name != "arith recipe" else r
+        # the scaling points are read against base; the arith recipe against itself
+        scale = r
+        if name != "arith recipe":
+            scale = results["base"]
         print(
             f"{name:>12} {r['step_s']:7.3f} {r['rollout_s']:7.3f} {r['train_s']:6.3f} "
-            f"{r['generate_s']:8.3f} {r['learner_compute_s']:6.3f} {r['overhead']:8.1%} {r['overhead_s'] * 1000:5.0f} {r['store_cpu_s'] / r['step_s']:6.1%} {r['tokens_per_s']:8.0f} "
-            f"{r['peak_mb']:7.0f} {r['step_s'] / scale['step_s']:6.2f} {r['peak_mb'] / scale['peak_mb']:5.2f}"
+            f"{r['generate_s']:8.3f} {r['learner_compute_s']:6.3f} {r['overhead']:8.1%} "
+            f"{r['overhead_s'] * 1000:5.0f} {r['store_cpu_s'] / r['step_s']:6.1%} "
+            f"{r['tokens_per_s']:8.0f} {r['peak_mb']:7.0f} {r['step_s'] / scale['step_s']:6.2f} "
+            f"{r['peak_mb'] / scale['peak_mb']:5.2f}"
         )
     print(
-        "overhead = 1 - model compute on the critical path / step: generate + learn when synchronous, the larger "
-        "of the two when async_depth > 0 overlaps them; ms: the same, in milliseconds per step; store: the store actor's "
-        "CPU seconds per step / step (its work runs off the step's path, on the same cores); x step, x mem: against base"
+        "overhead = 1 - model compute on the critical path / step: generate + learn when "
+        "synchronous, the larger of the two when async_depth > 0 overlaps them; ms: the same, in "
+        "milliseconds per step; store: the store actor's CPU seconds per step / step (its work "
+        "runs off the step's path, on the same cores); x step, x mem: against base"
     )
 
 

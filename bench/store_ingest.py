@@ -55,7 +55,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="a few steps, for a CI smoke run")
     args = parser.parse_args()
-    steps, segments, length = (3, 64, 256) if args.quick else (20, 256, 1024)
+    steps = 20
+    segments = 256  # per step
+    length = 1024  # tokens per segment
+    if args.quick:
+        steps = 3
+        segments = 64
+        length = 256
     batches = [batch(segments, length, step) for step in range(steps)]
     tokens = steps * segments * length
     with tempfile.TemporaryDirectory() as root:

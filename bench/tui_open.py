@@ -1,6 +1,6 @@
 """Time to first paint of `molt-wb inspect` on a run of 10^6 tokens.
 
-    python bench/tui_open.py [--segments 5000] [--length 200] [--steps 50]
+    python bench/tui_open.py [--quick] [--segments 5000] [--length 200] [--steps 50]
 
 A synthetic run is written directly as Parquet shards with the store's schemas (one shard per step
 and table, as the writer does), then the app is driven headless (Textual's Pilot, 100x30) and each
@@ -23,14 +23,17 @@ from workbench.store.schema import TABLES
 
 
 def write_run(root: Path, segments: int, length: int, steps: int, layers: int = 3) -> str:
-    run_id, rng = "20260101-000000-be9c", np.random.default_rng(0)
+    run_id = "20260101-000000-be9c"
+    rng = np.random.default_rng(0)
     folder = root / run_id
     for name in TABLES:
         (folder / name).mkdir(parents=True)
-    per_step, prompt = segments // steps, length // 4
+    n = segments // steps  # segments per step
+    prompt = length // 4
     for step in range(steps):
-        n, rollout = per_step, np.arange(step * per_step, (step + 1) * per_step)
-        columns = {  # one step's shard of each table
+        rollout = np.arange(step * n, (step + 1) * n)
+        # one step's shard of each table
+        columns = {
             "segments": dict(
                 step=[step] * n,
                 rollout_id=rollout,
@@ -49,6 +52,7 @@ def write_run(root: Path, segments: int, length: int, steps: int, layers: int = 
                 prompt_text=[f"What is {i % 9} + {i % 7}?" for i in rollout],
                 response_text=["42"] * n,
                 images=[[]] * n,
+                info=["{}"] * n,
             ),
             "tokens": dict(
                 step=np.full(n * length, step, np.int32),
@@ -85,6 +89,8 @@ def write_run(root: Path, segments: int, length: int, steps: int, layers: int = 
                 tokens=[length] * n * layers,
                 mismatched=[1] * n * layers,
                 positions=[[prompt + 1]] * n * layers,
+                rollout_experts=[[[0, 1]]] * n * layers,
+                learner_experts=[[[0, 2]]] * n * layers,
             ),
             "metrics": dict(
                 step=[step] * 5,
@@ -121,19 +127,30 @@ def write_run(root: Path, segments: int, length: int, steps: int, layers: int = 
     return run_id
 
 
+def clock() -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds over all threads)."""
+    return time.perf_counter(), time.process_time()
+
+
+def since(start: tuple[float, float]) -> tuple[float, float]:
+    """Wall and CPU seconds from `start` to now."""
+    now = clock()
+    return now[0] - start[0], now[1] - start[1]
+
+
 async def drive(root: str, run_id: str) -> dict:
     from textual.widgets import DataTable
 
     from workbench.tui.app import InspectApp
 
-    app, figures = InspectApp(root, run_id, poll=3600), {}
-    clock = lambda: (time.perf_counter(), time.process_time())  # noqa: E731
-    since = lambda start: tuple(b - a for a, b in zip(start, clock()))  # noqa: E731
+    app = InspectApp(root, run_id, poll=3600)
+    figures = {}
     start = clock()
     async with app.run_test(size=(100, 30)) as pilot:
         await pilot.pause()
         figures["open run (overview + all tabs loaded)"] = since(start)
-        table = app.screen.query_one("#segments-table", DataTable)
+        # raises if the segments tab did not build its table
+        app.screen.query_one("#segments-table", DataTable)
         for label, keys in (
             ("segments table", ["2"]),
             ("token view (first open: tokenizer load)", ["enter"]),
@@ -160,22 +177,27 @@ def main():
     parser.add_argument("--segments", type=int, default=5000)
     parser.add_argument("--length", type=int, default=200)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--quick", action="store_true", help="10^4 tokens: a smoke run")
     args = parser.parse_args()
+    if args.quick:
+        args.segments = 200
+        args.length = 50
+        args.steps = 5
     with tempfile.TemporaryDirectory() as root:
         start = time.perf_counter()
         run_id = write_run(Path(root), args.segments, args.length, args.steps)
         size = sum(p.stat().st_size for p in Path(root).rglob("*.parquet"))
         print(
-            f"synthetic run: {args.segments * args.length:,} tokens, {args.segments:,} segments, {args.steps} shards per table, "
-            f"{size / 2**20:.1f} MiB, written in {time.perf_counter() - start:.1f} s"
+            f"synthetic run: {args.segments * args.length:,} tokens, {args.segments:,} segments, "
+            f"{args.steps} shards per table, {size / 2**20:.1f} MiB, "
+            f"written in {time.perf_counter() - start:.1f} s"
         )
         print(f"  {'':<42} {'wall':>8} {'cpu':>8}")
         for label, value in asyncio.run(drive(root, run_id)).items():
-            print(
-                f"  {label:<42} {value[0] * 1000:6.0f} ms {value[1] * 1000:5.0f} ms"
-                if isinstance(value, tuple)
-                else f"  {label:<42} {value:8d}"
-            )
+            if isinstance(value, tuple):
+                print(f"  {label:<42} {value[0] * 1000:6.0f} ms {value[1] * 1000:5.0f} ms")
+            else:
+                print(f"  {label:<42} {value:8d}")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ and a token-mean loss, no KL term, on the CPU: molt-wb through `loop.train` (Ray
 gate), TRL through `GRPOTrainer` (no vLLM, no hub, report_to none). Each side runs in its own child
 process, so peak memory is that process tree's (Ray's processes included), sampled by the parent:
 RSS (which counts shared library pages once per process) and PSS (which splits them among the
-processes that map them). molt-wb runs twice: synchronous (the recipe as it is) and with rollout one version ahead of the
-learner (`trainer.async_depth=1`, token-level version gate), so generation and training overlap.
+processes that map them). molt-wb runs twice: synchronous (the recipe as it is) and with rollout
+one version ahead of the learner (`trainer.async_depth=1`, token-level version gate), so generation
+and training overlap.
 TRL runs twice: as shipped, and with OMP_WAIT_POLICY=PASSIVE (what molt-wb sets for its Ray actors),
 so the ratio shows what is framework and what is that setting. Step times exclude start-up and the
 first (warm-up) step; generated tokens are sampled completion tokens (stop token included) on both
@@ -21,6 +22,8 @@ Speed at equal reward: each side's training time until its reward, averaged over
 reaches `--target` (time to target: the steps' own times, the warm-up step counted at the steady
 mean). With `--seeds`, every side but TRL+passive runs once per seed (each seed warm-starts its own
 checkpoint), and the means over the seeds are compared.
+
+`--quick` (a smoke run) trains 2 steps of synchronous molt-wb and of TRL as shipped only.
 """
 
 import argparse
@@ -33,10 +36,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# rollout one version ahead, overlapping the learner; gated
 ASYNC = [
     "trainer.async_depth=1",
     "gate.level=token",
-]  # rollout one version ahead, overlapping the learner; gated
+]
 OFFLINE = {
     "PYTHONWARNINGS": "ignore",
     "HF_HUB_OFFLINE": "1",
@@ -77,7 +81,8 @@ def run_molt(steps: int, extra: list[str], model_path: str) -> dict:
         rows = (
             open_run(run_id, root)
             .execute(
-                "pivot (select step, key, value from metrics where key in ('perf/step_s', 'rollout/sampled_tokens', 'reward/mean')) "
+                "pivot (select step, key, value from metrics where key in "
+                "('perf/step_s', 'rollout/sampled_tokens', 'reward/mean')) "
                 "on key using first(value) order by step"
             )
             .fetchall()
@@ -111,11 +116,10 @@ def run_trl(steps: int, extra: list[str], model_path: str) -> dict:
         ]
     )
 
-    def reward(
-        prompts, completions, sample, **_
-    ) -> list[float]:  # the recipe's own Env grades each completion
+    # the recipe's own Env grades each completion
+    def reward(prompts, completions, sample, **_) -> list[float]:
         scores = []
-        for completion, row in zip(completions, sample):
+        for completion, row in zip(completions, sample, strict=True):
             env = plugin.AgentRunner()
             env.reset(json.loads(row))
             scores.append(env.step(completion[-1]["content"]).reward)
@@ -123,7 +127,8 @@ def run_trl(steps: int, extra: list[str], model_path: str) -> dict:
 
     class Clock(TrainerCallback):
         def __init__(self):
-            self.step_s, self.logs = [], []
+            self.step_s = []
+            self.logs = []
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.mark = time.perf_counter()
@@ -139,7 +144,8 @@ def run_trl(steps: int, extra: list[str], model_path: str) -> dict:
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    group, prompts = cfg.trainer.group_size, cfg.trainer.prompts_per_step
+    group = cfg.trainer.group_size
+    prompts = cfg.trainer.prompts_per_step
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
             output_dir=out,
@@ -189,10 +195,10 @@ def run_trl(steps: int, extra: list[str], model_path: str) -> dict:
 
 
 def measure(side: str, steps: int, extra: list[str], model_path: str, env: dict) -> dict:
-    """Run one side in a child process; add the peak RSS and PSS of its process tree. Sampling must not
-    load the cores it measures: RSS every 0.1 s (cheap), the tree's processes found again once a second,
-    and PSS (which reads every mapping, ~10 ms a process) only when the RSS reaches a new high, which
-    it does while the side starts up, not in the steady steps timed."""
+    """Run one side in a child process; add the peak RSS and PSS of its process tree. Sampling must
+    not load the cores it measures: RSS every 0.1 s (cheap), the tree's processes found again once a
+    second, and PSS (which reads every mapping, ~10 ms a process) only when the RSS reaches a new
+    high, which it does while the side starts up, not in the steady steps timed."""
     import psutil
 
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
@@ -212,22 +218,23 @@ def measure(side: str, steps: int, extra: list[str], model_path: str, env: dict)
             ],
             env={**os.environ, **OFFLINE, **env},
         )
-        peak, peak_pss, pss_at, parent, tick, tree = 0, 0, 0, psutil.Process(child.pid), 0, []
+        parent = psutil.Process(child.pid)
+        tree = []
+        tick = 0
+        peak = 0
+        peak_pss = 0
+        pss_at = 0  # the tree's RSS when its PSS was last read
         while child.poll() is None:
             try:
                 if tick % 10 == 0:
                     tree = [parent, *parent.children(recursive=True)]
                 rss = sum(p.memory_info().rss for p in tree if p.is_running())
                 peak = max(peak, rss)
-                if (
-                    rss > pss_at * 1.02
-                ):  # a new high: PSS splits shared pages among the processes that map them
-                    peak_pss, pss_at = (
-                        max(
-                            peak_pss, sum(p.memory_full_info().pss for p in tree if p.is_running())
-                        ),
-                        rss,
-                    )
+                # a new high: PSS splits shared pages among the processes that map them
+                if rss > pss_at * 1.02:
+                    pss = sum(p.memory_full_info().pss for p in tree if p.is_running())
+                    peak_pss = max(peak_pss, pss)
+                    pss_at = rss
             except psutil.Error:
                 pass
             tick += 1
@@ -237,7 +244,8 @@ def measure(side: str, steps: int, extra: list[str], model_path: str, env: dict)
                 f"The {side} run failed (exit {child.returncode}); its output is above."
             )
         result = json.loads(Path(out.name).read_text())
-    result["peak_rss_mb"], result["peak_pss_mb"] = peak / 2**20, peak_pss / 2**20
+    result["peak_rss_mb"] = peak / 2**20
+    result["peak_pss_mb"] = peak_pss / 2**20
     return result
 
 
@@ -245,10 +253,8 @@ def summary(r: dict, target: float = 0.75, window: int = 5) -> dict:
     steady = r["step_s"][1:] or r["step_s"]  # the first step warms up
     tokens = sum(r["tokens"][1:] or r["tokens"])
     k = max(1, len(r["reward"]) // 5)
-    times = [
-        sum(steady) / len(steady),
-        *r["step_s"][1:],
-    ]  # the warm-up step at the steady mean: its extra is start-up
+    # the warm-up step at the steady mean: its extra is start-up
+    times = [sum(steady) / len(steady), *r["step_s"][1:]]
     reached = next(
         (
             end
@@ -273,59 +279,88 @@ def summary(r: dict, target: float = 0.75, window: int = 5) -> dict:
 def seed_list(text: str) -> list[int]:
     """'3' -> [3]; '0-5' -> [0..5]; '0,2,7' -> [0, 2, 7]."""
     first, _, last = text.partition("-")
-    return list(range(int(first), int(last) + 1)) if last else [int(x) for x in text.split(",")]
+    if last:
+        return list(range(int(first), int(last) + 1))
+    return [int(x) for x in text.split(",")]
+
+
+def seconds_or_dash(seconds: float | None) -> str:
+    """Seconds to target in an 11-column cell, or '-' where the target was never reached."""
+    if seconds:
+        return f"{seconds:11.2f}"
+    return f"{'-':>11}"
 
 
 def compare_seeds(seeds: list[int], steps: int, overrides: list[str], target: float) -> None:
-    """Every side once per seed; per seed and mean: tokens/s, last reward, time to target; ratios over TRL."""
-    from workbench import runtime
+    """Every side once per seed; per seed and mean: tokens/s, last reward, time to target; ratios
+    over TRL."""
+    from workbench import model_paths
 
     sides = {"molt-wb": ("molt", []), "molt-wb async": ("molt", ASYNC), "TRL": ("trl", [])}
     table = {name: [] for name in sides}
     print(
-        f"{'seed':>4} {'side':>14} {'tokens/s':>9} {'reward last':>11} {'steps to target':>15} {'s to target':>11}"
+        f"{'seed':>4} {'side':>14} {'tokens/s':>9} {'reward last':>11} {'steps to target':>15} "
+        f"{'s to target':>11}"
     )
     for seed in seeds:
         extra = [*overrides, f"seed={seed}"]
-        model_path = runtime.policy_path(config(steps, extra))
+        model_path = model_paths.policy_path(config(steps, extra))
         for name, (side, more) in sides.items():
             s = summary(measure(side, steps, [*extra, *more], model_path, {}), target)
             table[name].append(s)
             print(
-                f"{seed:>4} {name:>14} {s['tokens_per_s']:9.0f} {s['reward_last']:11.3f} {s['steps_to_target'] or '-':>15} "
-                + (f"{s['s_to_target']:11.2f}" if s["s_to_target"] else f"{'-':>11}"),
+                f"{seed:>4} {name:>14} {s['tokens_per_s']:9.0f} {s['reward_last']:11.3f} "
+                f"{s['steps_to_target'] or '-':>15} {seconds_or_dash(s['s_to_target'])}",
                 flush=True,
             )
 
-    both = [
-        i for i in range(len(seeds)) if all(table[name][i]["s_to_target"] for name in sides)
-    ]  # seeds all reached
+    # the seeds where every side reached the target
+    both = []
+    for i in range(len(seeds)):
+        if all(table[name][i]["s_to_target"] for name in sides):
+            both.append(i)
 
     def mean(name: str, key: str) -> float:
-        rows = [table[name][i] for i in both] if key.endswith("to_target") else table[name]
-        return sum(s[key] for s in rows) / len(rows) if rows else float("nan")
+        rows = table[name]
+        if key.endswith("to_target"):
+            rows = [table[name][i] for i in both]
+        if not rows:
+            return float("nan")
+        return sum(s[key] for s in rows) / len(rows)
 
     print(
-        f"mean over seeds {','.join(map(str, seeds))}; to target (reward {target} over 5 steps): mean over the "
-        f"{len(both)} seeds where every side reached it"
+        f"mean over seeds {','.join(map(str, seeds))}; to target (reward {target} over 5 steps): "
+        f"mean over the {len(both)} seeds where every side reached it"
     )
     print(
-        f"{'side':>14} {'tokens/s':>9} {'reward last':>11} {'reached':>7} {'steps to target':>15} {'s to target':>11} "
-        f"{'tokens/s / TRL':>14} {'TRL s / s, to target':>20}"
+        f"{'side':>14} {'tokens/s':>9} {'reward last':>11} {'reached':>7} {'steps to target':>15} "
+        f"{'s to target':>11} {'tokens/s / TRL':>14} {'TRL s / s, to target':>20}"
     )
     for name in sides:
         reached = sum(s["s_to_target"] is not None for s in table[name])
         print(
-            f"{name:>14} {mean(name, 'tokens_per_s'):9.0f} {mean(name, 'reward_last'):11.3f} {reached:>4}/{len(seeds):<2} "
+            f"{name:>14} {mean(name, 'tokens_per_s'):9.0f} {mean(name, 'reward_last'):11.3f} "
+            f"{reached:>4}/{len(seeds):<2} "
             f"{mean(name, 'steps_to_target'):15.1f} {mean(name, 's_to_target'):11.2f} "
             f"{mean(name, 'tokens_per_s') / mean('TRL', 'tokens_per_s'):14.2f} "
             f"{mean('TRL', 's_to_target') / mean(name, 's_to_target'):20.2f}"
         )
 
 
+def ratios(molt: dict, trl: dict) -> str:
+    """molt-wb / TRL of step time, tokens/s, wall, peak RSS and PSS, in the table's columns."""
+    return (
+        f"{molt['step_s'] / trl['step_s']:7.2f} {molt['tokens_per_s'] / trl['tokens_per_s']:9.2f} "
+        f"{molt['wall_s'] / trl['wall_s']:7.2f} {molt['peak_rss_mb'] / trl['peak_rss_mb']:8.2f} "
+        f"{molt['peak_pss_mb'] / trl['peak_pss_mb']:7.2f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="4 steps per side, for a smoke run")
+    parser.add_argument(
+        "--quick", action="store_true", help="2 steps of molt-wb and TRL only: a smoke run"
+    )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument(
         "--seeds",
@@ -344,19 +379,19 @@ def main() -> None:
         "overrides", nargs="*", help="extra Hydra overrides (applied to both sides)"
     )
     args = parser.parse_args()
-    steps = 4 if args.quick else args.steps
+    steps = 2 if args.quick else args.steps
     if args.side:
-        result = (run_molt if args.side == "molt" else run_trl)(steps, args.overrides, args.model)
+        run_side = {"molt": run_molt, "trl": run_trl}[args.side]
+        result = run_side(steps, args.overrides, args.model)
         Path(args.json).write_text(json.dumps(result))
         return
     if args.seeds:
         compare_seeds(seed_list(args.seeds), steps, args.overrides, args.target)
         return
-    from workbench import runtime
+    from workbench import model_paths
 
-    model_path = runtime.policy_path(
-        config(steps, args.overrides)
-    )  # the warm start, built (once) before either side
+    # the warm start, built (once) before either side
+    model_path = model_paths.policy_path(config(steps, args.overrides))
     sides = {
         "molt-wb": ("molt", {}, []),
         "molt-wb async": ("molt", {}, ASYNC),
@@ -364,6 +399,7 @@ def main() -> None:
         "TRL+passive": ("trl", {"OMP_WAIT_POLICY": "PASSIVE"}, []),
     }
     if args.quick:
+        sides.pop("molt-wb async")
         sides.pop("TRL+passive")
     results = {
         name: measure(side, steps, [*args.overrides, *more], model_path, env)
@@ -375,26 +411,23 @@ def main() -> None:
         f"{config(steps, args.overrides).trainer.group_size} samples, {os.cpu_count()} CPU cores"
     )
     print(
-        f"{'':>26} {'step_s':>7} {'tokens/s':>9} {'wall_s':>7} {'peak_MB':>8} {'PSS_MB':>7} {'reward first':>12} {'reward last':>11} "
-        f"{'s to target':>11}"
+        f"{'':>26} {'step_s':>7} {'tokens/s':>9} {'wall_s':>7} {'peak_MB':>8} {'PSS_MB':>7} "
+        f"{'reward first':>12} {'reward last':>11} {'s to target':>11}"
     )
     for name, s in summaries.items():
         print(
-            f"{name:>26} {s['step_s']:7.3f} {s['tokens_per_s']:9.0f} {s['wall_s']:7.1f} {s['peak_rss_mb']:8.0f} {s['peak_pss_mb']:7.0f} "
-            f"{s['reward_first']:12.3f} {s['reward_last']:11.3f} "
-            + (f"{s['s_to_target']:11.2f}" if s["s_to_target"] else f"{'-':>11}")
+            f"{name:>26} {s['step_s']:7.3f} {s['tokens_per_s']:9.0f} {s['wall_s']:7.1f} "
+            f"{s['peak_rss_mb']:8.0f} {s['peak_pss_mb']:7.0f} {s['reward_first']:12.3f} "
+            f"{s['reward_last']:11.3f} {seconds_or_dash(s['s_to_target'])}"
         )
-    for ours in ("molt-wb", "molt-wb async"):
-        for name in [n for n in summaries if n.startswith("TRL")]:
-            molt, trl = summaries[ours], summaries[name]
-            print(
-                f"{ours + ' / ' + name:>26} {molt['step_s'] / trl['step_s']:7.2f} {molt['tokens_per_s'] / trl['tokens_per_s']:9.2f} "
-                f"{molt['wall_s'] / trl['wall_s']:7.2f} {molt['peak_rss_mb'] / trl['peak_rss_mb']:8.2f} "
-                f"{molt['peak_pss_mb'] / trl['peak_pss_mb']:7.2f}"
-            )
+    ours_names = [n for n in summaries if n.startswith("molt-wb")]
+    trl_names = [n for n in summaries if n.startswith("TRL")]
+    for ours in ours_names:
+        for name in trl_names:
+            print(f"{ours + ' / ' + name:>26} " + ratios(summaries[ours], summaries[name]))
     print(
-        f"reward first / last: mean over the first / last fifth of the steps; s to target: training seconds until the "
-        f"reward over 5 steps first reaches {args.target}"
+        "reward first / last: mean over the first / last fifth of the steps; s to target: training "
+        f"seconds until the reward over 5 steps first reaches {args.target}"
     )
     for name, r in results.items():
         print(f"reward curve {name:>13}: " + " ".join(f"{x:.2f}" for x in r["reward"]))

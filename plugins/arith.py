@@ -10,7 +10,8 @@ import re
 
 from workbench.api import Env, Result
 
-OPERANDS = 5  # operands 0..4: a small table of facts, so each is revisited often within a run
+# operands 0..4: a small table of facts, so each is revisited often within a run
+OPERANDS = 5
 
 
 class ArithEnv(Env):
@@ -33,11 +34,14 @@ def make_dataset(size: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     samples = []
     for index in range(size):
-        a, b = rng.randrange(OPERANDS), rng.randrange(OPERANDS)
+        a = rng.randrange(OPERANDS)
+        b = rng.randrange(OPERANDS)
         samples.append({"id": index, "problem": f"What is {a} + {b}?", "answer": a + b})
     return samples
 
 
 def warm_start(sample: dict, rng: random.Random) -> str:
     answer = sample["answer"]
-    return str(answer if rng.random() < 0.4 else max(0, answer + rng.choice([-2, -1, 1, 2])))
+    if rng.random() < 0.4:
+        return str(answer)
+    return str(max(0, answer + rng.choice([-2, -1, 1, 2])))

@@ -35,4 +35,5 @@ class SureChat(ChatAgent):
 
 
 AgentRunner = SureChat
-make_dataset, warm_start = arith.make_dataset, arith.warm_start
+make_dataset = arith.make_dataset
+warm_start = arith.warm_start

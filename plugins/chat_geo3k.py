@@ -18,15 +18,14 @@ MAX_TURNS = 3
 
 def openai_content(sample: dict) -> list[dict]:
     """The problem as OpenAI content parts, images inline as data URLs."""
-    return [
-        {
-            "type": "image_url",
-            "image_url": {"url": "data:image/png;base64," + base64.b64encode(p["image"]).decode()},
-        }
-        if p["type"] == "image"
-        else p
-        for p in geo3k.user_content(sample)
-    ]
+    parts = []
+    for part in geo3k.user_content(sample):
+        if part["type"] == "image":
+            url = "data:image/png;base64," + base64.b64encode(part["image"]).decode()
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append(part)
+    return parts
 
 
 class Geo3kChat(ChatAgent):
@@ -58,9 +57,13 @@ class Geo3kChat(ChatAgent):
                 code = json.loads(call.function.arguments or "{}").get("code", "")
                 output = run_python(str(code), timeout_s=5.0, memory_mb=256).tool_text()
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
-        return Result(reward=0.0, truncated=True)  # the turn budget ran out before a final answer
+        # the turn budget ran out before a final answer
+        return Result(reward=0.0, truncated=True)
 
 
 AgentRunner = Geo3kChat
-make_dataset, load_dataset = geo3k.make_dataset, geo3k.load_dataset
-WARM_START_AS = geo3k  # the same demonstrations (the Env renders them token-exactly as this agent's traffic), one cached checkpoint
+make_dataset = geo3k.make_dataset
+load_dataset = geo3k.load_dataset
+# the same demonstrations (the Env renders them token-exactly as this agent's traffic), one cached
+# checkpoint
+WARM_START_AS = geo3k

@@ -27,4 +27,5 @@ class ArithChat(ChatAgent):
 
 
 AgentRunner = ArithChat
-make_dataset, warm_start = arith.make_dataset, arith.warm_start
+make_dataset = arith.make_dataset
+warm_start = arith.warm_start

@@ -12,7 +12,8 @@ import secrets
 from workbench.api import Env, Result, run_python
 
 SYSTEM = "Write the Python function. Reply with code only."
-TASKS = [  # (prompt, reference solution, tests); {k} is drawn per sample
+# (prompt, reference solution, tests); {k} is drawn per sample
+TASKS = [
     (
         "Write a function f(x) that returns x + {k}.",
         "def f(x):\n    return x + {k}",
@@ -35,7 +36,8 @@ TASKS = [  # (prompt, reference solution, tests); {k} is drawn per sample
     ),
 ]
 HARNESS = """
-namespace, passed = {{}}, 0
+namespace = {{}}
+passed = 0
 try:
     exec(compile({code!r}, "solution.py", "exec"), namespace)
 except BaseException:
@@ -82,7 +84,8 @@ AgentRunner = CodeEnv
 
 
 def make_dataset(size: int, seed: int) -> list[dict]:
-    rng, samples = random.Random(seed), []
+    rng = random.Random(seed)
+    samples = []
     for index in range(size):
         prompt, solution, tests = TASKS[index % len(TASKS)]
         k = rng.randrange(2, 9)
@@ -102,8 +105,6 @@ def eval_dataset(size: int, seed: int) -> list[dict]:
 
 
 def warm_start(sample: dict, rng: random.Random) -> str:
-    return (
-        sample["solution"]
-        if rng.random() < 0.5
-        else sample["solution"].replace("return ", "return 1 + ")
-    )
+    if rng.random() < 0.5:
+        return sample["solution"]
+    return sample["solution"].replace("return ", "return 1 + ")

@@ -17,7 +17,8 @@ from workbench.api import Env, Result, geo3k_reward, load_plugin, run_python
 
 geo3k_data = load_plugin("geo3k_data")
 SYSTEM = (
-    "Solve the geometry problem shown in the diagram. You may run Python with the python_executor tool. "
+    "Solve the geometry problem shown in the diagram. "
+    "You may run Python with the python_executor tool. "
     "Give the final answer as <answer>...</answer>."
 )
 PYTHON_EXECUTOR = {
@@ -35,8 +36,10 @@ PYTHON_EXECUTOR = {
 
 
 def user_content(sample: dict) -> list[dict]:
-    """The problem as content parts: each `<image>` marker replaced by the next image (leftovers go first)."""
-    pieces, images = sample["problem"].split("<image>"), list(sample["images"])
+    """The problem as content parts: each `<image>` marker replaced by the next image (leftovers
+    go first)."""
+    pieces = sample["problem"].split("<image>")
+    images = list(sample["images"])
     parts = [{"type": "image", "image": image} for image in images[len(pieces) - 1 :]]
     for index, text in enumerate(pieces):
         if index and index - 1 < len(images):
@@ -56,7 +59,10 @@ def run_tool_call(action: str) -> str | None:
         assert request["name"] == "python_executor"
         code = str(request["arguments"]["code"])
     except (ValueError, KeyError, TypeError, AssertionError):
-        return 'Error: call python_executor as {"name": "python_executor", "arguments": {"code": "print(...)"}}'
+        return (
+            "Error: call python_executor as "
+            '{"name": "python_executor", "arguments": {"code": "print(...)"}}'
+        )
     return run_python(code, timeout_s=5.0, memory_mb=256).tool_text()
 
 
@@ -65,7 +71,8 @@ class Geo3kEnv(Env):
     tools = [PYTHON_EXECUTOR]
 
     def reset(self, sample: dict) -> list[dict]:
-        self.sample, self.tool_calls = sample, 0
+        self.sample = sample
+        self.tool_calls = 0
         return user_content(sample)
 
     def step(self, action: str) -> Result:
@@ -94,28 +101,33 @@ def load_dataset(path: str) -> list[dict]:
 
 
 def program(sample: dict) -> str | None:
-    """Python that computes a synthetic sample's answer from its drawn values (None for other samples)."""
-    v, kind = sample.get("values") or {}, sample.get("kind")
-    return {
-        "triangle_angle": lambda: f"print(180 - {v['a']} - {v['b']})",
-        "right_triangle": lambda: f"print(({v['a']}**2 + {v['b']}**2) ** 0.5)",
-        "circle": lambda: f"print({v['r']}**2)" if v["asked"] == "area" else f"print(2 * {v['r']})",
-        "parallel_lines": lambda: (
-            f"print(180 - {v['g']})"
-            if v["relation"] == "same-side interior"
-            else f"print({v['g']})"
-        ),
-        "rectangle": lambda: (
-            f"print({v['w']} * {v['h']})"
-            if v["asked"] == "area"
-            else f"print(2 * ({v['w']} + {v['h']}))"
-        ),
-    }.get(kind, lambda: None)()
+    """Python that computes a synthetic sample's answer from its drawn values (None for other
+    samples)."""
+    v = sample.get("values") or {}
+    kind = sample.get("kind")
+    if kind == "triangle_angle":
+        return f"print(180 - {v['a']} - {v['b']})"
+    if kind == "right_triangle":
+        return f"print(({v['a']}**2 + {v['b']}**2) ** 0.5)"
+    if kind == "circle" and v["asked"] == "area":
+        return f"print({v['r']}**2)"
+    if kind == "circle":
+        return f"print(2 * {v['r']})"
+    if kind == "parallel_lines" and v["relation"] == "same-side interior":
+        return f"print(180 - {v['g']})"
+    if kind == "parallel_lines":
+        return f"print({v['g']})"
+    if kind == "rectangle" and v["asked"] == "area":
+        return f"print({v['w']} * {v['h']})"
+    if kind == "rectangle":
+        return f"print(2 * ({v['w']} + {v['h']}))"
+    return None
 
 
 def warm_start(sample: dict, rng: random.Random):
-    """A noisy teacher's episode: reasoning, then the answer, right half of the time (else a wrong choice);
-    half of them compute it with the tool first and, when right, answer what the tool printed."""
+    """A noisy teacher's episode: reasoning, then the answer, right half of the time (else a wrong
+    choice); half of them compute it with the tool first and, when right, answer what the tool
+    printed."""
     wrong = [c for c in sample.get("choices") or [] if c != sample["answer"]]
     right = rng.random() < 0.5 or not wrong
     answer = sample["answer"] if right else rng.choice(wrong)
@@ -123,12 +135,12 @@ def warm_start(sample: dict, rng: random.Random):
     if code is None or rng.random() < 0.5:
         return f"I read the values off the diagram. <answer>{answer}</answer>"
     call = json.dumps({"name": "python_executor", "arguments": {"code": code}})
-    output = str(
-        eval(code.removeprefix("print(")[:-1])
-    )  # our own arithmetic: what the sandbox would print
-    final = (
-        output + "\\pi" * sample["answer"].endswith("\\pi") if right else answer
-    )  # circles: answers in units of π
+    # our own arithmetic: what the sandbox would print
+    output = str(eval(code.removeprefix("print(")[:-1]))
+    final = answer
+    if right:
+        # circles: answers in units of π
+        final = output + "\\pi" * sample["answer"].endswith("\\pi")
     return [
         {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
         {"role": "tool", "content": output + "\n"},

@@ -1,10 +1,11 @@
 """Geometry3K-shaped data: a synthetic set drawn with PIL, the real set's loader, and its converter.
 
 Every sample is {"id", "problem" ("<image>..."), "answer" (a string: "70", "25\\pi", "5\\sqrt{2}"),
-"images" (PNG/JPEG bytes), "choices" (4 strings, one of them the answer), "kind"}; synthetic ones also
-keep the drawn "values" the answer is computed from. A synthetic diagram is drawn to scale on 112×112
-pixels and its problem text also states the given values in words (as the real set often does), so a
-model that cannot read pixels can still solve it. The same seed gives byte-identical samples.
+"images" (PNG/JPEG bytes), "choices" (4 strings, one of them the answer), "kind"}; synthetic ones
+also keep the drawn "values" the answer is computed from. A synthetic diagram is drawn to scale on
+112×112 pixels and its problem text also states the given values in words (as the real set often
+does), so a model that cannot read pixels can still solve it. The same seed gives byte-identical
+samples.
 
 As an agent plugin (`agent.plugin=geo3k_data`) it is the single-turn, tool-free Env: the reply is
 graded with `geo3k_reward` (0.9·accuracy + 0.1·format).
@@ -24,23 +25,25 @@ from PIL import Image, ImageDraw, ImageFont
 
 from workbench.api import Env, Result, geo3k_reward, is_equivalent
 
-SIZE, MARGIN = 112, 16
-FONT = (
-    ImageFont.load_default_imagefont()
-)  # the built-in bitmap font: the same pixels with any FreeType
+SIZE = 112
+MARGIN = 16
+# the built-in bitmap font: the same pixels with any FreeType
+FONT = ImageFont.load_default_imagefont()
+# True: x and the given angle are supplementary (else equal)
 RELATIONS = {
     "corresponding": False,
     "alternate interior": False,
     "same-side interior": True,
-}  # True: supplementary
+}
 
 
-# ---- drawing ---------------------------------------------------------------------------------------
+# ---- drawing -------------------------------------------------------------------------------------
 
 
 def _fit(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """Scale and centre points given in maths coordinates (y up) into the image (y down)."""
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    xs = [p[0] for p in points]
+    ys = [p[1] for p in points]
     scale = (SIZE - 2 * MARGIN) / max(max(xs) - min(xs), max(ys) - min(ys))
     dx = (SIZE - scale * (max(xs) - min(xs))) / 2 - scale * min(xs)
     dy = (SIZE - scale * (max(ys) - min(ys))) / 2 + scale * max(ys)
@@ -60,19 +63,21 @@ def _label(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str) -> Non
 
 
 def _angle(draw: ImageDraw.ImageDraw, vertex, toward1, toward2, text: str) -> None:
-    """Mark the angle at `vertex` between the rays to `toward1` and `toward2` with an arc and a label on its bisector."""
+    """Mark the angle at `vertex` between the rays to `toward1` and `toward2` with an arc and a
+    label on its bisector."""
     units = [
         ((p[0] - vertex[0]) / math.dist(p, vertex), (p[1] - vertex[1]) / math.dist(p, vertex))
         for p in (toward1, toward2)
     ]
     directions = sorted(math.degrees(math.atan2(u[1], u[0])) % 360 for u in units)
-    start, end = directions if directions[1] - directions[0] <= 180 else directions[::-1]
+    if directions[1] - directions[0] > 180:
+        directions.reverse()
+    start, end = directions
     draw.arc([vertex[0] - 7, vertex[1] - 7, vertex[0] + 7, vertex[1] + 7], start, end, fill="black")
     half = math.radians((end - start) % 360 / 2)
     left, top, right, bottom = draw.textbbox((0, 0), text, font=FONT)
-    distance = min(
-        30.0, math.hypot(right - left, bottom - top) / 2 / math.sin(half) + 3
-    )  # clear of both rays
+    # clear of both rays
+    distance = min(30.0, math.hypot(right - left, bottom - top) / 2 / math.sin(half) + 3)
     bisector = (units[0][0] + units[1][0], units[0][1] + units[1][1])
     norm = math.hypot(*bisector)
     _label(
@@ -94,25 +99,32 @@ def _radical(square: int) -> str:
     """sqrt(square) in simplest radical form: 5, \\sqrt{13}, 5\\sqrt{2}."""
     outside = max(k for k in range(1, math.isqrt(square) + 1) if square % (k * k) == 0)
     inside = square // outside**2
-    return str(outside) if inside == 1 else f"{'' if outside == 1 else outside}\\sqrt{{{inside}}}"
+    if inside == 1:
+        return str(outside)
+    if outside == 1:
+        return f"\\sqrt{{{inside}}}"
+    return f"{outside}\\sqrt{{{inside}}}"
 
 
 def _pi(coefficient: int) -> str:
     return "\\pi" if coefficient == 1 else f"{coefficient}\\pi"
 
 
-# ---- the five kinds: each returns (values, answer, distractor answers, problem text, PNG) -----------
+# ---- the five kinds: each returns (values, answer, distractor answers, problem text, PNG) --------
 
 
 def _triangle_angle(rng: random.Random):
-    a, b = 90, 90
-    while a + b > 140:  # every angle at least 40°, so the labels have room
-        a, b = rng.randrange(40, 80, 5), rng.randrange(40, 80, 5)
+    a = 90
+    b = 90
+    # every angle at least 40°, so the labels have room
+    while a + b > 140:
+        a = rng.randrange(40, 80, 5)
+        b = rng.randrange(40, 80, 5)
     x = 180 - a - b
-    tan_a, tan_b = math.tan(math.radians(a)), math.tan(math.radians(b))
-    A, B, C = _fit(
-        [(0, 0), (1, 0), (tan_b / (tan_a + tan_b), tan_a * tan_b / (tan_a + tan_b))]
-    )  # angle a at A, b at B
+    tan_a = math.tan(math.radians(a))
+    tan_b = math.tan(math.radians(b))
+    # angle a at A, b at B
+    A, B, C = _fit([(0, 0), (1, 0), (tan_b / (tan_a + tan_b), tan_a * tan_b / (tan_a + tan_b))])
 
     def draw(d):
         d.polygon([A, B, C], outline="black", width=2)
@@ -130,9 +142,11 @@ def _triangle_angle(rng: random.Random):
 
 
 def _right_triangle(rng: random.Random):
-    a, b = 1, 9
+    a = 1
+    b = 9
     while max(a, b) > 3 * min(a, b):  # not too thin to read
-        a, b = rng.randint(1, 8), rng.randint(1, 8)
+        a = rng.randint(1, 8)
+        b = rng.randint(1, 8)
     A, B, C = _fit([(0, 0), (a, 0), (0, b)])  # right angle at A
 
     def draw(d):
@@ -141,7 +155,8 @@ def _right_triangle(rng: random.Random):
         _label(d, ((A[0] + B[0]) / 2, A[1] + 8), str(a))
         _label(d, (A[0] - 8, (A[1] + C[1]) / 2), str(b))
         middle = (B[0] + C[0]) / 2, (B[1] + C[1]) / 2
-        outward = math.dist(middle, A) / 10  # the label 10 pixels outside the hypotenuse
+        # the label 10 pixels outside the hypotenuse
+        outward = math.dist(middle, A) / 10
         _label(
             d,
             (middle[0] + (middle[0] - A[0]) / outward, middle[1] + (middle[1] - A[1]) / outward),
@@ -162,7 +177,8 @@ def _right_triangle(rng: random.Random):
 
 
 def _circle(rng: random.Random):
-    r, asked = rng.randint(1, 9), rng.choice(["area", "circumference"])
+    r = rng.randint(1, 9)
+    asked = rng.choice(["area", "circumference"])
 
     def draw(d):
         d.ellipse([MARGIN, MARGIN, SIZE - MARGIN, SIZE - MARGIN], outline="black", width=2)
@@ -182,25 +198,27 @@ def _circle(rng: random.Random):
 
 
 def _parallel_lines(rng: random.Random):
-    g, relation = rng.randrange(40, 141, 10), rng.choice(sorted(RELATIONS))
-    g = 100 if g == 90 else g
+    g = rng.randrange(40, 141, 10)
+    relation = rng.choice(sorted(RELATIONS))
+    if g == 90:
+        g = 100
     x = 180 - g if RELATIONS[relation] else g
-    top, bottom, rise = (
-        34,
-        78,
-        math.tan(math.radians(g)),
-    )  # the transversal climbs at g degrees from the right ray
-    top_x, bottom_x = SIZE / 2 + (bottom - top) / 2 / rise, SIZE / 2 - (bottom - top) / 2 / rise
-    # label spots: given angle g in the lower-left quadrant at the top crossing; x at the bottom crossing
+    top = 34
+    bottom = 78
+    # the transversal climbs at g degrees from the right ray
+    rise = math.tan(math.radians(g))
+    top_x = SIZE / 2 + (bottom - top) / 2 / rise
+    bottom_x = SIZE / 2 - (bottom - top) / 2 / rise
+    # label spots: given angle g in the lower-left quadrant at the top crossing; x at the bottom
+    # crossing
     spot_x = {
         "corresponding": (-1, 1),
         "alternate interior": (1, -1),
         "same-side interior": (-1, -1),
     }[relation]
 
-    def quadrant(
-        d, cx, cy, sx, sy, text
-    ):  # mark a quadrant at a crossing (sx: +1 right; sy: +1 below the line)
+    def quadrant(d, cx, cy, sx, sy, text):
+        """Mark a quadrant at a crossing (sx: +1 right; sy: +1 below the line)."""
         up = math.cos(math.radians(g)), -math.sin(math.radians(g))  # the transversal's upward ray
         ray = up if sy < 0 else (-up[0], -up[1])
         _angle(d, (cx, cy), (cx + sx, cy), (cx + ray[0], cy + ray[1]), text)
@@ -217,7 +235,10 @@ def _parallel_lines(rng: random.Random):
         quadrant(d, top_x, top, -1, 1, f"{g}°")
         quadrant(d, bottom_x, bottom, *spot_x, "x")
 
-    text = f"Two parallel lines are cut by a transversal. An angle measures {g}°, and x is its {relation} angle. Find x in degrees."
+    text = (
+        f"Two parallel lines are cut by a transversal. An angle measures {g}°, "
+        f"and x is its {relation} angle. Find x in degrees."
+    )
     return (
         {"g": g, "relation": relation},
         str(x),
@@ -228,7 +249,9 @@ def _parallel_lines(rng: random.Random):
 
 
 def _rectangle(rng: random.Random):
-    w, h, asked = rng.randint(2, 9), rng.randint(2, 9), rng.choice(["area", "perimeter"])
+    w = rng.randint(2, 9)
+    h = rng.randint(2, 9)
+    asked = rng.choice(["area", "perimeter"])
     (x0, y0), (x1, y1) = _fit([(0, 0), (w, h)])
 
     def draw(d):
@@ -258,7 +281,8 @@ KINDS = {
 
 def make_dataset(size: int, seed: int) -> list[dict]:
     """`size` synthetic samples, kinds in turn, values from `seed` (same seed, same bytes)."""
-    rng, samples = random.Random(seed), []
+    rng = random.Random(seed)
+    samples = []
     for index in range(size):
         kind = list(KINDS)[index % len(KINDS)]
         values, answer, wrong, text, png = KINDS[kind](rng)
@@ -285,7 +309,8 @@ def make_dataset(size: int, seed: int) -> list[dict]:
 
 
 def _image_bytes(item, folder: Path) -> bytes:
-    """An image given as bytes, a {"bytes", "path"} dict, a path relative to the data file, or base64 text."""
+    """An image given as bytes, a {"bytes", "path"} dict, a path relative to the data file, or
+    base64 text."""
     if isinstance(item, dict):
         item = item.get("bytes") or item.get("path")
     if isinstance(item, (bytes, bytearray)):
@@ -300,19 +325,28 @@ def _image_bytes(item, folder: Path) -> bytes:
 
 
 def _samples(rows: list[dict], folder: Path, where: Path) -> list[dict]:
-    """Rows of the real shape as samples: images to bytes (each opened once), a letter answer to its choice's value."""
+    """Rows of the real shape as samples: images to bytes (each opened once), a letter answer to
+    its choice's value."""
     if not all(isinstance(row, dict) for row in rows):
         raise ValueError(
-            f"Data set {where} holds rows that are not objects: give one object with images, problem and answer per row."
+            f"Data set {where} holds rows that are not objects: "
+            f"give one object with images, problem and answer per row."
         )
-    rows = [
-        {**row, "answer": row.get("ground_truth") if row.get("answer") is None else row["answer"]}
-        for row in rows
-    ]
-    absent = [c for c in ("images", "problem", "answer") if all(row.get(c) is None for row in rows)]
+    answered = []
+    for row in rows:
+        row = dict(row)
+        if row.get("answer") is None:
+            row["answer"] = row.get("ground_truth")
+        answered.append(row)
+    rows = answered
+    absent = []
+    for column in ("images", "problem", "answer"):
+        if all(row.get(column) is None for row in rows):
+            absent.append(column)
     if absent:
         raise ValueError(
-            f"Data set {where} has no {', '.join(absent)} column: a geo3k data set needs images, problem and answer "
+            f"Data set {where} has no {', '.join(absent)} column: "
+            f"a geo3k data set needs images, problem and answer "
             f"(or ground_truth); molt-wb prepare geo3k SRC OUT converts the original release."
         )
     samples = []
@@ -320,7 +354,8 @@ def _samples(rows: list[dict], folder: Path, where: Path) -> list[dict]:
         missing = [c for c in ("images", "problem", "answer") if row.get(c) is None]
         if missing:
             raise ValueError(
-                f"Data set {where} row {index} (id {row.get('id', index)}) has no {', '.join(missing)}: fill it or drop that row."
+                f"Data set {where} row {index} (id {row.get('id', index)}) "
+                f"has no {', '.join(missing)}: fill it or drop that row."
             )
         images = []
         for number, item in enumerate(row["images"]):
@@ -329,21 +364,26 @@ def _samples(rows: list[dict], folder: Path, where: Path) -> list[dict]:
                 Image.open(io.BytesIO(images[-1])).verify()
             except Exception as error:
                 raise ValueError(
-                    f"Data set {where} row {index} (id {row.get('id', index)}): image {number} cannot be opened "
-                    f"({error}); fix or drop that row."
+                    f"Data set {where} row {index} (id {row.get('id', index)}): "
+                    f"image {number} cannot be opened ({error}); fix or drop that row."
                 ) from None
-        choices = [str(c) for c in row["choices"]] if isinstance(row.get("choices"), list) else None
+        choices = None
+        if isinstance(row.get("choices"), list):
+            choices = [str(c) for c in row["choices"]]
         answer = str(row["answer"]).strip()
+        # a choice letter becomes the choice's value
         if choices and re.fullmatch(r"[A-H]", answer) and "ABCDEFGH".index(answer) < len(choices):
-            answer = choices["ABCDEFGH".index(answer)]  # a choice letter becomes the choice's value
+            answer = choices["ABCDEFGH".index(answer)]
         problem = str(row["problem"])
+        if "<image>" not in problem:
+            problem = "<image>" * len(images) + problem
         samples.append(
             {
                 "id": str(row.get("id", index)),
                 "answer": answer,
                 "images": images,
                 "choices": choices,
-                "problem": problem if "<image>" in problem else "<image>" * len(images) + problem,
+                "problem": problem,
                 "kind": row.get("kind") or "geo3k",
             }
         )
@@ -351,7 +391,8 @@ def _samples(rows: list[dict], folder: Path, where: Path) -> list[dict]:
 
 
 def load_dataset(path: str | Path) -> list[dict]:
-    """Read a Geometry3K Parquet or JSONL file (the hiyouga/geometry3k shape) into samples; ValueError names any problem."""
+    """Read a Geometry3K Parquet or JSONL file (the hiyouga/geometry3k shape) into samples;
+    ValueError names any problem."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(
@@ -365,11 +406,10 @@ def load_dataset(path: str | Path) -> list[dict]:
     elif path.suffix in (".jsonl", ".json"):
         text = path.read_text(encoding="utf-8")
         try:
-            rows = (
-                json.loads(text)
-                if text.lstrip().startswith("[")
-                else [json.loads(line) for line in text.splitlines() if line.strip()]
-            )
+            if text.lstrip().startswith("["):
+                rows = json.loads(text)
+            else:
+                rows = [json.loads(line) for line in text.splitlines() if line.strip()]
         except json.JSONDecodeError as error:
             raise ValueError(
                 f"Data set {path} is not JSON lines ({error}): write one JSON object per line."
@@ -382,7 +422,8 @@ def load_dataset(path: str | Path) -> list[dict]:
 
 
 def save_dataset(samples: list[dict], out: str | Path) -> None:
-    """Write samples as Parquet (images as {"bytes", "path"} structs) or JSONL (images as base64)."""
+    """Write samples as Parquet (images as {"bytes", "path"} structs) or JSONL (images as
+    base64)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     keys = ("id", "problem", "answer", "choices", "kind")
@@ -390,13 +431,10 @@ def save_dataset(samples: list[dict], out: str | Path) -> None:
         import pyarrow
         import pyarrow.parquet
 
-        rows = [
-            {
-                **{k: s.get(k) for k in keys},
-                "images": [{"bytes": b, "path": None} for b in s["images"]],
-            }
-            for s in samples
-        ]
+        rows = []
+        for s in samples:
+            images = [{"bytes": b, "path": None} for b in s["images"]]
+            rows.append({**{k: s.get(k) for k in keys}, "images": images})
         pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), out)
     elif out.suffix == ".jsonl":
         with out.open("w", encoding="utf-8") as handle:
@@ -411,7 +449,8 @@ def save_dataset(samples: list[dict], out: str | Path) -> None:
 
 
 def prepare(src: str | Path, out: str | Path) -> int:
-    """Convert one split of the original release (<id>/data.json + img_diagram.png) or a hiyouga Parquet/JSONL; return the row count."""
+    """Convert one split of the original release (<id>/data.json + img_diagram.png) or a hiyouga
+    Parquet/JSONL; return the row count."""
     src = Path(src)
     if src.is_file():
         samples = load_dataset(src)
@@ -421,12 +460,14 @@ def prepare(src: str | Path, out: str | Path) -> int:
         ]
         if len(splits) > 1:
             raise ValueError(
-                f"{src} holds several splits ({', '.join(splits)}): give one split folder, e.g. {src / splits[0]}."
+                f"{src} holds several splits ({', '.join(splits)}): "
+                f"give one split folder, e.g. {src / splits[0]}."
             )
         found = sorted(src.rglob("data.json"), key=lambda p: (len(p.parent.name), p.parent.name))
         if not found:
             raise ValueError(
-                f"{src} holds no <id>/data.json: give a split folder of the Geometry3K release or a .parquet/.jsonl file."
+                f"{src} holds no <id>/data.json: "
+                f"give a split folder of the Geometry3K release or a .parquet/.jsonl file."
             )
         rows = []
         for data_path in found:
@@ -449,7 +490,8 @@ def prepare(src: str | Path, out: str | Path) -> int:
         samples = _samples(rows, src, src)
     else:
         raise ValueError(
-            f"{src} does not exist: give a split folder of the Geometry3K release or a .parquet/.jsonl file."
+            f"{src} does not exist: "
+            f"give a split folder of the Geometry3K release or a .parquet/.jsonl file."
         )
     save_dataset(samples, out)
     return len(samples)

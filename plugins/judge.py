@@ -13,8 +13,8 @@ from openai import OpenAI
 from workbench.api import ChatAgent, ChatContext, Result
 
 JUDGE = (
-    "You grade answers. Question: {question}\nReference answer: {reference}\nStudent answer: {answer}\n"
-    "Is the student answer correct? Reply YES or NO."
+    "You grade answers. Question: {question}\nReference answer: {reference}\n"
+    "Student answer: {answer}\nIs the student answer correct? Reply YES or NO."
 )
 
 
@@ -55,10 +55,12 @@ AgentRunner = JudgedAgent
 
 def make_dataset(size: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
-    return [
-        {"id": i, "prompt": f"What is {a} + {b}?", "answer": a + b}
-        for i, (a, b) in enumerate((rng.randrange(10), rng.randrange(10)) for _ in range(size))
-    ]
+    samples = []
+    for index in range(size):
+        a = rng.randrange(10)
+        b = rng.randrange(10)
+        samples.append({"id": index, "prompt": f"What is {a} + {b}?", "answer": a + b})
+    return samples
 
 
 def eval_dataset(size: int, seed: int) -> list[dict]:

@@ -1,8 +1,8 @@
-"""Single-turn math with \\boxed{} answers, graded by numeric equivalence: `molt-wb train +recipe=math`.
+"""Single-turn math with \\boxed{} answers, graded by numeric equivalence.
 
-Problems are small arithmetic expressions and fractions; `\\boxed{3/4}`, `\\boxed{0.75}` and
-`\\boxed{\\frac{3}{4}}` all count as right (workbench.grading). The warm start demonstrates the format
-on a noisy teacher, right half the time.
+Run it with `molt-wb train +recipe=math`. Problems are small arithmetic expressions and fractions;
+`\\boxed{3/4}`, `\\boxed{0.75}` and `\\boxed{\\frac{3}{4}}` all count as right (workbench.grading).
+The warm start demonstrates the format on a noisy teacher, right half the time.
 """
 
 import random
@@ -31,13 +31,18 @@ AgentRunner = MathEnv
 
 
 def make_dataset(size: int, seed: int) -> list[dict]:
-    rng, samples = random.Random(seed), []
+    rng = random.Random(seed)
+    samples = []
     for index in range(size):
-        a, b, c = rng.randrange(1, 10), rng.randrange(1, 10), rng.randrange(2, 6)
+        a = rng.randrange(1, 10)
+        b = rng.randrange(1, 10)
+        c = rng.randrange(2, 6)
         if index % 2:
-            problem, answer = f"What is {a} * {c} + {b}?", str(a * c + b)
+            problem = f"What is {a} * {c} + {b}?"
+            answer = str(a * c + b)
         else:
-            problem, answer = f"What is {a}/{c} + {b}/{c}?", str(Fraction(a + b, c))
+            problem = f"What is {a}/{c} + {b}/{c}?"
+            answer = str(Fraction(a + b, c))
         samples.append({"id": index, "problem": problem, "answer": answer})
     return samples
 

@@ -45,4 +45,5 @@ class ToolEnv(Env):
 
 
 AgentRunner = ToolEnv
-make_dataset, warm_start = arith.make_dataset, arith.warm_start
+make_dataset = arith.make_dataset
+warm_start = arith.warm_start

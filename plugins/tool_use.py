@@ -1,8 +1,8 @@
 """Multi-turn tool use through the stock OpenAI SDK: `molt-wb train +recipe=tool_use`.
 
 A ChatAgent asks "(a + b) * c" with two tools the environment implements, add and multiply. Each
-tool call the policy makes (parsed by the loopback server into `tool_calls`) is run here and answered
-with a tool message; the first reply without a tool call is the final answer, graded 1/0.
+tool call the policy makes (parsed by the loopback server into `tool_calls`) is run here and
+answered with a tool message; the first reply without a tool call is the final answer, graded 1/0.
 """
 
 import json
@@ -48,7 +48,8 @@ def run_tool(name: str, arguments: str) -> str:
 class ToolUseAgent(ChatAgent):
     def run(self, ctx: ChatContext) -> Result:
         client = OpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
-        messages, calls = [{"role": "user", "content": ctx.prompt}], 0
+        messages = [{"role": "user", "content": ctx.prompt}]
+        calls = 0
         for _ in range(MAX_CALLS + 1):
             reply = (
                 client.chat.completions.create(
@@ -100,9 +101,12 @@ AgentRunner = ToolUseAgent
 
 
 def make_dataset(size: int, seed: int) -> list[dict]:
-    rng, samples = random.Random(seed), []
+    rng = random.Random(seed)
+    samples = []
     for index in range(size):
-        a, b, c = rng.randrange(10), rng.randrange(10), rng.randrange(2, 10)
+        a = rng.randrange(10)
+        b = rng.randrange(10)
+        c = rng.randrange(2, 10)
         samples.append(
             {
                 "id": index,

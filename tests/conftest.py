@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from workbench.models.tiny import tiny_model_path
+
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("MOLT_WB_CACHE", str(REPO / ".pytest_cache" / "molt-wb"))
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -14,8 +16,6 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 @pytest.fixture(scope="session")
 def tiny_path() -> str:
-    from workbench.models.tiny import tiny_model_path
-
     return str(tiny_model_path())
 
 

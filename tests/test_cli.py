@@ -1,10 +1,14 @@
-"""The CLI end to end, in subprocesses: train, read the store live and after, runs, doctor, bad input."""
+"""The CLI end to end, in subprocesses: train, read the store live and after, runs, doctor, bad
+input."""
 
 import json
+import signal
 import subprocess
 import sys
 import time
 
+import anthropic
+import openai
 import pytest
 
 from workbench.store import list_runs, open_run
@@ -91,7 +95,8 @@ def test_train_writes_a_run_that_duckdb_reads_live_and_after(tmp_path):
         "perf/tokens_per_s",
         "mismatch/kl",
     } <= keys
-    # the store actor's CPU per step: every step costs it something, and never more than the whole run took
+    # the store actor's CPU per step: every step costs it something, and never more than the whole
+    # run took
     store_cpu = [
         v
         for (v,) in db.execute(
@@ -146,8 +151,9 @@ def test_doctor_reports_versions_gpu_and_run_folder():
 
 def test_importing_the_core_loads_no_heavy_framework():
     code = (
-        "import sys, workbench, workbench.config, workbench.api, workbench.loop, workbench.learner, "
-        "workbench.store, workbench.invariants.token_identity, workbench.tracking;"
+        "import sys, workbench, workbench.config, workbench.api, workbench.loop, "
+        "workbench.learner, workbench.store, workbench.invariants.token_identity, "
+        "workbench.tracking;"
         "heavy = [m for m in ('ray', 'vllm', 'textual', 'wandb', 'mlflow') if m in sys.modules];"
         "assert not heavy, heavy"
     )
@@ -179,10 +185,10 @@ def test_chat_agents_and_the_tool_env_train_end_to_end(tmp_path, plugin):
         "chat_anthropic": {"anthropic": 64},
         "tool_env": {},
     }[plugin]
-    assert wires == expected  # Env episodes do not go through the server
-    if (
-        plugin == "chat_anthropic"
-    ):  # the second turn extended the first: its prompt reused turn one's ids
+    # Env episodes do not go through the server
+    assert wires == expected
+    # the second turn extended the first: its prompt reused turn one's ids
+    if plugin == "chat_anthropic":
         assert (
             db.execute(
                 "select min(prompt_tokens_reused) from requests where action = 'extend'"
@@ -192,11 +198,6 @@ def test_chat_agents_and_the_tool_env_train_end_to_end(tmp_path, plugin):
 
 
 def test_serve_prints_sessions_and_records_them_on_sigterm(tmp_path):
-    import signal
-
-    import anthropic
-    import openai
-
     process = subprocess.Popen(
         [
             sys.executable,
@@ -243,8 +244,6 @@ def test_serve_prints_sessions_and_records_them_on_sigterm(tmp_path):
 
 
 def test_a_run_killed_with_sigkill_is_marked_crashed_by_the_next_command(tmp_path):
-    import signal
-
     process = subprocess.Popen(
         [
             sys.executable,
@@ -260,7 +259,8 @@ def test_a_run_killed_with_sigkill_is_marked_crashed_by_the_next_command(tmp_pat
         text=True,
     )
     try:
-        json.loads(process.stdout.readline())  # serving: the run exists and is running
+        # serving: the run exists and is running
+        json.loads(process.stdout.readline())
         assert json.loads((tmp_path / "killed" / "run.json").read_text())["status"] == "running"
         process.send_signal(signal.SIGKILL)
         process.wait(timeout=30)

@@ -2,6 +2,8 @@
 
 import pytest
 
+from workbench.algo.advantages import ADVANTAGES
+from workbench.algo.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from workbench.config import ConfigError, compose_config, expand_sweep
 
 
@@ -50,10 +52,13 @@ def test_group_options_select_presets():
         ("trainer.timeout_s=0", "trainer.timeout_s"),
         ("gate.level=tokens", "gate.level=tokens is unknown"),
         ("engine.name=sglang", "engine=sglang is unknown"),
+        # not installed, or no image prompts: one sentence either way
+        ("engine=vllm +recipe=geo3k", "engine=vllm"),
         (
-            "engine=vllm +recipe=geo3k",
-            "engine=vllm",
-        ),  # not installed, or no image prompts: one sentence either way
+            "engine=vllm model=tiny-moe algo.routing_replay=true rollout.partial=true "
+            "gate.level=token",
+            "set rollout.partial=false or use engine=torch",
+        ),
     ],
 )
 def test_bad_config_is_one_sentence_naming_the_key(override, words):
@@ -88,3 +93,60 @@ def test_sweep_grammar_lists_ranges_and_swept_values():
     assert all(set(v) == {"gate.band", "seed"} for v in swept)  # fixed keys are not "swept"
     bands = {tuple(compose_config(job).gate.band) for job, _ in jobs}
     assert bands == {(0.5, 2.0), (0.9, 1.1)}
+
+
+# Each name-valued key, the names it accepts (written out: the README and conf/ list them), the
+# registry in workbench/algo/ they come from, and what a run with each name needs besides.
+ACCEPTED = {
+    "algo.advantage": (
+        ["reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "on_policy_distill"],
+        ADVANTAGES,
+    ),
+    "algo.policy_loss": (["ppo", "gspo", "cispo"], POLICY_LOSSES),
+    "algo.aggregation": (["token_mean", "seq_mean", "constant"], AGGREGATIONS),
+    "algo.kl_estimator": (["k1", "k2", "k3"], KL_ESTIMATORS),
+}
+NEEDS = {
+    "on_policy_distill": ["algo.teacher_warm_start_steps=1"],
+    "constant": ["algo.constant_denominator=64"],
+}
+
+
+@pytest.mark.parametrize("key", sorted(ACCEPTED))
+def test_the_registries_hold_exactly_the_names_config_accepts(key):
+    names, registry = ACCEPTED[key]
+    assert list(registry) == names
+    for name in names:
+        cfg = compose_config([f"{key}={name}", *NEEDS.get(name, [])])
+        assert cfg.algo[key.split(".")[1]] == name
+
+
+@pytest.mark.parametrize(
+    "override, sentence",
+    [
+        (
+            "algo.advantage=ppo",
+            "algo.advantage=ppo is unknown: use one of reinforce, reinforce_baseline, rloo, grpo, "
+            "dr_grpo, on_policy_distill.",
+        ),
+        ("algo.policy_loss=dpo", "algo.policy_loss=dpo is unknown: use ppo, gspo or cispo."),
+        (
+            "algo.aggregation=sum",
+            "algo.aggregation=sum is unknown: use one of token_mean, seq_mean, constant.",
+        ),
+        ("algo.kl_estimator=k4", "algo.kl_estimator=k4 is unknown: use k1, k2 or k3."),
+        ("gate.denominator=some", "gate.denominator=some is unknown: use all or kept."),
+    ],
+)
+def test_an_unknown_name_is_refused_with_its_sentence(override, sentence):
+    with pytest.raises(ConfigError) as error:
+        compose_config([override])
+    assert str(error.value) == sentence
+
+
+def test_routing_replay_with_partial_rollout_is_safe_on_the_torch_engine():
+    # the torch engine captures every forward's routes as it runs and never preempts a sequence
+    cfg = compose_config(
+        ["model=tiny-moe", "algo.routing_replay=true", "rollout.partial=true", "gate.level=token"]
+    )
+    assert cfg.algo.routing_replay and cfg.rollout.partial and cfg.engine.name == "torch"

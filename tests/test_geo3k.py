@@ -1,40 +1,51 @@
-"""The geo3k recipe: a vision-language policy whose images, placeholders and tool turns stay token-exact.
+"""The geo3k recipe: a vision-language policy whose images, placeholders and tool turns stay
+token-exact.
 
 Rollout (left-padded, KV cache) and learner (right-padded, one forward) must compute the same model
 with images in the sequence; image placeholders are never trainable; images reach the engine from
-both the Env path and the OpenAI wire; the Env's tool turn runs the sandbox; the recipe runs end to end.
+both the Env path and the OpenAI wire; the Env's tool turn runs the sandbox; the recipe runs end to
+end.
 """
 
 import base64
 import io
 import json
+import random
 import subprocess
 import sys
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from openai import BadRequestError, OpenAI
 from PIL import Image
+from transformers import AutoTokenizer
 
+from workbench.algo.losses import token_logprobs
 from workbench.api import load_plugin
+from workbench.config import compose_config
+from workbench.data import Prompts
 from workbench.engines.base import SamplingParams
+from workbench.engines.torch_engine import TorchEngine
 from workbench.invariants.token_identity import TokenAccumulator
+from workbench.models.multimodal import ImageCodec, forward_inputs, load_policy
+from workbench.models.tiny import tiny_model_path
+from workbench.models.warm_start import demonstration
+from workbench.server.loopback import LoopbackServer
+from workbench.store import open_run
 
 geo3k = load_plugin("geo3k")
 
 
 @pytest.fixture(scope="module")
 def vl_path():
-    from workbench.models.tiny import tiny_model_path
-
     return str(tiny_model_path("tiny-vl"))
 
 
 @pytest.fixture(scope="module")
 def engine(vl_path):
-    from workbench.engines.torch_engine import TorchEngine
-
     return TorchEngine(vl_path, seed=3)
 
 
@@ -44,27 +55,23 @@ def samples():
 
 
 def test_image_placeholders_expand_per_image_and_are_never_trainable(engine, samples):
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(engine.model.name_or_path)
     messages = [{"role": "user", "content": geo3k.user_content(samples[0])}]
     episode = TokenAccumulator(tokenizer, messages, codec=engine.codec)
     ids = episode.token_ids
     placeholders = int((ids == engine.codec.placeholder_id).sum())
-    assert placeholders == 16  # 112x112 pixels = 8x8 patches of 14, merged 2x2
+    # 112x112 pixels = 8x8 patches of 14, merged 2x2
+    assert placeholders == 16
     assert episode.open.images == samples[0]["images"]
     assert not any(episode.open.loss_mask)
     with pytest.raises(ValueError, match="no vision tower"):
-        TokenAccumulator(tokenizer, messages)  # a text-only policy cannot take the image
+        # a text-only policy cannot take the image
+        TokenAccumulator(tokenizer, messages)
 
 
 def test_rollout_and_learner_compute_the_same_model_with_images(engine, samples):
-    """Left-padded sampling with M-RoPE and a KV cache vs one right-padded forward: same log-probs."""
-    from transformers import AutoTokenizer
-
-    from workbench.algo.losses import token_logprobs
-    from workbench.models.multimodal import forward_inputs
-
+    """Left-padded sampling with M-RoPE and a KV cache vs one right-padded forward: same
+    log-probs."""
     tokenizer = AutoTokenizer.from_pretrained(engine.model.name_or_path)
     episodes = [
         TokenAccumulator(
@@ -77,14 +84,13 @@ def test_rollout_and_learner_compute_the_same_model_with_images(engine, samples)
         )
         for s in samples[:3]
     ]
-    episodes[1].add_messages(
-        [{"role": "user", "content": "Look again, carefully, at the figure."}]
-    )  # unequal lengths
+    # unequal lengths
+    episodes[1].add_messages([{"role": "user", "content": "Look again, carefully, at the figure."}])
     params = SamplingParams(max_tokens=10, stop_token_ids=(tokenizer.eos_token_id,))
     generations = engine.generate(
         [e.token_ids for e in episodes], params, [e.open.images for e in episodes]
     )
-    for episode, generation in zip(episodes, generations):
+    for episode, generation in zip(episodes, generations, strict=True):
         episode.add_sampled(
             generation.token_ids,
             generation.logprobs,
@@ -147,18 +153,9 @@ def test_env_runs_the_tool_in_the_sandbox_and_grades_the_answer(samples):
 
 
 def test_warm_start_demonstrates_tool_episodes_token_exactly(vl_path, samples):
-    import random
-
-    from transformers import AutoTokenizer
-
-    from workbench.models.multimodal import ImageCodec
-    from workbench.models.warm_start import demonstration
-
-    tokenizer, codec, rng = (
-        AutoTokenizer.from_pretrained(vl_path),
-        ImageCodec(vl_path),
-        random.Random(0),
-    )
+    tokenizer = AutoTokenizer.from_pretrained(vl_path)
+    codec = ImageCodec(vl_path)
+    rng = random.Random(0)
     episodes = [geo3k.warm_start(samples[k % 5], rng) for k in range(40)]
     tool_episode = next(e for e in episodes if isinstance(e, list))
     ids, mask, images = demonstration(
@@ -168,9 +165,10 @@ def test_warm_start_demonstrates_tool_episodes_token_exactly(vl_path, samples):
         samples[episodes.index(tool_episode) % 5],
         tool_episode,
     )
-    trained = tokenizer.decode([i for i, m in zip(ids, mask) if m])
+    trained = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
     assert "<tool_call>" in trained and "<answer>" in trained
-    assert "<tool_response>" not in trained  # the tool's output is context, not a target
+    # the tool's output is context, not a target
+    assert "<tool_response>" not in trained
     assert len(images) == 1 and sum(1 for i in ids if i == codec.placeholder_id) == 16
 
 
@@ -181,11 +179,6 @@ def _data_url(image: bytes) -> str:
 def test_openai_image_blocks_reach_the_engine_and_bad_images_are_refused(
     engine, samples, tiny_path
 ):
-    from transformers import AutoTokenizer
-
-    from workbench.engines.torch_engine import TorchEngine
-    from workbench.server.loopback import LoopbackServer
-
     tokenizer = AutoTokenizer.from_pretrained(engine.model.name_or_path)
     server = LoopbackServer(
         engine, tokenizer, SamplingParams(max_tokens=6, stop_token_ids=(tokenizer.eos_token_id,))
@@ -237,13 +230,8 @@ def test_openai_image_blocks_reach_the_engine_and_bad_images_are_refused(
 
 
 def test_real_shape_file_trains_through_the_plugin_reader(tmp_path, samples):
-    """data.path goes through the plugin's own reader: hiyouga-shaped Parquet with {"bytes": ...} images."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from workbench.config import compose_config
-    from workbench.runtime import Prompts
-
+    """data.path goes through the plugin's own reader: hiyouga-shaped Parquet with {"bytes": ...}
+    images."""
     rows = [
         {
             "images": [{"bytes": s["images"][0], "path": None}],
@@ -262,7 +250,8 @@ def test_real_shape_file_trains_through_the_plugin_reader(tmp_path, samples):
 @pytest.mark.slow
 @pytest.mark.parametrize("plugin", ["geo3k", "chat_geo3k"])
 def test_geo3k_recipe_runs_end_to_end(tmp_path, plugin):
-    """Both agent forms, a few steps from the warm-started tiny VL policy: segments hold images, tool turns, rewards."""
+    """Both agent forms, a few steps from the warm-started tiny VL policy: segments hold images,
+    tool turns, rewards."""
     run = subprocess.run(
         [
             sys.executable,
@@ -285,8 +274,6 @@ def test_geo3k_recipe_runs_end_to_end(tmp_path, plugin):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "molt-wb inspect geo" in run.stdout + run.stderr
-    from workbench.store import open_run
-
     db = open_run("geo", root=str(tmp_path))
     rows = db.execute("select images, turn_spans, reward, num_sampled from segments").fetchall()
     assert len(rows) == 16
@@ -294,19 +281,16 @@ def test_geo3k_recipe_runs_end_to_end(tmp_path, plugin):
         len(images) == 1 and (tmp_path / "geo" / "images" / images[0]).exists()
         for images, *_ in rows
     )
-    assert (
-        max(len(spans) for _, spans, _, _ in rows) >= 2
-    )  # some episode called the tool and answered after it
+    # some episode called the tool and answered after it
+    assert max(len(spans) for _, spans, _, _ in rows) >= 2
     assert all(0.0 <= reward <= 1.0 for *_, reward, _ in rows)
     assert db.execute("select max(reward) from segments").fetchone()[0] > 0
 
 
 def test_vision_markers_get_no_probability_in_any_forward(tmp_path):
-    """A sampled image placeholder would have no image behind it: the policy's logits for the vision markers
-    are -inf in every forward (engine, learner, warm start), so they are never sampled or trained."""
-    from workbench.models.multimodal import load_policy
-    from workbench.models.tiny import tiny_model_path
-
+    """A sampled image placeholder would have no image behind it: the policy's logits for the
+    vision markers are -inf in every forward (engine, learner, warm start), so they are never
+    sampled or trained."""
     model = load_policy(str(tiny_model_path("tiny-vl")))
     config = model.config
     ids = torch.tensor([[config.vision_start_token_id, config.image_token_id, 9, 10, 11]])

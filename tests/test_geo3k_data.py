@@ -1,4 +1,5 @@
-"""geo3k data: synthetic diagrams are deterministic and correct, the real shape loads, bad files get one sentence."""
+"""geo3k data: synthetic diagrams are deterministic and correct, the real shape loads, bad files
+get one sentence."""
 
 import base64
 import io
@@ -28,12 +29,13 @@ def png(color: str, size=(20, 10)) -> bytes:
     return buffer.getvalue()
 
 
-# ---- synthetic ---------------------------------------------------------------------------------------
+# ---- synthetic -----------------------------------------------------------------------------------
 
 
 def test_the_same_seed_gives_byte_identical_samples_and_another_seed_others(synthetic):
     again = geo3k_data.make_dataset(60, seed=3)
-    assert again == synthetic  # images included, byte for byte
+    # images included, byte for byte
+    assert again == synthetic
     other = geo3k_data.make_dataset(60, seed=4)
     assert [s["images"] for s in other] != [s["images"] for s in synthetic]
     assert [s["answer"] for s in other] != [s["answer"] for s in synthetic]
@@ -41,23 +43,24 @@ def test_the_same_seed_gives_byte_identical_samples_and_another_seed_others(synt
 
 
 def expected_value(kind: str, values: dict) -> float:
-    """Each kind's answer recomputed from the drawn values, numerically (independent of the plugin's formatting)."""
+    """Each kind's answer recomputed from the drawn values, numerically (independent of the
+    plugin's formatting)."""
     if kind == "triangle_angle":
         return 180 - values["a"] - values["b"]
     if kind == "right_triangle":
         return math.hypot(values["a"], values["b"])
+    if kind == "circle" and values["asked"] == "area":
+        return math.pi * values["r"] ** 2
     if kind == "circle":
-        return (
-            math.pi * values["r"] ** 2 if values["asked"] == "area" else 2 * math.pi * values["r"]
-        )
+        return 2 * math.pi * values["r"]
+    if kind == "parallel_lines" and values["relation"] == "same-side interior":
+        return 180 - values["g"]
     if kind == "parallel_lines":
-        return 180 - values["g"] if values["relation"] == "same-side interior" else values["g"]
+        return values["g"]
+    if kind == "rectangle" and values["asked"] == "area":
+        return values["w"] * values["h"]
     if kind == "rectangle":
-        return (
-            values["w"] * values["h"]
-            if values["asked"] == "area"
-            else 2 * (values["w"] + values["h"])
-        )
+        return 2 * (values["w"] + values["h"])
     raise AssertionError(kind)
 
 
@@ -83,7 +86,8 @@ def test_four_distinct_choices_exactly_one_of_them_right(synthetic):
         assert len(choices) == 4 and len(set(choices)) == 4 and sample["answer"] in choices
         assert sum(is_equivalent(choice, sample["answer"]) for choice in choices) == 1, sample
     positions = {s["choices"].index(s["answer"]) for s in synthetic}
-    assert positions == {0, 1, 2, 3}  # the right answer is not always in one place
+    # the right answer is not always in one place
+    assert positions == {0, 1, 2, 3}
 
 
 def test_images_are_112_pixel_rgb_pngs_with_a_drawing(synthetic):
@@ -98,7 +102,8 @@ def test_images_are_112_pixel_rgb_pngs_with_a_drawing(synthetic):
 
 def test_the_problem_text_states_the_given_values(synthetic):
     for sample in synthetic:
-        problem, values = sample["problem"], sample["values"]
+        problem = sample["problem"]
+        values = sample["values"]
         assert problem.startswith("<image>") and problem.count("<image>") == 1
         for value in values.values():
             assert str(value) in problem, (value, problem)
@@ -117,7 +122,7 @@ def test_the_single_turn_env_grades_a_reply_with_the_geo3k_reward(synthetic):
     assert env.step(f"I guess. \\boxed{{{wrong}}}").reward == pytest.approx(0.1)
 
 
-# ---- the real shape ----------------------------------------------------------------------------------
+# ---- the real shape ------------------------------------------------------------------------------
 
 IMAGE_STRUCT = pyarrow.list_(
     pyarrow.struct([("bytes", pyarrow.binary()), ("path", pyarrow.string())])
@@ -125,7 +130,8 @@ IMAGE_STRUCT = pyarrow.list_(
 
 
 def write_hiyouga_parquet(path, rows):
-    """The hiyouga/geometry3k layout: images as a list of {"bytes", "path"} structs, problem, answer."""
+    """The hiyouga/geometry3k layout: images as a list of {"bytes", "path"} structs, problem,
+    answer."""
     schema = pyarrow.schema(
         [("images", IMAGE_STRUCT), ("problem", pyarrow.string()), ("answer", pyarrow.string())]
     )
@@ -133,7 +139,8 @@ def write_hiyouga_parquet(path, rows):
 
 
 def test_a_hiyouga_parquet_loads_into_samples(tmp_path):
-    red, blue = png("red"), png("blue")
+    red = png("red")
+    blue = png("blue")
     write_hiyouga_parquet(
         tmp_path / "train.parquet",
         [
@@ -171,7 +178,8 @@ def test_a_hiyouga_parquet_loads_into_samples(tmp_path):
 
 
 def test_a_jsonl_with_base64_images_file_paths_letters_and_ground_truth_loads(tmp_path):
-    red, blue = png("red"), png("blue")
+    red = png("red")
+    blue = png("blue")
     (tmp_path / "img").mkdir()
     (tmp_path / "img" / "7.png").write_bytes(blue)
     rows = [
@@ -192,12 +200,8 @@ def test_a_jsonl_with_base64_images_file_paths_letters_and_ground_truth_loads(tm
     (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(row) for row in rows) + "\n")
     samples = geo3k_data.load_dataset(tmp_path / "data.jsonl")
     assert [s["id"] for s in samples] == ["41", "1", "2"]
-    assert samples[0]["answer"] == "4" and samples[0]["choices"] == [
-        "3",
-        "4",
-        "5",
-        "6",
-    ]  # the letter became its value
+    # the letter became its value
+    assert samples[0]["answer"] == "4" and samples[0]["choices"] == ["3", "4", "5", "6"]
     assert [s["images"] for s in samples] == [[red], [blue], [red]]
     assert samples[1]["answer"] == "12"
 
@@ -274,7 +278,7 @@ def test_bad_files_are_refused_with_one_sentence_naming_problem_and_fix(tmp_path
     assert "unknown format" in sentence_of(tmp_path / "data.csv")
 
 
-# ---- prepare -----------------------------------------------------------------------------------------
+# ---- prepare -------------------------------------------------------------------------------------
 
 
 def write_release_split(folder, problems):
@@ -319,16 +323,19 @@ def test_prepare_converts_a_release_split_and_the_result_loads_back(tmp_path, su
         ("2", "<image>Find x.", "60", PROBLEMS[2][1], [PROBLEMS[2][3]]),
         ("10", "<image>Find the area of the circle.", "4\\pi", PROBLEMS[10][1], [PROBLEMS[10][3]]),
     ]
-    again = (
-        tmp_path / f"again{'.jsonl' if suffix == '.parquet' else '.parquet'}"
-    )  # Parquet <-> JSONL round trip
+    # Parquet <-> JSONL round trip
+    other_suffix = ".jsonl" if suffix == ".parquet" else ".parquet"
+    again = tmp_path / f"again{other_suffix}"
     assert geo3k_data.prepare(out, again) == 2 and geo3k_data.load_dataset(again) == samples
 
 
 def test_prepare_round_trips_the_synthetic_set_and_refuses_mixed_splits(tmp_path, synthetic):
     geo3k_data.save_dataset(synthetic[:10], tmp_path / "synthetic.parquet")
     loaded = geo3k_data.load_dataset(tmp_path / "synthetic.parquet")
-    assert loaded == [{k: v for k, v in s.items() if k != "values"} for s in synthetic[:10]]
+    expected = []
+    for sample in synthetic[:10]:
+        expected.append({k: v for k, v in sample.items() if k != "values"})
+    assert loaded == expected
 
     write_release_split(tmp_path / "release" / "train", PROBLEMS)
     write_release_split(tmp_path / "release" / "test", PROBLEMS)
@@ -363,7 +370,7 @@ def test_the_cli_prepares_geo3k_and_refuses_bad_input_in_one_line(tmp_path):
         text=True,
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert (
-        result.stderr.strip()
-        == f"error: {tmp_path / 'nowhere'} does not exist: give a split folder of the Geometry3K release or a .parquet/.jsonl file."
+    assert result.stderr.strip() == (
+        f"error: {tmp_path / 'nowhere'} does not exist: "
+        "give a split folder of the Geometry3K release or a .parquet/.jsonl file."
     )

@@ -1,4 +1,5 @@
-"""Answer extraction and numeric equivalence: notations that mean the same number match, nothing else does."""
+"""Answer extraction and numeric equivalence: notations that mean the same number match, nothing
+else does."""
 
 import pytest
 
@@ -96,9 +97,8 @@ NOT_EQUIVALENT = [
 @pytest.mark.parametrize("pred, truth", EQUIVALENT)
 def test_equivalent_notations_match(pred, truth):
     assert is_equivalent(pred, truth)
-    assert (
-        is_equivalent(truth, pred) or "." in truth
-    )  # symmetric, except where the truth's own rounding decides
+    # symmetric, except where the truth's own rounding decides
+    assert is_equivalent(truth, pred) or "." in truth
 
 
 @pytest.mark.parametrize("pred, truth", NOT_EQUIVALENT)
@@ -180,13 +180,10 @@ def test_geo3k_reward_is_point_nine_accuracy_plus_point_one_format():
         {"pred": "70^\\circ", "accuracy": 1.0, "format": 1.0},
     )
     assert geo3k_reward("\\boxed{70}", "70")[0] == pytest.approx(0.9)  # right, but no reasoning
-    assert geo3k_reward("I think it is \\boxed{60}", "70")[0] == pytest.approx(
-        0.1
-    )  # well formed, wrong
-    assert geo3k_reward("70", "70") == (
-        0.0,
-        {"pred": None, "accuracy": 0.0, "format": 0.0},
-    )  # no tag: nothing to grade
+    # well formed, wrong
+    assert geo3k_reward("I think it is \\boxed{60}", "70")[0] == pytest.approx(0.1)
+    # no tag: nothing to grade
+    assert geo3k_reward("70", "70") == (0.0, {"pred": None, "accuracy": 0.0, "format": 0.0})
     assert geo3k_reward("so \\boxed{C}", "12.57", CHOICES)[0] == pytest.approx(1.0)
 
 

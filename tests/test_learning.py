@@ -36,5 +36,6 @@ def test_arith_recipe_reward_rises(tmp_path, seed):
         .fetchall()
     ]
     assert len(rewards) == 80
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    first = sum(rewards[:10]) / 10
+    last = sum(rewards[-10:]) / 10
     assert last - first >= 0.2, (first, last)

@@ -1,7 +1,8 @@
-"""Scale-out: a run joins an existing two-node Ray cluster and its rollout workers land where their resource is.
+"""Scale-out: a run joins an existing two-node Ray cluster and its rollout workers land where
+their resource is.
 
-Both nodes run on loopback as `ray start --block` processes with their own temp folder; the test ends
-them by process id (a plain `ray stop` would stop every Ray of this user on the machine).
+Both nodes run on loopback as `ray start --block` processes with their own temp folder; the test
+ends them by process id (a plain `ray stop` would stop every Ray of this user on the machine).
 """
 
 import json
@@ -16,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from workbench.cluster import placement
+from workbench.config import compose_config
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -27,7 +31,8 @@ def free_port() -> int:
 def cluster():
     """(address, processes) of a head (1 CPU) and a second node (1 CPU, resource rollout_node=2)."""
     ray_cli = str(Path(sys.executable).parent / "ray")
-    port, temp = free_port(), tempfile.mkdtemp(prefix="rc-", dir="/tmp")
+    port = free_port()
+    temp = tempfile.mkdtemp(prefix="rc-", dir="/tmp")
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
     common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--block", "--disable-usage-stats"]
     nodes = [
@@ -71,7 +76,8 @@ def cluster():
             )
         )
         yield address, env
-    finally:  # always: each node's process group (raylet, GCS, workers) by its id
+    finally:
+        # always: each node's process group (raylet, GCS, workers) by its id
         for node in reversed(nodes):
             os.killpg(node.pid, signal.SIGTERM)
         for node in reversed(nodes):
@@ -131,9 +137,6 @@ def test_rollout_workers_run_on_the_node_that_offers_their_resource(cluster, tmp
 def test_colocated_placement_packs_learner_and_workers_onto_one_node(cluster):
     import ray
 
-    from workbench import runtime
-    from workbench.config import compose_config
-
     address, _ = cluster
     cfg = compose_config(
         [
@@ -147,7 +150,7 @@ def test_colocated_placement_packs_learner_and_workers_onto_one_node(cluster):
     )
     ray.init(address=address, logging_level="ERROR")
     try:
-        learner, *workers = runtime.placement(cfg)
+        learner, *workers = placement(cfg)
         group = learner["scheduling_strategy"].placement_group
         assert [w["scheduling_strategy"].placement_group_bundle_index for w in workers] == [1, 2]
         table = ray.util.placement_group_table(group)

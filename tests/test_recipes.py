@@ -8,8 +8,12 @@ import json
 
 import pytest
 from omegaconf import OmegaConf
+from typer.testing import CliRunner
 
+from workbench import loop
 from workbench.api import load_plugin
+from workbench.cli import app
+from workbench.cluster import init_ray
 from workbench.config import compose_config
 from workbench.store import open_run
 
@@ -28,8 +32,6 @@ TINY = [
 def ray_session():
     import ray
 
-    from workbench.runtime import init_ray
-
     init_ray(compose_config(["ray.num_cpus=2"]))
     yield
     ray.shutdown()
@@ -39,9 +41,8 @@ def test_code_reward_is_the_fraction_of_tests_the_sandbox_passes():
     code = load_plugin("code")
     sample = code.make_dataset(1, 0)[0]  # f(x) = x + k, three tests
     assert code.tests_passed(sample["solution"], sample["tests"]) == 3
-    assert (
-        code.tests_passed("def f(x):\n    return 0", sample["tests"]) == 1
-    )  # only f(-k) == 0 holds
+    # only f(-k) == 0 holds
+    assert code.tests_passed("def f(x):\n    return 0", sample["tests"]) == 1
     assert code.tests_passed("print('x', 3)\nsyntax error here", sample["tests"]) == 0
     env = code.AgentRunner()
     env.reset(sample)
@@ -70,8 +71,6 @@ def test_math_grades_boxed_answers_by_numeric_equivalence():
     ],
 )
 def test_recipe_runs_end_to_end(ray_session, tmp_path, recipe, extra):
-    from workbench import loop
-
     cfg = compose_config([f"+recipe={recipe}", *TINY, f"run.root={tmp_path}", *extra])
     OmegaConf.update(cfg, "run.id", recipe)
     loop.train(cfg)
@@ -81,16 +80,14 @@ def test_recipe_runs_end_to_end(ray_session, tmp_path, recipe, extra):
     ).fetchone()
     assert steps == 2 and segments >= 8 and rewards == segments
     infos = [json.loads(info) for (info,) in db.execute("select info from segments").fetchall()]
-    if (
-        recipe == "judge"
-    ):  # the judge's prompt and verdict beside each segment, its score the reward
+    # the judge's prompt and verdict beside each segment, its score the reward
+    if recipe == "judge":
         assert all("Reference answer" in i["judge_prompt"] and "verdict" in i for i in infos)
-        assert (
-            db.execute(
-                "select count(*) from segments where reward <> cast(json_extract(info, '$.score') as double)"
-            ).fetchone()[0]
-            == 0
-        )
+        unscored = db.execute(
+            "select count(*) from segments "
+            "where reward <> cast(json_extract(info, '$.score') as double)"
+        ).fetchone()[0]
+        assert unscored == 0
     if recipe == "code":
         assert all(i["tests"] == 3 for i in infos)
     if recipe == "distill":
@@ -102,11 +99,8 @@ def test_recipe_runs_end_to_end(ray_session, tmp_path, recipe, extra):
         assert (
             db.execute("select count(*) from metrics where key = 'eval/reward'").fetchone()[0] == 2
         )
-        # molt-wb eval: a step number must name a saved checkpoint; by default the latest one is scored
-        from typer.testing import CliRunner
-
-        from workbench.cli import app
-
+        # molt-wb eval: a step number must name a saved checkpoint; by default the latest one is
+        # scored
         missing = CliRunner().invoke(app, ["eval", "math", "7", "--root", str(tmp_path)])
         assert (
             missing.exit_code == 2 and "no checkpoint at step 7 (saved steps: 2)" in missing.output
@@ -115,7 +109,8 @@ def test_recipe_runs_end_to_end(ray_session, tmp_path, recipe, extra):
             app, ["eval", "math", "--root", str(tmp_path), "eval.samples=3"]
         )
         assert result.exit_code == 0 and "n=6" in result.output, result.output
-        # version 2 = the weights after loop step 1, where the in-training eval of step 1 also scored
+        # version 2 = the weights after loop step 1, where the in-training eval of step 1 also
+        # scored
         assert db.execute(
             "select step, n from eval where checkpoint like '%step-000002%'"
         ).fetchall() == [(1, 6)]

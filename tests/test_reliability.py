@@ -1,17 +1,29 @@
-"""Reliability: a run killed mid-way resumes into the run it would have been; a dead, hung or raising
-episode is recorded and the run goes on; SIGTERM stops cleanly; bad data and bad resumes are refused."""
+"""Reliability: a run killed mid-way resumes into the run it would have been; a dead, hung or
+raising episode is recorded and the run goes on; SIGTERM stops cleanly; bad data and bad resumes
+are refused."""
 
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
+from workbench import loop
+from workbench.checkpoint import resume_config
 from workbench.config import ConfigError, compose_config
+from workbench.data import Prompts
+from workbench.faults import RunFailed
+from workbench.progress import Progress
+from workbench.rollout import Job, RolloutWorker
 from workbench.store import list_runs, open_run
+from workbench.store.writer import RunWriter
 
 FAULTY = str(Path(__file__).parent / "fixtures" / "faulty.py")
 FAULTY_CHAT = str(Path(__file__).parent / "fixtures" / "faulty_chat.py")
@@ -45,8 +57,6 @@ def in_process():
     """Runs in this process share one Ray; `train(root, *overrides)` runs one to the end."""
     import ray
 
-    from workbench import loop
-
     def train(root, *overrides):
         return loop.train(compose_config([*FAST, f"run.root={root}", *overrides]))
 
@@ -68,9 +78,6 @@ def run_json(root, run_id) -> dict:
 
 @pytest.mark.slow
 def test_a_run_killed_with_sigkill_resumes_into_the_uninterrupted_run(tmp_path, in_process):
-    from workbench import loop
-    from workbench.checkpoint import resume_config
-
     common = ["trainer.steps=4", "trainer.checkpoint_every=2"]
     # killed: this worker's 13th episode (the 4th step) never ends; SIGKILL once step 3 is written
     killed_data = data_file(tmp_path / "killed.jsonl", rows(8, hang_at=13))
@@ -101,10 +108,9 @@ def test_a_run_killed_with_sigkill_resumes_into_the_uninterrupted_run(tmp_path, 
         process.kill()
     assert [p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()] == ["step-000002"]
     assert [r["status"] for r in list_runs(str(tmp_path))] == ["crashed"]
-    assert (
-        open_run("killed", str(tmp_path)).execute("select max(step) from segments").fetchone()[0]
-        == 2
-    )  # past the checkpoint
+    # past the checkpoint
+    last_step = "select max(step) from segments"
+    assert open_run("killed", str(tmp_path)).execute(last_step).fetchone()[0] == 2
 
     in_process(
         tmp_path,
@@ -114,7 +120,8 @@ def test_a_run_killed_with_sigkill_resumes_into_the_uninterrupted_run(tmp_path, 
     )
     loop.train(resume_config("killed", [f"run.root={tmp_path}"]))
 
-    killed, whole = open_run("killed", str(tmp_path)), open_run("whole", str(tmp_path))
+    killed = open_run("killed", str(tmp_path))
+    whole = open_run("whole", str(tmp_path))
     for db in (killed, whole):
         assert db.execute("select status, steps_done from runs").fetchone() == ("finished", 4)
         assert (
@@ -154,8 +161,6 @@ def test_a_run_killed_with_sigkill_resumes_into_the_uninterrupted_run(tmp_path, 
 
 @pytest.mark.slow
 def test_dead_hung_and_raising_episodes_are_recorded_and_the_run_goes_on(tmp_path, in_process):
-    from workbench.runtime import Prompts
-
     path = tmp_path / "faults.jsonl"
     overrides = [
         "trainer.steps=3",
@@ -164,17 +169,15 @@ def test_dead_hung_and_raising_episodes_are_recorded_and_the_run_goes_on(tmp_pat
         "run.id=faults",
     ]
     draws = Prompts(compose_config([*FAST, *overrides]))
-    first = [
-        [job.sample["id"] for job in draws.next_jobs(1)[0]][0] for _ in range(3)
-    ]  # first sample of batches 0-2
+    # first sample of batches 0-2
+    first = [draws.next_jobs(1)[0][0].sample["id"] for _ in range(3)]
     faults = rows(6)
-    faults[first[0]]["fault"] = "raise"  # step 0: one group's reward code raises
-    faults[first[1]].update(
-        fault="exit", marker=str(tmp_path / "exited")
-    )  # step 1: the worker dies ...
-    faults[first[2]].update(
-        fault="hang", marker=str(tmp_path / "hung")
-    )  # ... its batch drawn again hangs
+    # step 0: one group's reward code raises
+    faults[first[0]]["fault"] = "raise"
+    # step 1: the worker dies ...
+    faults[first[1]].update(fault="exit", marker=str(tmp_path / "exited"))
+    # ... its batch drawn again hangs
+    faults[first[2]].update(fault="hang", marker=str(tmp_path / "hung"))
     data_file(path, faults)
 
     in_process(tmp_path, *overrides)
@@ -185,9 +188,8 @@ def test_dead_hung_and_raising_episodes_are_recorded_and_the_run_goes_on(tmp_pat
     failed = db.execute(
         "select kind, step, count(*) from failed_episodes group by all order by all"
     ).fetchall()
-    assert {("env_error", 0, 2), ("worker_died", 1, 4), ("timeout", 1, 4)} <= set(
-        failed
-    )  # (the raising row may come again)
+    # (the raising row may come again)
+    assert {("env_error", 0, 2), ("worker_died", 1, 4), ("timeout", 1, 4)} <= set(failed)
     assert {kind for kind, _, _ in failed} == {"env_error", "worker_died", "timeout"}
     error, trace = db.execute(
         "select error, traceback from failed_episodes where kind = 'env_error'"
@@ -219,9 +221,7 @@ def test_a_dead_learner_fails_the_run_with_one_sentence_and_keeps_what_was_writt
 ):
     import psutil
 
-    from workbench import runtime
-
-    update = runtime.Progress.update
+    update = Progress.update
 
     def kill_the_learner_after_step_2(self, metrics):
         update(self, metrics)
@@ -230,9 +230,9 @@ def test_a_dead_learner_fails_the_run_with_one_sentence_and_keeps_what_was_writt
                 if " ".join(process.cmdline()).startswith("ray::Learner"):
                     process.kill()
 
-    monkeypatch.setattr(runtime.Progress, "update", kill_the_learner_after_step_2)
+    monkeypatch.setattr(Progress, "update", kill_the_learner_after_step_2)
     with pytest.raises(
-        runtime.RunFailed, match=r"^The learner process died .* molt-wb resume dead-learner$"
+        RunFailed, match=r"^The learner process died .* molt-wb resume dead-learner$"
     ):
         in_process(tmp_path, "trainer.steps=30", "run.id=dead-learner")
     db = open_run("dead-learner", str(tmp_path))
@@ -243,8 +243,6 @@ def test_a_dead_learner_fails_the_run_with_one_sentence_and_keeps_what_was_writt
 def test_a_learner_step_past_trainer_timeout_s_fails_the_run_with_one_sentence(
     tmp_path, in_process
 ):
-    from workbench.runtime import RunFailed
-
     with pytest.raises(
         RunFailed,
         match=r"^Step 0: the learner gave no result within trainer.timeout_s=0.001 s .* "
@@ -255,8 +253,6 @@ def test_a_learner_step_past_trainer_timeout_s_fails_the_run_with_one_sentence(
 
 
 def test_a_chat_agent_that_raises_or_returns_no_result_fails_only_its_episode(tiny_path):
-    from workbench.rollout import Job, RolloutWorker
-
     cfg = compose_config(
         [
             "+recipe=arith",
@@ -281,14 +277,12 @@ def test_a_chat_agent_that_raises_or_returns_no_result_fails_only_its_episode(ti
         and "faulty_chat.py" in failures[0]["traceback"]
     )
     assert failures[1]["error"] == "TypeError: FaultyChat.run returned dict, not a Result"
-    assert not worker.server().sessions  # every session closed, nothing left half-open
+    # every session closed, nothing left half-open
+    assert not worker.server().sessions
 
 
 @pytest.mark.slow
 def test_sigterm_stops_a_run_cleanly_marked_interrupted(tmp_path, in_process):
-    import os
-    import threading
-
     data = data_file(tmp_path / "d.jsonl", rows(4, hang_at=5))  # the 2nd step never ends
 
     def terminate_after_step_one():
@@ -300,9 +294,8 @@ def test_sigterm_stops_a_run_cleanly_marked_interrupted(tmp_path, in_process):
         in_process(tmp_path, "trainer.steps=3", "run.id=term", f"data.path={data}")
     db = open_run("term", str(tmp_path))
     assert db.execute("select status, steps_done from runs").fetchone() == ("interrupted", 1)
-    assert (
-        db.execute("select count(*) from segments where step = 0").fetchone()[0] == 4
-    )  # flushed at the stop
+    # flushed at the stop
+    assert db.execute("select count(*) from segments where step = 0").fetchone()[0] == 4
 
 
 @pytest.mark.parametrize(
@@ -320,8 +313,6 @@ def test_sigterm_stops_a_run_cleanly_marked_interrupted(tmp_path, in_process):
     ],
 )
 def test_bad_data_is_refused_before_anything_starts(tmp_path, plugin, content, words):
-    from workbench import loop
-
     path = tmp_path / "data.jsonl"
     path.write_text(content)
     with pytest.raises(ConfigError, match=words):
@@ -334,8 +325,6 @@ def test_bad_data_is_refused_before_anything_starts(tmp_path, plugin, content, w
 
 
 def test_bad_resumes_are_refused_with_one_sentence(tmp_path):
-    from workbench.checkpoint import resume_config
-
     with pytest.raises(ConfigError, match="No run 'nope'"):
         resume_config("nope", [f"run.root={tmp_path}"])
     run = tmp_path / "r"
@@ -352,9 +341,6 @@ def test_bad_resumes_are_refused_with_one_sentence(tmp_path):
         resume_config("r", [f"run.root={tmp_path}"])
     with pytest.raises(ConfigError, match="Bad override"):
         resume_config("r", [f"run.root={tmp_path}", "trainer.nope=3"])
-    import os
-    import socket
-
     (run / "run.json").write_text(
         json.dumps({"status": "running", "pid": os.getpid(), "host": socket.gethostname()})
     )
@@ -363,10 +349,6 @@ def test_bad_resumes_are_refused_with_one_sentence(tmp_path):
 
 
 def test_the_writer_flushes_on_a_schedule_without_being_asked(tmp_path):
-    import pyarrow as pa
-
-    from workbench.store.writer import RunWriter
-
     writer = RunWriter(
         tmp_path / "r", {"run_id": "r", "created": 1.0, "status": "running"}, flush_seconds=0.2
     )
@@ -378,8 +360,7 @@ def test_the_writer_flushes_on_a_schedule_without_being_asked(tmp_path):
         ),
     )
     db = open_run("r", str(tmp_path))
-    wait_for(
-        lambda: db.execute("select count(*) from metrics").fetchone()[0] == 1, seconds=60
-    )  # no flush() call
+    # no flush() call
+    wait_for(lambda: db.execute("select count(*) from metrics").fetchone()[0] == 1, seconds=60)
     writer.close("finished")
     assert db.execute("select count(*) from metrics").fetchone()[0] == 1  # once, not again at close

@@ -1,4 +1,5 @@
-"""The Python tool's sandbox: results always come back, limits hold, no network, no leaked environment."""
+"""The Python tool's sandbox: results always come back, limits hold, no network, no leaked
+environment."""
 
 import os
 import socket
@@ -22,9 +23,8 @@ def test_an_exception_becomes_the_last_traceback_line_after_what_was_printed():
     result = run_python("print('before')\nvalues = [1, 2]\nprint(values[5])")
     assert result.error == "IndexError: list index out of range"
     assert result.exit_code == 1 and not result.timed_out
-    assert (
-        'File "main.py", line 3' in result.stderr and "print(values[5])" in result.stderr
-    )  # the code's own frame only
+    # the code's own frame only
+    assert 'File "main.py", line 3' in result.stderr and "print(values[5])" in result.stderr
     assert "_source" not in result.stderr  # not the prelude's
     assert result.tool_text() == "before\nError: IndexError: list index out of range"
 
@@ -46,9 +46,8 @@ def test_an_infinite_loop_is_killed_at_the_timeout_with_its_children():
     assert result.timed_out and result.error == "timed out after 1.5 s" and result.exit_code == -9
     assert result.tool_text() == result.stdout.rstrip("\n") + "\nError: timed out after 1.5 s"
     child = int(result.stdout.split()[0])
-    for _ in range(
-        100
-    ):  # killed with its group; it may linger a moment as a zombie until init reaps it
+    # killed with its group; it may linger a moment as a zombie until init reaps it
+    for _ in range(100):
         try:
             state = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0]
         except FileNotFoundError:
@@ -78,12 +77,8 @@ def test_the_limits_are_set_in_the_process_that_runs_the_code():
         "    print(*resource.getrlimit(getattr(resource, name)))"
     )
     lines = run_python(code, timeout_s=2.5, memory_mb=300, output_limit=5000).stdout.splitlines()
-    assert lines == [
-        "4 4",
-        f"{300 << 20} {300 << 20}",
-        "5000 5000",
-        "0 0",
-    ]  # CPU = ceil(timeout) + 1 seconds
+    # CPU = ceil(timeout) + 1 seconds
+    assert lines == ["4 4", f"{300 << 20} {300 << 20}", "5000 5000", "0 0"]
 
 
 @pytest.fixture
@@ -99,12 +94,14 @@ def listener():
 def test_a_socket_connection_to_a_listening_port_is_refused(listener):
     port = listener.getsockname()[1]
     result = run_python(
-        f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')"
+        f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+        "print('connected')"
     )
     assert result.error == "OSError: network access is disabled in the sandbox"
     assert "connected" not in result.stdout
     with pytest.raises(socket.timeout):
-        listener.accept()  # nothing ever reached the port
+        # nothing ever reached the port
+        listener.accept()
 
 
 @pytest.mark.skipif(
@@ -113,7 +110,8 @@ def test_a_socket_connection_to_a_listening_port_is_refused(listener):
 def test_the_network_namespace_stops_code_that_bypasses_the_socket_guard(listener):
     port = listener.getsockname()[1]
     result = run_python(
-        f"import _socket\ns = _socket.socket()\ns.connect(('127.0.0.1', {port}))\nprint('connected')"
+        f"import _socket\ns = _socket.socket()\ns.connect(('127.0.0.1', {port}))\n"
+        "print('connected')"
     )
     assert (
         result.error is not None
@@ -140,8 +138,10 @@ def test_the_callers_environment_variables_do_not_leak(monkeypatch):
     names, cwd, listing = result.stdout.splitlines()
     assert set(eval(names)) <= {"PATH", "HOME", "LC_ALL"}
     assert "molt-wb-sandbox-" in cwd and cwd != os.getcwd()
-    assert not os.path.exists(cwd)  # the temporary directory is gone
-    assert eval(listing) == ["main.py"]  # the code alone; its output goes to unnamed files
+    # the temporary directory is gone
+    assert not os.path.exists(cwd)
+    # the code alone; its output goes to unnamed files
+    assert eval(listing) == ["main.py"]
 
 
 def test_non_ascii_output_round_trips():

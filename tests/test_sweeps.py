@@ -1,4 +1,5 @@
-"""Sweeps: Hydra multirun through the CLI, one sweep id, swept values recorded, compare read back."""
+"""Sweeps: Hydra multirun through the CLI, one sweep id, swept values recorded, compare read
+back."""
 
 import json
 import subprocess
@@ -70,9 +71,8 @@ def test_a_band_sweep_runs_every_job_and_compare_reads_them_back(tmp_path):
                 "select value from metrics where key = 'reward/mean' order by step"
             ).fetchall()
         ]
-        kept = db.execute("select avg(value) from metrics where key = 'gate/kept_frac'").fetchone()[
-            0
-        ]
+        kept_query = "select avg(value) from metrics where key = 'gate/kept_frac'"
+        kept = db.execute(kept_query).fetchone()[0]
         assert row["final_reward"] == rewards[-1] and row["best_reward"] == max(rewards)
         filtered = db.execute(
             "select avg(value) from metrics where key = 'gate/is_filter_ratio'"
@@ -83,15 +83,18 @@ def test_a_band_sweep_runs_every_job_and_compare_reads_them_back(tmp_path):
         )
         assert row["status"] == "finished" and row["wall_s"] > 0
     image = matplotlib.image.imread(tmp_path / "sweep.png")
-    assert image.shape[0] >= 300 and image.shape[1] >= 800  # 11 x 4.2 inches at 100 dpi
-    assert image[..., :3].std() > 0.05  # something is drawn, not a blank canvas
+    # 11 x 4.2 inches at 100 dpi
+    assert image.shape[0] >= 300 and image.shape[1] >= 800
+    # something is drawn, not a blank canvas
+    assert image[..., :3].std() > 0.05
     table = molt_wb("compare", sweep_id, "--root", str(tmp_path), "--csv")
     assert table.stdout.splitlines()[0].startswith("run_id,gate.band,status,final_reward")
     assert len(table.stdout.strip().splitlines()) == 4
 
 
 def test_parallel_sweep_with_m_first_and_a_failing_job_that_does_not_stop_it(tmp_path):
-    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good = tmp_path / "good.jsonl"
+    bad = tmp_path / "bad.jsonl"
     good.write_text(
         "\n".join(json.dumps({"problem": f"What is {i} + 1?", "answer": i + 1}) for i in range(4))
     )

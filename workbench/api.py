@@ -24,6 +24,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+# Tools and graders for plugins, re-exported so that plugins import only this module.
+from workbench.grading import extract_answer, format_ok, geo3k_reward, grade, is_equivalent
+from workbench.sandbox import SandboxResult, run_python
+
+__all__ = [
+    "PLUGIN_DIR",
+    "ChatAgent",
+    "ChatContext",
+    "Env",
+    "Result",
+    "SandboxResult",
+    "extract_answer",
+    "format_ok",
+    "geo3k_reward",
+    "grade",
+    "is_equivalent",
+    "load_plugin",
+    "run_python",
+]
+
 PLUGIN_DIR = Path(__file__).resolve().parent.parent / "plugins"
 
 
@@ -32,8 +52,10 @@ class Result:
     """What `Env.step` returns, aligned with Gymnasium's step tuple."""
 
     reward: float = 0.0
-    observation: str | None = None  # the next turn, when not terminated
-    role: str = "user"  # who speaks `observation`: user, or tool (a tool's output, rendered as a tool response)
+    # the next turn, when not terminated
+    observation: str | None = None
+    # who speaks `observation`: user, or tool (a tool's output, rendered as a tool response)
+    role: str = "user"
     terminated: bool = True
     truncated: bool = False
     info: dict = field(default_factory=dict)
@@ -43,17 +65,19 @@ class Env:
     """One episode of an environment the framework drives turn by turn."""
 
     system_prompt: str | None = None
-    tools: list[dict] | None = (
-        None  # OpenAI-style tool schemas the chat template lists for the policy
-    )
+    # OpenAI-style tool schemas the chat template lists for the policy
+    tools: list[dict] | None = None
 
     def reset(self, sample: dict) -> str | list[dict]:
-        """Start an episode on `sample`; return the first user message: its text, or a list of content parts
-        `{"type": "text", "text": ...}` and `{"type": "image", "image": <PNG/JPEG bytes>}` (vision-language)."""
+        """Start an episode on `sample`; return the first user message.
+
+        The message is its text, or a list of content parts `{"type": "text", "text": ...}` and
+        `{"type": "image", "image": <PNG/JPEG bytes>}` (vision-language).
+        """
         raise NotImplementedError
 
     def step(self, action: str) -> Result:
-        """Take the policy's reply; return its reward and, unless terminated, the next observation."""
+        """Take the policy's reply; return its reward and, unless terminated, the next turn."""
         raise NotImplementedError
 
 
@@ -61,20 +85,21 @@ class Env:
 class ChatContext:
     """What a ChatAgent gets for one episode."""
 
-    base_url: str  # OpenAI SDK: OpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
-    anthropic_base_url: (
-        str  # Anthropic SDK: Anthropic(base_url=ctx.anthropic_base_url, api_key=ctx.api_key)
-    )
+    # OpenAI SDK: OpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+    base_url: str
+    # Anthropic SDK: Anthropic(base_url=ctx.anthropic_base_url, api_key=ctx.api_key)
+    anthropic_base_url: str
     api_key: str
     model: str
-    prompt: str  # the sample's "prompt" (or "problem") field
-    label: object  # the sample's "answer" field, for the reward
+    # the sample's "prompt" (or "problem") field
+    prompt: str
+    # the sample's "answer" field, for the reward
+    label: object
     sample: dict
     max_tokens: int
     temperature: float
-    judge: dict | None = (
-        None  # LLM-as-judge: {"base_url", "api_key"} of a session on the same engine that is never trained
-    )
+    # LLM-as-judge: {"base_url", "api_key"} of a session on the same engine that is never trained
+    judge: dict | None = None
 
 
 class ChatAgent:
@@ -108,9 +133,3 @@ def load_plugin(spec: str) -> ModuleType:
             f"Agent plugin {spec!r} does not export AgentRunner: add `AgentRunner = YourEnv`."
         )
     return module
-
-
-# ---- tools and graders for plugins (re-exported so that plugins import only this module) ----------
-
-from workbench.grading import extract_answer, format_ok, geo3k_reward, grade, is_equivalent  # noqa: E402
-from workbench.sandbox import SandboxResult, run_python  # noqa: E402

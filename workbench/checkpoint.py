@@ -6,10 +6,12 @@ holds (its high-water marks); a resume deletes every shard past those marks befo
 reopens the run, so rows written after the checkpoint are dropped and written again by the resumed
 steps, with the same data, rollout ids and weight versions.
 
-    runs/<id>/checkpoints/step-NNNNNN/      NNNNNN = optimizer steps done (the learner version)
-      policy/       save_pretrained of the policy + its tokenizer / processor files (loads like model.path)
-      trainer.pt    optimizer state, learner version, loop step, data position, RNG states (python, numpy, torch)
-      writer.json   Parquet shards per table at the checkpoint
+    runs/<id>/checkpoints/step-NNNNNN/  NNNNNN = optimizer steps done (the learner version)
+      policy/      save_pretrained of the policy + its tokenizer / processor files
+                   (loads like model.path)
+      trainer.pt   optimizer state, learner version, loop step, data position,
+                   RNG states (python, numpy, torch)
+      writer.json  Parquet shards per table at the checkpoint
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ import shutil
 import socket
 from pathlib import Path
 
-from workbench.config import ConfigError
+import numpy as np
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from workbench.config import Config, ConfigError, validate
+from workbench.store.query import _alive, resolve_run
+from workbench.window import batches
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
@@ -36,12 +44,14 @@ def latest(run_dir) -> Path | None:
 
 
 def save_learner(learner, folder: str, driver_state: dict) -> int:
-    """Runs in the learner actor: the policy (with its tokenizer files) and trainer.pt into `folder`."""
+    """Runs in the learner actor: the policy (with its tokenizer files) and trainer.pt into
+    `folder`."""
     import torch
 
     policy = Path(folder, "policy")
     learner.model.save_pretrained(policy)
-    for file in Path(learner.model_path).iterdir():  # tokenizer, chat template, image processor
+    # tokenizer, chat template, image processor
+    for file in Path(learner.model_path).iterdir():
         if (
             file.is_file()
             and not (policy / file.name).exists()
@@ -61,7 +71,8 @@ def save_learner(learner, folder: str, driver_state: dict) -> int:
 
 
 def load_learner(learner, folder: str) -> int:
-    """Runs in the learner actor (built from the checkpoint's policy/): optimizer, version, torch RNG."""
+    """Runs in the learner actor (built from the checkpoint's policy/): optimizer, version, torch
+    RNG."""
     import torch
 
     state = torch.load(Path(folder, "trainer.pt"), weights_only=False)
@@ -72,18 +83,19 @@ def load_learner(learner, folder: str) -> int:
 
 
 def maybe_save(cfg, run_dir: Path, step: int, learner, store, data_state: dict) -> Path | None:
-    """After loop step `step`: every `trainer.checkpoint_every` rollout batches and at the last one."""
-    import numpy as np
+    """After loop step `step`: every `trainer.checkpoint_every` rollout batches and at the last
+    one."""
     import ray
 
-    every, batches = cfg.trainer.checkpoint_every, cfg.trainer.steps // cfg.trainer.minibatches
-    if not every or ((step + 1) % every and step + 1 != batches):
+    every = cfg.trainer.checkpoint_every
+    if not every or ((step + 1) % every and step + 1 != batches(cfg)):
         return None
     folder = Path(run_dir, "checkpoints")
     temporary = folder / f"step-{step:06d}.tmp"
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir(parents=True)
-    marks = store.checkpoint.remote()  # after this step's rows: the store runs its calls in order
+    # after this step's rows: the store runs its calls in order
+    marks = store.checkpoint.remote()
     driver = {
         "step": step,
         "data": data_state,
@@ -93,7 +105,8 @@ def maybe_save(cfg, run_dir: Path, step: int, learner, store, data_state: dict) 
     version = ray.get(learner.save_checkpoint.remote(str(temporary), driver))
     (temporary / "writer.json").write_text(json.dumps(ray.get(marks)))
     final = folder / f"step-{version:06d}"
-    if final.exists():  # written before a crash and now again by the resumed run
+    # written before a crash and now again by the resumed run
+    if final.exists():
         shutil.rmtree(final)
     os.replace(temporary, final)
     for old in sorted(folder.glob("step-" + "[0-9]" * 6))[: -cfg.trainer.keep_checkpoints]:
@@ -105,13 +118,8 @@ def maybe_save(cfg, run_dir: Path, step: int, learner, store, data_state: dict) 
 
 
 def resume_config(run_id: str, overrides: list[str]):
-    """The saved config of run `run_id` with `overrides` on top, set to resume; ConfigError says why not."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from workbench.config import Config, validate
-    from workbench.store.query import _alive, resolve_run
-
+    """The saved config of run `run_id` with `overrides` on top, set to resume; ConfigError says
+    why not."""
     root = next((o.split("=", 1)[1] for o in overrides if o.startswith("run.root=")), "runs")
     try:
         run_dir = resolve_run(run_id, root)
@@ -120,8 +128,8 @@ def resume_config(run_id: str, overrides: list[str]):
     checkpoint = latest(run_dir)
     if checkpoint is None:
         raise ConfigError(
-            f"Run {run_dir.name} has no checkpoint in {run_dir}/checkpoints, so it cannot be resumed: "
-            f"start a new run with trainer.checkpoint_every=N."
+            f"Run {run_dir.name} has no checkpoint in {run_dir}/checkpoints, so it cannot be "
+            f"resumed: start a new run with trainer.checkpoint_every=N."
         )
     row = json.loads((run_dir / "run.json").read_text())
     if (
@@ -130,7 +138,8 @@ def resume_config(run_id: str, overrides: list[str]):
         and _alive(row.get("pid"))
     ):
         raise ConfigError(
-            f"Run {run_dir.name} is still running (pid {row.get('pid')}): stop it before resuming it."
+            f"Run {run_dir.name} is still running (pid {row.get('pid')}): stop it before "
+            f"resuming it."
         )
     try:
         cfg = OmegaConf.merge(
@@ -140,10 +149,12 @@ def resume_config(run_id: str, overrides: list[str]):
         )
     except OmegaConfBaseException as error:
         raise ConfigError(
-            f"Bad override for a resume ({str(error).splitlines()[0]}): give key=value pairs of the "
-            f"run's config."
+            f"Bad override for a resume ({str(error).splitlines()[0]}): give key=value pairs of "
+            f"the run's config."
         ) from None
-    cfg.run.id, cfg.run.root, cfg.run.resume = run_dir.name, root, True
+    cfg.run.id = run_dir.name
+    cfg.run.root = root
+    cfg.run.resume = True
     done = int(checkpoint.name.split("-")[1])
     if cfg.trainer.steps <= done:
         raise ConfigError(
@@ -155,9 +166,8 @@ def resume_config(run_id: str, overrides: list[str]):
 
 
 def reopen(cfg) -> tuple[Path, dict]:
-    """The run folder cut back to its latest checkpoint (shards past the writer's marks deleted) and its runs row."""
-    from omegaconf import OmegaConf
-
+    """The run folder cut back to its latest checkpoint (shards past the writer's marks deleted)
+    and its runs row."""
     run_dir = Path(cfg.run.root) / cfg.run.id
     checkpoint = latest(run_dir)
     marks = json.loads((checkpoint / "writer.json").read_text())
@@ -180,9 +190,9 @@ def reopen(cfg) -> tuple[Path, dict]:
 
 
 def restore(cfg, run_dir: Path, learner, workers, prompts) -> int:
-    """The first loop step to run: 0 for a new run; for a resumed one, the step after its checkpoint, with the
-    learner's optimizer, version and RNG, the engines' weights and version, and the data position restored."""
-    import numpy as np
+    """The first loop step to run: 0 for a new run; for a resumed one, the step after its
+    checkpoint, with the learner's optimizer, version and RNG, the engines' weights and version,
+    and the data position restored."""
     import ray
     import torch
 

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import csv as csv_module
 import datetime
+import json
 import os
+import signal
 import sys
-from typing import Optional
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
+from typing import Annotated, Optional
 
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from workbench.api import load_plugin
+from workbench.config import ConfigError, compose_config, expand_sweep
+from workbench.faults import RunFailed
+from workbench.models.tiny import cache_root
 
 app = typer.Typer(
     add_completion=False,
@@ -19,8 +31,6 @@ app = typer.Typer(
 
 def console():
     """A rich console; piped output gets wide lines so ids are never cut."""
-    from rich.console import Console
-
     return Console(width=None if sys.stdout.isatty() else 200)
 
 
@@ -31,14 +41,17 @@ def fail(message: str) -> None:
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def train(ctx: typer.Context):
-    """Train a policy. Arguments are Hydra overrides: `+recipe=arith trainer.steps=10 engine.temperature=0.9`.
+    """Train a policy. Arguments are Hydra overrides: `+recipe=arith trainer.steps=10
+    engine.temperature=0.9`.
 
-    `-m`/`--multirun` (anywhere on the line) runs every combination of comma-separated values as its own run, all tagged with one sweep id; `sweep.parallel=N` runs N at once. `resume=RUN_ID` continues a run from its latest checkpoint (see `molt-wb resume`). Config groups: model, engine, agent, algo, gate, trainer, tracking, ray; see conf/ and the README for every key.
+    `-m`/`--multirun` (anywhere on the line) runs every combination of comma-separated values as
+    its own run, all tagged with one sweep id; `sweep.parallel=N` runs N at once. `resume=RUN_ID`
+    continues a run from its latest checkpoint (see `molt-wb resume`). Config groups: model,
+    engine, agent, algo, gate, trainer, tracking, ray; see conf/ and the README for every key.
     """
     from omegaconf import OmegaConf
 
     from workbench.checkpoint import resume_config
-    from workbench.config import ConfigError, compose_config, expand_sweep
 
     overrides = [a for a in ctx.args if a not in ("-m", "--multirun")]
     multirun = len(overrides) != len(ctx.args)
@@ -47,31 +60,28 @@ def train(ctx: typer.Context):
         if resume:
             if multirun:
                 raise ConfigError("resume= continues one run: drop -m.")
-            configs, jobs = (
-                [resume_config(resume[0], [a for a in overrides if not a.startswith("resume=")])],
-                [],
-            )
+            kept = [a for a in overrides if not a.startswith("resume=")]
+            configs = [resume_config(resume[0], kept)]
+            jobs = []
         else:
-            jobs = expand_sweep(overrides) if multirun else [(overrides, {})]
-            sweep = (
-                [
-                    "run.sweep_id="
-                    + datetime.datetime.now().strftime("sweep-%Y%m%d-%H%M%S-")
-                    + os.urandom(2).hex()
-                ]
-                if multirun
-                else []
-            )
+            jobs = [(overrides, {})]
+            sweep = []
+            if multirun:
+                jobs = expand_sweep(overrides)
+                stamp = datetime.datetime.now().strftime("sweep-%Y%m%d-%H%M%S-")
+                sweep = [f"run.sweep_id={stamp}{os.urandom(2).hex()}"]
             configs = [compose_config(job + sweep) for job, _ in jobs]
     except (ConfigError, ValueError) as error:
         fail(str(error))
-    for cfg, (_, swept) in zip(configs, jobs):
+    # a resumed run (no jobs) keeps the swept values it has
+    for cfg, (_, swept) in zip(configs, jobs, strict=False):
         OmegaConf.update(cfg, "run.swept", swept, merge=False)
-    from workbench import loop, runtime
+    from workbench import cluster, loop, run_folder
 
     parallel = configs[0].sweep.parallel if multirun else 1
     if parallel > 1:
-        runtime.init_ray(configs[0])  # once, sized for the parallel jobs
+        # once, sized for the parallel jobs
+        cluster.init_ray(configs[0])
         for cfg in configs:
             OmegaConf.update(cfg, "run.progress", False)
 
@@ -81,41 +91,37 @@ def train(ctx: typer.Context):
             root = f" --root {cfg.run.root}" if cfg.run.root != "runs" else ""
             typer.echo(
                 f"run {run_id} finished: {os.path.join(cfg.run.root, run_id)}\n"
-                f"inspect it: molt-wb inspect {run_id}{root}   (or molt-wb runs{root}; SQL: workbench.store.open_run)"
+                f"inspect it: molt-wb inspect {run_id}{root}   (or molt-wb runs{root}; "
+                f"SQL: workbench.store.open_run)"
             )
             return True
         except ConfigError as error:
             if not multirun:
                 fail(str(error))
-            runtime.record_refused(cfg, str(error))
+            run_folder.record_refused(cfg, str(error))
             typer.secho(f"run {cfg.run.id} refused: {error}", fg="red", err=True)
-        except (
-            Exception
-        ) as error:  # a failed job of a sweep is recorded as failed and the sweep goes on
+        # a failed job of a sweep is recorded as failed and the sweep goes on
+        except Exception as error:
             if not multirun:
-                if not isinstance(error, runtime.RunFailed):
+                if not isinstance(error, RunFailed):
                     raise
                 typer.secho(f"error: {error}", fg="red", err=True)  # one sentence, no traceback
-                raise typer.Exit(1)
+                raise typer.Exit(1) from None
             typer.secho(f"run {cfg.run.id} failed: {error}", fg="red", err=True)
         return False
 
     try:
         if parallel > 1:
-            from concurrent.futures import ThreadPoolExecutor
-
             with ThreadPoolExecutor(parallel) as pool:
                 outcomes = list(pool.map(run, configs))
         else:
             outcomes = [run(cfg) for cfg in configs]
     except KeyboardInterrupt:
-        hint = (
-            f" Continue it with: molt-wb resume {configs[0].run.id}"
-            if len(configs) == 1 and configs[0].run.id
-            else ""
-        )
+        hint = ""
+        if len(configs) == 1 and configs[0].run.id:
+            hint = f" Continue it with: molt-wb resume {configs[0].run.id}"
         typer.echo(f"interrupted; what was written is kept.{hint}", err=True)
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     if multirun:
         typer.echo(
             f"sweep {configs[0].run.sweep_id}: {sum(outcomes)}/{len(outcomes)} runs finished; "
@@ -130,9 +136,12 @@ def resume(
     ctx: typer.Context,
     run_id: str = typer.Argument(..., help="The run (a unique prefix of its id)."),
 ):
-    """Continue a run from its latest checkpoint, with its saved config: same run id, versions and data continue.
+    """Continue a run from its latest checkpoint, with its saved config: same run id, versions and
+    data continue.
 
-    Extra arguments are key=value overrides on the saved config (`trainer.steps=200` extends a run; `run.root=DIR` finds it). Rows written after that checkpoint are dropped and written again.
+    Extra arguments are key=value overrides on the saved config (`trainer.steps=200` extends a
+    run; `run.root=DIR` finds it). Rows written after that checkpoint are dropped and written
+    again.
     """
     ctx.args = [f"resume={run_id}", *ctx.args]
     train(ctx)
@@ -146,22 +155,19 @@ def serve(
         False, "--json", help="One JSON line per session, for scripts."
     ),
 ):
-    """Serve the policy on a loopback server for agent development; every session is recorded as a run.
+    """Serve the policy on a loopback server for agent development; every session is recorded as a
+    run.
 
-    Arguments are Hydra overrides (`model.path=...`, `engine.max_tokens=64`). Prints each session's OpenAI base URL, Anthropic URL and key. Ctrl-C or SIGTERM flushes the run store and exits.
+    Arguments are Hydra overrides (`model.path=...`, `engine.max_tokens=64`). Prints each
+    session's OpenAI base URL, Anthropic URL and key. Ctrl-C or SIGTERM flushes the run store and
+    exits.
     """
-    import json
-    import signal
-
-    from workbench.config import ConfigError, compose_config
-
     try:
         cfg = compose_config(ctx.args)
     except ConfigError as error:
         fail(str(error))
-    signal.pthread_sigmask(
-        signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM}
-    )  # the server's threads inherit this
+    # the server's threads inherit this
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     from workbench.server.serve import Recorder
 
     recorder = Recorder(cfg, sessions)
@@ -169,9 +175,11 @@ def serve(
         if json_lines:
             typer.echo(json.dumps(info))
         else:
+            key = info["api_key"]
             typer.echo(
-                f"session {info['session']}\n  OpenAI:    OpenAI(base_url={info['openai_base_url']!r}, api_key={info['api_key']!r})"
-                f"\n  Anthropic: Anthropic(base_url={info['anthropic_base_url']!r}, api_key={info['api_key']!r})"
+                f"session {info['session']}\n"
+                f"  OpenAI:    OpenAI(base_url={info['openai_base_url']!r}, api_key={key!r})\n"
+                f"  Anthropic: Anthropic(base_url={info['anthropic_base_url']!r}, api_key={key!r})"
             )
     if not json_lines:
         typer.echo(
@@ -189,8 +197,6 @@ def runs(
     limit: int = typer.Option(50, help="Show at most this many runs, newest first."),
 ):
     """List runs: id, recipe, status, steps, mean reward, created."""
-    from rich.table import Table
-
     from workbench.store import list_runs
 
     table = Table("id", "recipe", "status", "steps", "reward", "created", "sweep")
@@ -211,8 +217,6 @@ def runs(
 @app.command("sweeps")
 def list_sweeps(root: str = typer.Option("runs", help="Folder of run folders (run.root).")):
     """List sweeps: id, runs, finished, failed, swept keys, created."""
-    from rich.table import Table
-
     from workbench.store.compare import sweeps
 
     table = Table("sweep", "runs", "finished", "failed", "swept", "created")
@@ -230,7 +234,9 @@ def list_sweeps(root: str = typer.Option("runs", help="Folder of run folders (ru
 
 @app.command()
 def compare(
-    selection: list[str] = typer.Argument(..., help="A sweep id, or run ids (unique prefixes)."),
+    selection: Annotated[
+        list[str], typer.Argument(help="A sweep id, or run ids (unique prefixes).")
+    ],
     root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
     csv: bool = typer.Option(False, "--csv", help="CSV on stdout."),
     json_out: bool = typer.Option(False, "--json", help="JSON (one object per run) on stdout."),
@@ -238,9 +244,8 @@ def compare(
         None, "--plot", help="Write reward curves and kept-vs-reward to PNG."
     ),
 ):
-    """Runs side by side: swept values, final and best reward, kept fraction, KL, stale fraction, tokens/s, wall time."""
-    import json
-
+    """Runs side by side: swept values, final and best reward, kept fraction, KL, stale fraction,
+    tokens/s, wall time."""
     from workbench.store.compare import COLUMNS, compare_rows, plot
 
     try:
@@ -251,26 +256,13 @@ def compare(
     if json_out:
         typer.echo(json.dumps(rows, indent=1))
     elif csv:
-        import csv as csv_module
-
         writer = csv_module.DictWriter(sys.stdout, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
     else:
-        from rich.table import Table
-
         table = Table(*columns)
         for row in rows:
-            table.add_row(
-                *(
-                    "-"
-                    if row[c] is None
-                    else f"{row[c]:.4g}"
-                    if isinstance(row[c], float)
-                    else str(row[c])
-                    for c in columns
-                )
-            )
+            table.add_row(*(_cell(row[c]) for c in columns))
         console().print(table)
     if plot_path:
         try:
@@ -280,32 +272,42 @@ def compare(
         typer.echo(f"wrote {plot_path}", err=True)
 
 
+def _cell(value) -> str:
+    """A table cell: - for no value, a float to 4 significant digits."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
 @app.command("eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def eval_command(
     ctx: typer.Context,
     run_id: str = typer.Argument(..., help="Run id (a unique prefix is enough)."),
     checkpoint: Optional[str] = typer.Argument(
         None,
-        help="A checkpoint folder or step number; default the latest, else the run's starting policy.",
+        help="A checkpoint folder or step number; default the latest, else the run's starting "
+        "policy.",
     ),
     root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
 ):
-    """Score a checkpoint on the run's held-out split without training; extra `eval.*` overrides set the sampling (eval.samples=4)."""
-    from workbench.config import ConfigError
+    """Score a checkpoint on the run's held-out split without training; extra `eval.*` overrides
+    set the sampling (eval.samples=4)."""
     from workbench.evaluate import from_checkpoint
 
     overrides = list(ctx.args)
-    if (
-        checkpoint and "=" in checkpoint
-    ):  # `molt-wb eval RUN eval.samples=4`: an override, not a checkpoint
-        checkpoint, overrides = None, [checkpoint, *overrides]
+    # `molt-wb eval RUN eval.samples=4`: an override, not a checkpoint
+    if checkpoint and "=" in checkpoint:
+        overrides = [checkpoint, *overrides]
+        checkpoint = None
     try:
         row = from_checkpoint(run_id, checkpoint, root, overrides)
     except (ConfigError, ValueError) as error:
         fail(str(error))
     typer.echo(
-        f"eval {row['split']} step {row['step']}: n={row['n']} mean_reward={row['mean_reward']:.4f} "
-        f"accuracy={row['accuracy']:.4f} ({row['checkpoint']})"
+        f"eval {row['split']} step {row['step']}: n={row['n']} "
+        f"mean_reward={row['mean_reward']:.4f} accuracy={row['accuracy']:.4f} ({row['checkpoint']})"
     )
 
 
@@ -318,7 +320,8 @@ def inspect(
     sweep: str = typer.Option("", help="List only the runs of this sweep id (or part of it)."),
     poll: float = typer.Option(2.0, help="Seconds between re-reads of a live run."),
 ):
-    """Browse runs in a terminal UI: overview plots, segments, gate decisions, requests, and every token of a segment."""
+    """Browse runs in a terminal UI: overview plots, segments, gate decisions, requests, and every
+    token of a segment."""
     try:
         from workbench.tui.app import InspectApp
     except ImportError:
@@ -335,8 +338,6 @@ def inspect(
 @app.command()
 def doctor(root: str = typer.Option("runs", help="Folder of run folders (run.root).")):
     """What is installed (torch, ray, vllm, ...), whether a GPU is visible, where runs go."""
-    from importlib import metadata
-
     typer.echo(f"python       {sys.version.split()[0]}")
     for package in (
         "torch",
@@ -360,13 +361,12 @@ def doctor(root: str = typer.Option("runs", help="Folder of run folders (run.roo
         typer.echo(f"{package:<12} {version}")
     import torch
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    typer.echo(
-        f"gpu          {gpus} visible" + (f" ({torch.cuda.get_device_name(0)})" if gpus else "")
-    )
+    gpus = 0
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+    name = f" ({torch.cuda.get_device_name(0)})" if gpus else ""
+    typer.echo(f"gpu          {gpus} visible{name}")
     typer.echo(f"cpu cores    {os.cpu_count()}")
-    from workbench.models.tiny import cache_root
-
     typer.echo(f"runs         {os.path.abspath(root)}")
     typer.echo(f"model cache  {cache_root()}")
 
@@ -381,20 +381,30 @@ app.add_typer(prepare_app, name="prepare")
 def prepare_geo3k(
     src: str = typer.Argument(
         ...,
-        help="A split folder of the Geometry3K release (<id>/data.json, img_diagram.png) or a hiyouga/geometry3k .parquet/.jsonl.",
+        help="A split folder of the Geometry3K release (<id>/data.json, img_diagram.png) or a "
+        "hiyouga/geometry3k .parquet/.jsonl.",
     ),
     out: str = typer.Argument(
         ..., help="Output file: .parquet (images as bytes) or .jsonl (images as base64)."
     ),
 ):
-    """Convert Geometry3K into the Parquet/JSONL shape `+recipe=geo3k data.path=OUT` reads; choice letters become values."""
-    from workbench.api import load_plugin
-
+    """Convert Geometry3K into the Parquet/JSONL shape `+recipe=geo3k data.path=OUT` reads; choice
+    letters become values."""
     try:
         rows = load_plugin("geo3k_data").prepare(src, out)
     except ValueError as error:
         fail(str(error))
     typer.echo(f"wrote {rows} samples to {out}")
+
+
+def _unwrap(doc: str) -> str:
+    """Each paragraph of a docstring on one line: the help rewraps it to the terminal's width."""
+    return "\n\n".join(" ".join(paragraph.split()) for paragraph in doc.split("\n\n"))
+
+
+# the docstrings are wrapped at 100 columns in the source, not in the help
+for command in app.registered_commands + prepare_app.registered_commands:
+    command.callback.__doc__ = _unwrap(command.callback.__doc__)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -8,9 +8,17 @@ that says what to change.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from workbench.algo.advantages import ADVANTAGES
+from workbench.algo.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from workbench.api import load_plugin
+from workbench.invariants.version_gate import DENOMINATORS, LEVELS, MODES
+from workbench.models.tiny import TINY_SPECS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
@@ -25,7 +33,8 @@ class ModelConfig:
     dtype: str = "float32"
     """Torch dtype of rollout and learner weights."""
     warm_start_steps: int = 0
-    """Supervised steps on the recipe's warm-start completions before RL (0 = none); cached on disk."""
+    """Supervised steps on the recipe's warm-start completions before RL (0 = none); cached on
+    disk."""
     warm_start_lr: float = 3e-3
     """Learning rate of the warm start."""
     warm_start_batch: int = 64
@@ -41,25 +50,32 @@ class EngineConfig:
     temperature: float = 1.0
     """Sampling temperature; learner log-probs use the same one."""
     top_p: float = 1.0
-    """Nucleus sampling; below 1 the learner cannot reproduce behavior log-probs (refused with a gate)."""
+    """Nucleus sampling; below 1 the learner cannot reproduce behavior log-probs (refused with a
+    gate)."""
     tensor_parallel_size: int = 1
-    """vllm: GPUs one engine shards the model over (give each rollout worker as many: ray.rollout_gpus)."""
+    """vllm: GPUs one engine shards the model over (give each rollout worker as many:
+    ray.rollout_gpus)."""
     gpu_memory_utilization: float = 0.5
     """vllm: fraction of a GPU's memory the engine takes (leave room for a colocated learner)."""
     check_weight_sync: bool = False
-    """vllm: verify every weight push overwrote each engine parameter (all are NaN-filled first; a leftover NaN stops the run)."""
+    """vllm: verify every weight push overwrote each engine parameter (all are NaN-filled first; a
+    leftover NaN stops the run)."""
     routed_experts: bool = True
-    """vllm, MoE policies: ask vLLM for the routed experts of every token (enable_return_routed_experts)."""
+    """vllm, MoE policies: ask vLLM for the routed experts of every token
+    (enable_return_routed_experts)."""
 
 
 @dataclass
 class RolloutConfig:
     partial: bool = False
-    """Swap pushed weights into a running generation between token steps (one sequence, several versions)."""
+    """Swap pushed weights into a running generation between token steps (one sequence, several
+    versions)."""
     timeout_s: float = 600.0
-    """A rollout batch not back within this many seconds is a hung engine or agent: its episodes are recorded as failed and the worker is restarted."""
+    """A rollout batch not back within this many seconds is a hung engine or agent: its episodes are
+    recorded as failed and the worker is restarted."""
     max_restarts: int = 3
-    """Times Ray restarts a rollout worker whose process died (its episodes are recorded as failed)."""
+    """Times Ray restarts a rollout worker whose process died (its episodes are recorded as
+    failed)."""
 
 
 @dataclass
@@ -81,7 +97,8 @@ class DataConfig:
 @dataclass
 class AlgoConfig:
     advantage: str = "grpo"
-    """Advantage estimator: reinforce | reinforce_baseline | rloo | grpo | dr_grpo | on_policy_distill (per token, no reward)."""
+    """Advantage estimator (workbench/algo/advantages.py): reinforce | reinforce_baseline | rloo |
+    grpo | dr_grpo | on_policy_distill (per token, no reward)."""
     clip_low: float = 0.2
     """PPO clip: ratios below 1 - clip_low stop contributing gradient for negative advantages."""
     clip_high: float = 0.2
@@ -91,38 +108,49 @@ class AlgoConfig:
     constant_denominator: float | None = None
     """Denominator of `constant` aggregation (e.g. batch size x max tokens)."""
     routing_replay: bool = False
-    """MoE policies: force the rollout's recorded experts in the learner's forward (R3); measured either way."""
+    """MoE policies: force the rollout's recorded experts in the learner's forward (R3); measured
+    either way."""
     policy_loss: str = "ppo"
-    """ppo (token ratio, PPO-clip) | gspo (sequence ratio: geometric mean of token ratios, clipped per sequence)
-    | cispo (REINFORCE on log π weighted by the clipped token ratio, held constant)."""
+    """Policy loss (workbench/algo/losses.py): ppo (token ratio, PPO-clip) | gspo (sequence ratio:
+    geometric mean of token ratios, clipped per sequence) | cispo (REINFORCE on log π weighted by
+    the clipped token ratio, held constant)."""
     kl_coef: float = 0.0
-    """Weight of KL(policy || reference) in the loss; the reference is a frozen copy of the starting policy (0 = none)."""
+    """Weight of KL(policy || reference) in the loss; the reference is a frozen copy of the starting
+    policy (0 = none)."""
     kl_estimator: str = "k3"
     """Estimator of that KL from the policy's samples: k1 | k2 | k3 (Schulman)."""
     filter_uniform_groups: bool = False
-    """Dynamic filtering: drop groups whose rewards are all equal (no relative signal) from the loss."""
+    """Dynamic filtering: drop groups whose rewards are all equal (no relative signal) from the
+    loss."""
     distill_coef: float = 1.0
-    """on_policy_distill: advantage = -distill_coef * (log π_student - log π_teacher) per sampled token."""
+    """on_policy_distill: advantage = -distill_coef * (log π_student - log π_teacher) per sampled
+    token."""
     teacher_path: str | None = None
-    """on_policy_distill: HF checkpoint folder of the frozen teacher; it must share the policy's tokenizer."""
+    """on_policy_distill: HF checkpoint folder of the frozen teacher; it must share the policy's
+    tokenizer."""
     teacher_warm_start_steps: int = 0
-    """on_policy_distill without teacher_path: the teacher is the tiny base model warm-started this many steps on the plugin."""
+    """on_policy_distill without teacher_path: the teacher is the tiny base model warm-started this
+    many steps on the plugin."""
 
 
 @dataclass
 class GateConfig:
     level: str = "off"
-    """off | token (each token's e^δ, δ = log π_old − log π_behavior) | seq (e^Σδ) | geo (e^mean δ)."""
+    """off | token (each token's e^δ, δ = log π_old − log π_behavior) | seq (e^Σδ) | geo
+    (e^mean δ)."""
     mode: str = "mask"
-    """token level: mask (zero outside the band) | clip (clamp into it) | trunc (clamp the top); seq/geo: mask."""
+    """token level: mask (zero outside the band) | clip (clamp into it) | trunc (clamp the top);
+    seq/geo: mask."""
     band: list[float] = field(default_factory=lambda: [0.5, 2.0])
     """[low, high] of the accepted importance ratio."""
     max_staleness: int | None = None
-    """Drop sequences whose oldest sampled token is more than this many versions behind (null = no limit)."""
+    """Drop sequences whose oldest sampled token is more than this many versions behind (null = no
+    limit)."""
     token_cap: float | None = None
     """seq/geo: cap on the per-token weights e^δ of kept sequences (null = uncapped)."""
     denominator: str = "all"
-    """Token-mean denominator: all (rejected tokens stay: a mostly-rejected batch moves the policy less) | kept."""
+    """Token-mean denominator: all (rejected tokens stay: a mostly-rejected batch moves the policy
+    less) | kept."""
 
 
 @dataclass
@@ -144,21 +172,26 @@ class TrainerConfig:
     async_depth: int = 0
     """Versions rollout may run ahead of the learner (0 = synchronous, on-policy)."""
     shared_prefix: bool = True
-    """Run a group's common prompt once in the learner's forwards (the same log-probs and gradients, less compute)."""
+    """Run a group's common prompt once in the learner's forwards (the same log-probs and gradients,
+    less compute)."""
     checkpoint_every: int = 10
-    """Save a checkpoint (runs/<id>/checkpoints/step-NNNNNN) after every N rollout batches and at the last; 0 = never."""
+    """Save a checkpoint (runs/<id>/checkpoints/step-NNNNNN) after every N rollout batches and at
+    the last; 0 = never."""
     keep_checkpoints: int = 2
     """Keep the newest K checkpoints; older ones are deleted."""
     timeout_s: float = 3600.0
-    """Seconds the loop waits on one learner step before it stops the run as hung (failed, resumable)."""
+    """Seconds the loop waits on one learner step before it stops the run as hung (failed,
+    resumable)."""
 
 
 @dataclass
 class EvalConfig:
     every: int = 0
-    """Score the held-out split every N training steps (0 = never); `molt-wb eval` scores a checkpoint."""
+    """Score the held-out split every N training steps (0 = never); `molt-wb eval` scores a
+    checkpoint."""
     path: str | None = None
-    """Local .parquet/.jsonl of held-out samples; unset = the plugin's eval_dataset (or make_dataset on another seed)."""
+    """Local .parquet/.jsonl of held-out samples; unset = the plugin's eval_dataset (or make_dataset
+    on another seed)."""
     size: int = 32
     """Held-out prompts scored (at most)."""
     samples: int = 1
@@ -210,17 +243,21 @@ class RayConfig:
     rollout_cpus: float = 1
     """CPUs per rollout worker actor."""
     rollout_gpus: float = 0
-    """GPUs per rollout worker actor (vllm: engine.tensor_parallel_size; a fraction when colocated)."""
+    """GPUs per rollout worker actor (vllm: engine.tensor_parallel_size; a fraction when
+    colocated)."""
     rollout_resources: dict[str, float] = field(default_factory=dict)
-    """Custom Ray resources each rollout worker needs, e.g. {rollout_node: 1} to pin workers to such nodes."""
+    """Custom Ray resources each rollout worker needs, e.g. {rollout_node: 1} to pin workers to such
+    nodes."""
     learner_cpus: float = 1
     """CPUs of the learner actor."""
     learner_gpus: float = 0
     """GPUs of the learner actor."""
     colocate: bool = False
-    """Pack the learner and every rollout worker onto one node (a STRICT_PACK placement group), sharing its GPUs."""
+    """Pack the learner and every rollout worker onto one node (a STRICT_PACK placement group),
+    sharing its GPUs."""
     torch_threads: int = 0
-    """torch threads per actor (0 = one for a policy under 1M parameters, else the cores split between rollout and learner)."""
+    """torch threads per actor (0 = one for a policy under 1M parameters, else the cores split
+    between rollout and learner)."""
 
 
 @dataclass
@@ -238,7 +275,8 @@ class RunConfig:
     swept: dict[str, str] = field(default_factory=dict)
     """Set by `molt-wb train -m`: this run's values of the swept keys."""
     resume: bool = False
-    """Set by `molt-wb resume RUN_ID`: continue run.id from its latest checkpoint instead of starting it."""
+    """Set by `molt-wb resume RUN_ID`: continue run.id from its latest checkpoint instead of
+    starting it."""
     progress: bool = True
     """Show progress: a rich bar on a terminal, one line per step otherwise; false = silent."""
 
@@ -300,28 +338,28 @@ def compose_config(overrides: list[str] = ()) -> Any:
 
 
 def expand_sweep(overrides: list[str]) -> list[tuple[list[str], dict[str, str]]]:
-    """(overrides, swept values) per job of a Hydra multirun line (`a=1,2 b=x,y` gives four jobs)."""
+    """(overrides, swept values) per job of a Hydra multirun line (`a=1,2 b=x,y` gives four
+    jobs)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(list(overrides))
     swept = {o.key_or_group for o in parsed if o.is_sweep_override()}
     jobs = [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
-    return [
-        (job, {k: v for k, v in (o.lstrip("+~").split("=", 1) for o in job) if k in swept})
-        for job in jobs
-    ]
+    return [(job, _swept_values(job, swept)) for job in jobs]
 
 
-ADVANTAGES = ("reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "on_policy_distill")
-AGGREGATIONS = ("token_mean", "seq_mean", "constant")
+def _swept_values(job: list[str], swept: set[str]) -> dict[str, str]:
+    """The values that a job's overrides give the swept keys."""
+    values = {}
+    for override in job:
+        key, value = override.lstrip("+~").split("=", 1)
+        if key in swept:
+            values[key] = value
+    return values
 
 
 def _is_moe(model) -> bool:
-    import json
-
-    from workbench.models.tiny import TINY_SPECS
-
     if model.path:
         config = json.loads(Path(model.path, "config.json").read_text())
         return any(config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
@@ -329,10 +367,6 @@ def _is_moe(model) -> bool:
 
 
 def _is_vision_language(model) -> bool:
-    import json
-
-    from workbench.models.tiny import TINY_SPECS
-
     if model.path:
         config = Path(model.path, "config.json")
         return config.exists() and "vision_config" in json.loads(config.read_text())
@@ -340,8 +374,6 @@ def _is_vision_language(model) -> bool:
 
 
 def _has_vllm() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("vllm") is not None
 
 
@@ -349,158 +381,218 @@ def _imports(module: str) -> bool:
     try:
         __import__(module)
         return True
-    except Exception:  # absent, or built for another torch
+    except Exception:
+        # absent, or built for another torch
         return False
 
 
+def _either(names) -> str:
+    """`a, b or c` for the names a, b, c."""
+    *first, last = names
+    return f"{', '.join(first)} or {last}"
+
+
 def validate(cfg) -> None:
-    """Refuse unsafe or unsupported combinations before anything starts."""
+    """Refuse unsafe or unsupported combinations before anything starts, in this order: unsafe
+    combinations, unknown names, ranges, files and paths, plugins and optional packages."""
+    _refuse_unsafe_combinations(cfg)
+    _refuse_unknown_names(cfg)
+    _refuse_out_of_range(cfg)
+    _refuse_missing_files(cfg)
+    _refuse_missing_code(cfg)
 
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            raise ConfigError(message)
 
-    need(
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _refuse_unsafe_combinations(cfg) -> None:
+    """Combinations that would train silently wrong; each comment says why."""
+    algo = cfg.algo
+    gate = cfg.gate
+    # the loss takes ratios against π_old, not the older policy that sampled: nothing corrects it
+    _need(
+        gate.level != "off" or (cfg.trainer.async_depth == 0 and not cfg.rollout.partial),
+        "Asynchronous or partial rollout trains on tokens of older policies: set gate.level=token, "
+        "seq or geo.",
+    )
+    # top-p samples from a truncated, renormalised softmax; the learner recomputes the full one
+    _need(
+        gate.level == "off" or cfg.engine.top_p >= 1,
+        "engine.top_p < 1 gives behavior log-probs the learner cannot recompute, so the gate would "
+        "misjudge every token: set engine.top_p=1.",
+    )
+    # seq and geo keep or drop whole sequences and ignore gate.mode: clip or trunc would act as mask
+    _need(
+        gate.mode == "mask" or gate.level not in ("seq", "geo"),
+        f"gate.level={gate.level} is a rejection filter: set gate.mode=mask (clip and trunc are "
+        f"for gate.level=token).",
+    )
+    # a group of one has no baseline: group-relative estimators give it advantage 0, nothing learns
+    estimator = ADVANTAGES.get(algo.advantage)
+    _need(
+        cfg.trainer.group_size >= 2 or estimator is None or not estimator.groups,
+        f"algo.advantage={algo.advantage} compares samples of one prompt: set trainer.group_size "
+        f"to 2 or more.",
+    )
+    # vLLM re-prefills a request it preempts: after a partial-rollout weight swap, its earlier
+    # tokens' routes are recomputed by newer weights, and replay would force routes that never
+    # sampled them. Safe on engine=torch: it never preempts, and a swap leaves captured routes be.
+    _need(
+        not (algo.routing_replay and cfg.rollout.partial and cfg.engine.name == "vllm"),
+        "algo.routing_replay with rollout.partial on engine=vllm may replay routes that newer "
+        "weights recomputed (vLLM re-prefills a preempted request): set rollout.partial=false or "
+        "use engine=torch.",
+    )
+
+
+def _refuse_unknown_names(cfg) -> None:
+    """Every name-valued key names something that exists."""
+    algo = cfg.algo
+    gate = cfg.gate
+    _need(
         cfg.engine.name in ("torch", "vllm"),
         f"engine={cfg.engine.name} is unknown: use engine=torch or engine=vllm.",
     )
-    need(
-        cfg.engine.name != "vllm" or _has_vllm(),
-        "engine=vllm needs vLLM in this environment: pip install 'molt-wb[vllm]'.",
+    _need(
+        algo.advantage in ADVANTAGES,
+        f"algo.advantage={algo.advantage} is unknown: use one of {', '.join(ADVANTAGES)}.",
     )
-    need(
-        cfg.engine.name != "vllm" or not _is_vision_language(cfg.model) or _imports("torchvision"),
-        "engine=vllm with a vision-language policy needs torchvision built for this torch (vLLM's vision models import it): "
-        "install the matching torchvision or use engine=torch.",
+    _need(
+        algo.aggregation in AGGREGATIONS,
+        f"algo.aggregation={algo.aggregation} is unknown: use one of {', '.join(AGGREGATIONS)}.",
     )
-    need(cfg.engine.temperature > 0, "RL needs sampling: set engine.temperature above 0.")
-    need(
-        cfg.algo.advantage in ADVANTAGES,
-        f"algo.advantage={cfg.algo.advantage} is unknown: use one of {', '.join(ADVANTAGES)}.",
+    _need(
+        algo.policy_loss in POLICY_LOSSES,
+        f"algo.policy_loss={algo.policy_loss} is unknown: use {_either(POLICY_LOSSES)}.",
     )
-    need(
-        cfg.algo.aggregation in AGGREGATIONS,
-        f"algo.aggregation={cfg.algo.aggregation} is unknown: use one of {', '.join(AGGREGATIONS)}.",
+    _need(
+        algo.kl_estimator in KL_ESTIMATORS,
+        f"algo.kl_estimator={algo.kl_estimator} is unknown: use {_either(KL_ESTIMATORS)}.",
     )
-    need(
-        cfg.algo.aggregation != "constant" or cfg.algo.constant_denominator,
+    _need(
+        gate.level in LEVELS, f"gate.level={gate.level} is unknown: use one of {', '.join(LEVELS)}."
+    )
+    _need(gate.mode in MODES, f"gate.mode={gate.mode} is unknown: use one of {', '.join(MODES)}.")
+    _need(
+        gate.denominator in DENOMINATORS,
+        f"gate.denominator={gate.denominator} is unknown: use {_either(DENOMINATORS)}.",
+    )
+    _need(
+        cfg.tracking.wandb.mode in ("offline", "online", "disabled"),
+        "tracking.wandb.mode must be offline, online or disabled.",
+    )
+
+
+def _refuse_out_of_range(cfg) -> None:
+    """Numbers within their ranges, and the values a choice requires set."""
+    algo = cfg.algo
+    gate = cfg.gate
+    _need(cfg.engine.temperature > 0, "RL needs sampling: set engine.temperature above 0.")
+    _need(
+        algo.aggregation != "constant" or algo.constant_denominator,
         "algo.aggregation=constant needs algo.constant_denominator (e.g. batch size x max tokens).",
     )
-    need(
-        cfg.trainer.group_size >= 2
-        or cfg.algo.advantage in ("reinforce", "reinforce_baseline", "on_policy_distill"),
-        f"algo.advantage={cfg.algo.advantage} compares samples of one prompt: set trainer.group_size to 2 or more.",
+    _need(
+        not ADVANTAGES[algo.advantage].teacher
+        or algo.teacher_path
+        or algo.teacher_warm_start_steps,
+        f"algo.advantage={algo.advantage} needs a teacher: set algo.teacher_path or "
+        f"algo.teacher_warm_start_steps.",
     )
-    need(cfg.sweep.parallel >= 1, "sweep.parallel must be at least 1.")
-    need(
+    _need(cfg.sweep.parallel >= 1, "sweep.parallel must be at least 1.")
+    _need(
         cfg.trainer.steps >= 1 and cfg.trainer.prompts_per_step >= 1,
         "trainer.steps and trainer.prompts_per_step must be at least 1.",
     )
-    need(
+    _need(
         cfg.model.warm_start_steps >= 0 and cfg.model.warm_start_batch >= 1,
         "model.warm_start_steps must be 0 (none) or more and model.warm_start_batch at least 1.",
     )
-    need(
+    _need(
         cfg.trainer.minibatches >= 1 and cfg.trainer.steps % cfg.trainer.minibatches == 0,
-        "trainer.steps must be a multiple of trainer.minibatches (each rollout batch gives that many optimizer steps).",
+        "trainer.steps must be a multiple of trainer.minibatches (each rollout batch gives that "
+        "many optimizer steps).",
     )
-    from workbench.invariants.version_gate import DENOMINATORS, LEVELS, MODES
-
-    gate = cfg.gate
-    need(
-        gate.level in LEVELS, f"gate.level={gate.level} is unknown: use one of {', '.join(LEVELS)}."
-    )
-    need(gate.mode in MODES, f"gate.mode={gate.mode} is unknown: use one of {', '.join(MODES)}.")
-    need(
-        gate.denominator in DENOMINATORS,
-        f"gate.denominator={gate.denominator} is unknown: use all or kept.",
-    )
-    need(
-        gate.mode == "mask" or gate.level in ("off", "token"),
-        f"gate.level={gate.level} is a rejection filter: set gate.mode=mask (clip and trunc are for gate.level=token).",
-    )
-    need(
+    _need(
         len(gate.band) == 2 and 0 <= gate.band[0] <= gate.band[1],
         f"gate.band={list(gate.band)} must be [low, high] with 0 <= low <= high.",
     )
-    need(
+    _need(
         cfg.trainer.checkpoint_every >= 0 and cfg.trainer.keep_checkpoints >= 1,
         "trainer.checkpoint_every must be 0 (off) or more and trainer.keep_checkpoints at least 1.",
     )
-    need(cfg.rollout.timeout_s > 0, "rollout.timeout_s must be a positive number of seconds.")
-    need(cfg.trainer.timeout_s > 0, "trainer.timeout_s must be a positive number of seconds.")
-    need(
+    _need(cfg.rollout.timeout_s > 0, "rollout.timeout_s must be a positive number of seconds.")
+    _need(cfg.trainer.timeout_s > 0, "trainer.timeout_s must be a positive number of seconds.")
+    _need(
         cfg.eval.every >= 0
         and cfg.eval.size >= 1
         and cfg.eval.samples >= 1
         and cfg.eval.temperature >= 0,
-        "eval.every must be 0 or more, eval.size and eval.samples at least 1, eval.temperature 0 or more.",
+        "eval.every must be 0 or more, eval.size and eval.samples at least 1, eval.temperature 0 "
+        "or more.",
     )
-    need(
-        not cfg.eval.path or Path(cfg.eval.path).exists(),
-        f"eval.path={cfg.eval.path} does not exist: give a local .parquet or .jsonl file.",
-    )
-    need(cfg.trainer.async_depth >= 0, "trainer.async_depth must be 0 (synchronous) or more.")
-    need(
-        gate.level != "off" or (cfg.trainer.async_depth == 0 and not cfg.rollout.partial),
-        "Asynchronous or partial rollout trains on tokens of older policies: set gate.level=token, seq or geo.",
-    )
-    need(
-        gate.level == "off" or cfg.engine.top_p >= 1,
-        "engine.top_p < 1 gives behavior log-probs the learner cannot recompute, so the gate would misjudge "
-        "every token: set engine.top_p=1.",
-    )
-    need(
-        not cfg.algo.routing_replay or _is_moe(cfg.model),
-        f"algo.routing_replay needs a mixture-of-experts policy and model {cfg.model.path or cfg.model.name} is dense: "
-        f"use model=tiny-moe or set algo.routing_replay=false.",
-    )
-    need(
-        cfg.algo.policy_loss in ("ppo", "gspo", "cispo"),
-        f"algo.policy_loss={cfg.algo.policy_loss} is unknown: use ppo, gspo or cispo.",
-    )
-    need(
-        cfg.algo.kl_estimator in ("k1", "k2", "k3"),
-        f"algo.kl_estimator={cfg.algo.kl_estimator} is unknown: use k1, k2 or k3.",
-    )
-    need(
-        cfg.algo.advantage != "on_policy_distill"
-        or cfg.algo.teacher_path
-        or cfg.algo.teacher_warm_start_steps,
-        "algo.advantage=on_policy_distill needs a teacher: set algo.teacher_path or algo.teacher_warm_start_steps.",
-    )
-    need(
-        not cfg.algo.teacher_path or Path(cfg.algo.teacher_path, "config.json").exists(),
-        f"algo.teacher_path={cfg.algo.teacher_path} is not a Hugging Face checkpoint folder (no config.json): fix the path.",
-    )
-    need(
-        cfg.tracking.wandb.mode in ("offline", "online", "disabled"),
-        "tracking.wandb.mode must be offline, online or disabled.",
-    )
-    need(
+    _need(cfg.trainer.async_depth >= 0, "trainer.async_depth must be 0 (synchronous) or more.")
+
+
+def _refuse_missing_files(cfg) -> None:
+    """Files and folders the config names exist and are of the right kind."""
+    algo = cfg.algo
+    _need(
         not cfg.model.path or Path(cfg.model.path, "config.json").exists(),
-        f"model.path={cfg.model.path} is not a Hugging Face checkpoint folder (no config.json): fix the path.",
+        f"model.path={cfg.model.path} is not a Hugging Face checkpoint folder (no config.json): "
+        f"fix the path.",
     )
-    need(
+    # replay on a dense policy would do nothing while the run claims R3 (reads its config.json)
+    _need(
+        not algo.routing_replay or _is_moe(cfg.model),
+        f"algo.routing_replay needs a mixture-of-experts policy and model "
+        f"{cfg.model.path or cfg.model.name} is dense: use model=tiny-moe or set "
+        f"algo.routing_replay=false.",
+    )
+    _need(
+        not algo.teacher_path or Path(algo.teacher_path, "config.json").exists(),
+        f"algo.teacher_path={algo.teacher_path} is not a Hugging Face checkpoint folder (no "
+        f"config.json): fix the path.",
+    )
+    _need(
         not cfg.data.path or Path(cfg.data.path).exists(),
         f"data.path={cfg.data.path} does not exist: give a local .parquet or .jsonl file.",
     )
-    need(
+    _need(
         not cfg.data.path or cfg.data.path.endswith((".parquet", ".jsonl")),
         f"data.path={cfg.data.path} is neither .parquet nor .jsonl: convert it to one of those.",
     )
-    from workbench.api import load_plugin
+    _need(
+        not cfg.eval.path or Path(cfg.eval.path).exists(),
+        f"eval.path={cfg.eval.path} does not exist: give a local .parquet or .jsonl file.",
+    )
 
+
+def _refuse_missing_code(cfg) -> None:
+    """The plugin loads and has what the config asks of it; optional packages are installed."""
+    _need(
+        cfg.engine.name != "vllm" or _has_vllm(),
+        "engine=vllm needs vLLM in this environment: pip install 'molt-wb[vllm]'.",
+    )
+    _need(
+        cfg.engine.name != "vllm" or not _is_vision_language(cfg.model) or _imports("torchvision"),
+        "engine=vllm with a vision-language policy needs torchvision built for this torch (vLLM's "
+        "vision models import it): install the matching torchvision or use engine=torch.",
+    )
     try:
         plugin = load_plugin(cfg.agent.plugin)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    need(
+    _need(
         cfg.data.path or hasattr(plugin, "make_dataset"),
-        f"Plugin {cfg.agent.plugin} has no make_dataset(size, seed): set data.path to a local data file.",
+        f"Plugin {cfg.agent.plugin} has no make_dataset(size, seed): set data.path to a local data "
+        f"file.",
     )
-    need(
+    _need(
         not cfg.model.warm_start_steps
         or hasattr(getattr(plugin, "WARM_START_AS", plugin), "warm_start"),
-        f"model.warm_start_steps is set but plugin {cfg.agent.plugin} has no warm_start(sample, rng): set it to 0.",
+        f"model.warm_start_steps is set but plugin {cfg.agent.plugin} has no warm_start(sample, "
+        f"rng): set it to 0.",
     )

@@ -1,4 +1,5 @@
-"""Evaluation: the held-out split scored with its own sampling settings, during training or from a checkpoint.
+"""Evaluation: the held-out split scored with its own sampling settings, during training or from
+a checkpoint.
 
 Each evaluation is one row of the run's `eval` table (run, step, checkpoint, split, n, mean reward,
 accuracy) and the metrics `eval/reward` and `eval/accuracy` at that step. Nothing an evaluation
@@ -13,15 +14,22 @@ import time
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
+from omegaconf import OmegaConf
 
-from workbench.rollout import Job
+from workbench.api import load_plugin
+from workbench.checkpoint import latest
+from workbench.config import Config, validate
+from workbench.data import load_samples
+from workbench.model_paths import policy_path
+from workbench.rollout import Job, RolloutWorker
+from workbench.store.query import resolve_run
+from workbench.store.schema import EVAL, METRICS
 
 
 def eval_samples(cfg) -> tuple[str, list[dict]]:
-    """(split name, held-out samples): eval.path, else the plugin's eval_dataset, else make_dataset on another seed."""
-    from workbench.api import load_plugin
-    from workbench.runtime import load_samples
-
+    """(split name, held-out samples): eval.path, else the plugin's eval_dataset, else make_dataset
+    on another seed."""
     plugin = load_plugin(cfg.agent.plugin)
     if cfg.eval.path:
         reader = getattr(plugin, "load_dataset", load_samples)
@@ -42,7 +50,8 @@ def eval_jobs(cfg, samples: list[dict], workers: int) -> list[list[Job]]:
 
 
 def score(rewards: list[float], threshold: float) -> dict:
-    """n, mean reward and accuracy (the fraction of episodes whose reward is at least `threshold`)."""
+    """n, mean reward and accuracy (the fraction of episodes whose reward is at least
+    `threshold`)."""
     n = len(rewards)
     return {
         "n": n,
@@ -53,8 +62,6 @@ def score(rewards: list[float], threshold: float) -> dict:
 
 def eval_tables(run_id: str, step: int, row: dict) -> dict[str, pa.Table]:
     """The `eval` row and its two metrics rows."""
-    from workbench.store.schema import EVAL, METRICS
-
     now = time.time()
     metrics = {"eval/reward": row["mean_reward"], "eval/accuracy": row["accuracy"]}
     return {
@@ -85,7 +92,8 @@ def eval_tables(run_id: str, step: int, row: dict) -> dict[str, pa.Table]:
 
 
 def at_step(cfg, workers, store, step: int, weights) -> None:
-    """During training: every `eval.every` steps, score the step's `weights` on the held-out split."""
+    """During training: every `eval.every` steps, score the step's `weights` on the held-out
+    split."""
     import ray
 
     if not cfg.eval.every or (step + 1) % cfg.eval.every:
@@ -95,7 +103,7 @@ def at_step(cfg, workers, store, step: int, weights) -> None:
     rewards = ray.get(
         [
             w.evaluate.remote(jobs, max_tokens, cfg.eval.temperature, weights)
-            for w, jobs in zip(workers, eval_jobs(cfg, samples, len(workers)))
+            for w, jobs in zip(workers, eval_jobs(cfg, samples, len(workers)), strict=True)
         ]
     )
     row = dict(
@@ -107,10 +115,9 @@ def at_step(cfg, workers, store, step: int, weights) -> None:
 
 
 def resolve_checkpoint(run_dir: Path, checkpoint: str | None) -> tuple[Path | None, int]:
-    """(policy folder, learner version) of a checkpoint given as a folder, a version number (step-NNNNNN) or nothing
-    (the latest one); (None, 0) when the run has no checkpoint and none was asked for (the starting policy)."""
-    from workbench.checkpoint import latest
-
+    """(policy folder, learner version) of a checkpoint given as a folder, a version number
+    (step-NNNNNN) or nothing (the latest one); (None, 0) when the run has no checkpoint and none
+    was asked for (the starting policy)."""
     saved = sorted(run_dir.glob("checkpoints/step-" + "[0-9]" * 6))
     if checkpoint is None:
         found = latest(run_dir)
@@ -122,7 +129,8 @@ def resolve_checkpoint(run_dir: Path, checkpoint: str | None) -> tuple[Path | No
         if not path.exists():
             steps = ", ".join(str(int(p.name[5:])) for p in saved) or "none"
             raise ValueError(
-                f"Run {run_dir.name} has no checkpoint at step {checkpoint} (saved steps: {steps}); give one of those."
+                f"Run {run_dir.name} has no checkpoint at step {checkpoint} (saved steps: "
+                f"{steps}); give one of those."
             )
     else:
         path = Path(checkpoint)
@@ -130,25 +138,20 @@ def resolve_checkpoint(run_dir: Path, checkpoint: str | None) -> tuple[Path | No
             path = path / "policy"
         if not (path / "config.json").exists():
             raise ValueError(
-                f"Checkpoint {checkpoint} is not a Hugging Face checkpoint folder (no config.json): give a "
-                f"checkpoints/step-NNNNNN/policy folder or a step number."
+                f"Checkpoint {checkpoint} is not a Hugging Face checkpoint folder (no "
+                f"config.json): give a checkpoints/step-NNNNNN/policy folder or a step number."
             )
     match = re.search(r"step-(\d{6})", str(path))
-    return path, int(match.group(1)) if match else 0
+    if match is None:
+        return path, 0
+    return path, int(match.group(1))
 
 
 def from_checkpoint(
     run_id: str, checkpoint: str | None = None, root: str = "runs", overrides: list[str] = ()
 ) -> dict:
-    """`molt-wb eval`: score a checkpoint of a run on its held-out split, without training; the result joins the run's store."""
-    import pyarrow.parquet as pq
-    from omegaconf import OmegaConf
-
-    from workbench import runtime
-    from workbench.config import Config, validate
-    from workbench.rollout import RolloutWorker
-    from workbench.store.query import resolve_run
-
+    """`molt-wb eval`: score a checkpoint of a run on its held-out split, without training; the
+    result joins the run's store."""
     run_dir = resolve_run(run_id, root)
     cfg = OmegaConf.merge(
         OmegaConf.structured(Config),
@@ -157,10 +160,9 @@ def from_checkpoint(
     )
     validate(cfg)
     path, version = resolve_checkpoint(run_dir, checkpoint)
-    step = (
-        version // cfg.trainer.minibatches - 1
-    )  # the loop step whose weights these are; -1 = the starting policy
-    model_path = str(path) if path else runtime.policy_path(cfg)
+    # the loop step whose weights these are; -1 = the starting policy
+    step = version // cfg.trainer.minibatches - 1
+    model_path = str(path) if path else policy_path(cfg)
     split, samples = eval_samples(cfg)
     worker = RolloutWorker(cfg, model_path)
     rewards = worker.evaluate(
@@ -169,12 +171,9 @@ def from_checkpoint(
         cfg.eval.temperature,
     )
     row = dict(score(rewards, cfg.eval.threshold), checkpoint=model_path, split=split, step=step)
-    for name, table in eval_tables(
-        run_dir.name, step, row
-    ).items():  # a shard of its own, written whole
-        final = (
-            run_dir / name / f"eval-{time.time_ns()}.parquet"
-        )  # not part-*: the writer and resume leave it be
+    # a shard of its own, written whole; not part-*: the writer and resume leave it be
+    for name, table in eval_tables(run_dir.name, step, row).items():
+        final = run_dir / name / f"eval-{time.time_ns()}.parquet"
         final.parent.mkdir(exist_ok=True)
         pq.write_table(table, final.with_name(f".{final.name}.tmp"))
         os.replace(final.with_name(f".{final.name}.tmp"), final)

@@ -1,4 +1,5 @@
-"""Rollout faults: every dispatched episode reaches the training batch or the `failed_episodes` table, once.
+"""Rollout faults: every dispatched episode reaches the training batch or the `failed_episodes`
+table, once; a fault the run cannot ride out ends it with one `RunFailed` sentence from here.
 
 A plugin exception fails one episode (the worker reports it, rollout.py). A worker whose process
 dies is restarted by Ray (`rollout.max_restarts`); one that does not answer within
@@ -14,17 +15,50 @@ import time
 from dataclasses import dataclass
 
 
+class RunFailed(RuntimeError):
+    """A fault the run cannot ride out (its learner or store died, every rollout batch lost): one
+    sentence naming it and the way on; the run is marked failed and keeps what it wrote."""
+
+
+def run_failed(cause: str, run_id: str, fix: str = "") -> RunFailed:
+    """`cause`, then what became of the run and how it goes on (`fix` first, when given)."""
+    return RunFailed(
+        f"{cause}: the run is marked failed and keeps every step it wrote; {fix}continue it from "
+        f"its latest checkpoint with: molt-wb resume {run_id}"
+    )
+
+
+def died(error, run_id: str, store, learner) -> RunFailed:
+    """The `RunFailed` of an actor's death (`error`, a RayActorError) the loop cannot ride out."""
+    roles = {store._actor_id.hex(): "The store", learner._actor_id.hex(): "The learner"}
+    role = roles.get(error.actor_id, "A rollout worker")
+    return run_failed(
+        f"{role} process died (killed, out of memory or crashed; Ray's worker logs say which)",
+        run_id,
+    )
+
+
+def learner_timeout(step: int, cfg) -> RunFailed:
+    """The `RunFailed` of a learner step that gave no result within `trainer.timeout_s`."""
+    return run_failed(
+        f"Step {step}: the learner gave no result within trainer.timeout_s="
+        f"{cfg.trainer.timeout_s:g} s (hung, or steps longer than that)",
+        cfg.run.id,
+        "raise trainer.timeout_s if steps take longer, then ",
+    )
+
+
 @dataclass
 class Rollout:
-    """One rollout batch in flight: per worker its jobs and the futures of (segments, failure rows)."""
+    """One rollout batch in flight: per worker its jobs and the futures of (segments, failures)."""
 
     jobs: list[list]
     segments: list
     failures: list
-    data_state: dict  # the data position before this batch was drawn: what a checkpoint saves
-    weights: object = (
-        None  # the learner's weights (a Ray reference) the batch starts on; None: the engines' own
-    )
+    # the data position before this batch was drawn: what a checkpoint saves
+    data_state: dict
+    # the learner's weights (a Ray reference) the batch starts on; None: the engines' own
+    weights: object = None
 
 
 def submit(workers, prompts, weights=None) -> Rollout:
@@ -33,26 +67,28 @@ def submit(workers, prompts, weights=None) -> Rollout:
     jobs = prompts.next_jobs(len(workers))
     futures = [
         w.rollout_with_failures.options(num_returns=2).remote(j, None, weights)
-        for w, j in zip(workers, jobs)
+        for w, j in zip(workers, jobs, strict=True)
     ]
     return Rollout(jobs, [f[0] for f in futures], [f[1] for f in futures], data_state, weights)
 
 
 def collect(rollout: Rollout, step: int, cfg, store, learner, workers, prompts) -> list:
-    """The segment futures of the workers that delivered; each episode that did not is recorded as failed."""
+    """The segment futures of the workers that delivered; each episode that did not is recorded
+    as failed."""
     import ray
 
     for _ in range(3):
         ready, _ = ray.wait(
             rollout.failures, num_returns=len(rollout.failures), timeout=cfg.rollout.timeout_s
         )
-        delivered, rows = [], []
-        for index, (worker, jobs, segments, failures) in enumerate(
-            zip(workers, rollout.jobs, rollout.segments, rollout.failures)
-        ):
+        delivered = []
+        rows = []
+        per_worker = zip(workers, rollout.jobs, rollout.segments, rollout.failures, strict=True)
+        for index, (worker, jobs, segments, failures) in enumerate(per_worker):
             try:
                 if failures not in ready:
-                    ray.kill(worker, no_restart=False)  # Ray starts it again (rollout.max_restarts)
+                    # Ray starts it again (rollout.max_restarts)
+                    ray.kill(worker, no_restart=False)
                     raise TimeoutError(
                         f"rollout worker {index} gave no result within rollout.timeout_s="
                         f"{cfg.rollout.timeout_s:g} s (a hung engine or agent); it was restarted"
@@ -60,50 +96,50 @@ def collect(rollout: Rollout, step: int, cfg, store, learner, workers, prompts) 
                 rows += ray.get(failures)
                 delivered.append(segments)
             except (ray.exceptions.RayError, TimeoutError) as error:
-                kind = (
-                    "timeout"
-                    if isinstance(error, TimeoutError)
-                    else "worker_died"
-                    if isinstance(error, ray.exceptions.RayActorError)
-                    else "worker_error"
-                )
-                message = (
-                    str(error).strip().splitlines()[0]
-                    if str(error).strip()
-                    else type(error).__name__
-                )
-                rows += [
-                    {
-                        "rollout_id": job.rollout_id,
-                        "group_id": job.group_id,
-                        "worker": index,
-                        "kind": kind,
-                        "error": message,
-                        "traceback": str(error),
-                        "time": time.time(),
-                    }
-                    for job in jobs
-                ]
-                _push_when_back(
-                    worker, learner.weights.remote()
-                )  # the restart loaded the first weights
+                rows += _failure_rows(error, index, jobs)
+                # the restart loaded the first weights
+                _push_when_back(worker, learner.weights.remote())
         if rows:
             store.write_failures.remote(step, rows)
             kinds = sorted({row["kind"] for row in rows})
             print(
-                f"step {step}: {len(rows)} episode(s) failed ({', '.join(kinds)}); see the failed_episodes table",
+                f"step {step}: {len(rows)} episode(s) failed ({', '.join(kinds)}); "
+                f"see the failed_episodes table",
                 file=sys.stderr,
                 flush=True,
             )
         if len(rows) < sum(len(jobs) for jobs in rollout.jobs):
             return delivered
         rollout = submit(workers, prompts, rollout.weights)
-    from workbench.runtime import RunFailed
-
     raise RunFailed(
-        f"Step {step}: three rollout batches in a row lost every episode; the failed_episodes table "
-        f"holds each error: fix the agent, its data or the engine."
+        f"Step {step}: three rollout batches in a row lost every episode; the failed_episodes "
+        f"table holds each error: fix the agent, its data or the engine."
     )
+
+
+def _failure_rows(error: Exception, worker: int, jobs: list) -> list[dict]:
+    """One `failed_episodes` row per job of `worker`, which failed with `error`."""
+    import ray
+
+    kind = "worker_error"
+    if isinstance(error, TimeoutError):
+        kind = "timeout"
+    elif isinstance(error, ray.exceptions.RayActorError):
+        kind = "worker_died"
+    lines = str(error).strip().splitlines()
+    message = lines[0] if lines else type(error).__name__
+    return [
+        {
+            "rollout_id": job.rollout_id,
+            "group_id": job.group_id,
+            "worker": worker,
+            "kind": kind,
+            "error": message,
+            "traceback": str(error),
+            "time": time.time(),
+        }
+        for job in jobs
+    ]
 
 
 def _push_when_back(worker, weights, seconds: float = 300.0) -> None:

@@ -1,10 +1,11 @@
 """Final-answer extraction and numeric-equivalence grading for math answers (Geometry3K style).
 
-Invariant: two answers are equivalent when both evaluate to the same number (within 1e-4 relative, or
-within the rounding of the truth's decimal places, or else of the prediction's), whatever their notation (`\\frac{3}{4}`,
-`0.75`, `3/4`; `4\\pi`, `4π`, `12.57`; `2\\sqrt{3}`, `2√3`), units, degree signs, a leading `x =`
-or thousands commas; answers that are not numbers are compared as normalised text. Pure Python and
-fast: expressions are tokenised to floats, `pi`, `sqrt`, operators and brackets before evaluation.
+Invariant: two answers are equivalent when both evaluate to the same number (within 1e-4 relative,
+or within the rounding of the truth's decimal places, or else of the prediction's), whatever their
+notation (`\\frac{3}{4}`, `0.75`, `3/4`; `4\\pi`, `4π`, `12.57`; `2\\sqrt{3}`, `2√3`), units, degree
+signs, a leading `x =` or thousands commas; answers that are not numbers are compared as
+normalised text. Pure Python and fast: expressions are tokenised to floats, `pi`, `sqrt`,
+operators and brackets before evaluation.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ LETTERS = "ABCDEFGH"
 
 
 def _group(text: str, start: int) -> tuple[str, int] | None:
-    """The content of the brace group opening at text[start] == '{', and the index after it."""
+    """The content of the brace group opening at text[start] == '{', and the index after it;
+    None when no brace opens there or it never closes."""
+    if text[start : start + 1] != "{":
+        return None
     depth = 0
     for index in range(start, len(text)):
         depth += {"{": 1, "}": -1}.get(text[index], 0)
@@ -35,9 +39,12 @@ def _group(text: str, start: int) -> tuple[str, int] | None:
 
 
 def _answer_spans(text: str) -> list[tuple[int, int, str]]:
-    """Every final-answer span (start, end, content): `<answer>` tags and `\\boxed{}` outside them."""
+    """Every final-answer span (start, end, content): `<answer>` tags and `\\boxed{}` outside
+    them."""
     spans = [(m.start(), m.end(), m.group(1)) for m in ANSWER_TAG.finditer(text)]
-    closing, open_braces = {}, []  # one pass over the braces, so a long reply costs linear time
+    # one pass over the braces, so a long reply costs linear time
+    closing = {}
+    open_braces = []
     for brace in re.finditer(r"[{}]", text):
         if brace.group() == "{":
             open_braces.append(brace.start())
@@ -51,14 +58,16 @@ def _answer_spans(text: str) -> list[tuple[int, int, str]]:
 
 
 def extract_answer(text: str) -> str | None:
-    """The content of the last `<answer>…</answer>` or `\\boxed{…}` (nested braces allowed), or None."""
+    """The content of the last `<answer>…</answer>` or `\\boxed{…}` (nested braces allowed), or
+    None."""
     spans = _answer_spans(text or "")
     if not spans:
         return None
     content = spans[-1][2]
     inner = _answer_spans(content)  # <answer>\boxed{5}</answer>
-    content = (inner[-1][2] if inner else content).strip()
-    return content or None
+    if inner:
+        content = inner[-1][2]
+    return content.strip() or None
 
 
 def format_ok(text: str) -> bool:
@@ -66,7 +75,8 @@ def format_ok(text: str) -> bool:
     spans = _answer_spans(text or "")
     if len(spans) != 1 or not spans[0][2].strip():
         return False
-    before, after = text[: spans[0][0]], text[spans[0][1] :]
+    before = text[: spans[0][0]]
+    after = text[spans[0][1] :]
     if "<think>" in before and "</think>" not in before:
         return False
     reasoning = re.sub(r"</?think>", "", before).strip(" \n\t$\\[(")
@@ -78,38 +88,38 @@ def format_ok(text: str) -> bool:
 
 def _latex(text: str) -> str:
     """Rewrite \\frac, \\sqrt and brace groups as bracketed Python-like text, recursively."""
-    out, index = [], 0
+    out = []
+    index = 0
     while index < len(text):
         command = re.match(r"\\[dt]?frac|\\sqrt", text[index:])
         if command:
             index += command.end()
-            root = (
-                re.match(r"\s*\[([^\]]*)\]", text[index:]) if command.group() == "\\sqrt" else None
-            )
+            fraction = "frac" in command.group()
+            # the degree of a root: \sqrt[3]{x}
+            root = None
+            if not fraction:
+                root = re.match(r"\s*\[([^\]]*)\]", text[index:])
             if root:
                 index += root.end()
             parts = []
-            for _ in range(2 if "frac" in command.group() else 1):
+            for _ in range(2 if fraction else 1):
                 while index < len(text) and text[index] == " ":
                     index += 1
-                group = _group(text, index) if text[index : index + 1] == "{" else None
+                group = _group(text, index)
                 if group:
                     parts.append(_latex(group[0]))
                     index = group[1]
-                else:  # \frac12, \sqrt 3: a single digit for \frac, a digit run for \sqrt
-                    token = re.match(
-                        r"\d+" if "sqrt" in command.group() else r".", text[index:], re.DOTALL
-                    )
+                else:
+                    # \frac12, \sqrt 3: a single digit for \frac, a digit run for \sqrt
+                    token = re.match(r"." if fraction else r"\d+", text[index:], re.DOTALL)
                     parts.append(token.group() if token else "")
                     index += len(parts[-1])
-            if "frac" in command.group():
+            if fraction:
                 out.append(f"(({parts[0]})/({parts[1]}))")
+            elif root:
+                out.append(f"(({parts[0]})**(1/({_latex(root.group(1))})))")
             else:
-                out.append(
-                    f"(({parts[0]})**(1/({_latex(root.group(1))})))"
-                    if root
-                    else f"sqrt({parts[0]})"
-                )
+                out.append(f"sqrt({parts[0]})")
         elif text[index] == "{":
             group = _group(text, index)
             if group is None:
@@ -123,7 +133,8 @@ def _latex(text: str) -> str:
 
 
 def _normalise(answer: object) -> str:
-    """Lower-case text with markup, units, degree signs, a leading `x =` and thousands commas removed."""
+    """Lower-case text with markup, units, degree signs, a leading `x =` and thousands commas
+    removed."""
     text = str(answer).strip().strip("$").strip()
     text = re.split(r"=|\\approx|≈", text)[-1]
     text = re.sub(r"\\(?:text|mathrm|textrm|mbox|operatorname)\s*\{([^{}]*)\}", r" \1 ", text)
@@ -135,7 +146,8 @@ def _normalise(answer: object) -> str:
 
 
 def _number(answer: object) -> tuple[float, int | None] | None:
-    """(value, decimal places written, or None unless a plain decimal) of an answer, or None if not a number."""
+    """(value, decimal places written, or None unless a plain decimal) of an answer, or None if
+    not a number."""
     text = _normalise(answer)
     if not text or len(text) > 200:
         return None
@@ -146,7 +158,8 @@ def _number(answer: object) -> tuple[float, int | None] | None:
         .replace("^", "**")
         .replace("÷", "/")
     )
-    tokens, index = [], 0
+    tokens = []
+    index = 0
     while index < len(text.rstrip()):
         match = TOKEN.match(text, index)
         if match is None:
@@ -154,19 +167,24 @@ def _number(answer: object) -> tuple[float, int | None] | None:
         tokens.append(match.group(1))
         index = match.end()
     expression = []
-    for previous, token in zip([None, *tokens], tokens):
+    # each token beside the one before it (the first beside None)
+    for previous, token in zip([None, *tokens], tokens, strict=False):
+        number = token[0].isdigit() or token[0] == "."
         if (
             previous
             and (previous[0].isdigit() or previous[0] in ".)" or previous == "pi")
-            and (token[0].isdigit() or token[0] == "." or token in ("pi", "sqrt", "("))
+            and (number or token in ("pi", "sqrt", "("))
         ):
             expression.append("*")  # 2\sqrt{3}, 4\pi, 2(3)
-        expression.append(repr(float(token)) if token[0].isdigit() or token[0] == "." else token)
-    try:  # safe: only float literals, pi, sqrt, + - * / ** and brackets reach eval; float ** overflows, never hangs
+        expression.append(repr(float(token)) if number else token)
+    places = len(plain.group(1)) if plain else None
+    # safe: only float literals, pi, sqrt, + - * / ** and brackets reach eval; float ** overflows,
+    # never hangs
+    try:
         value = eval("".join(expression), {"__builtins__": {}, "pi": math.pi, "sqrt": math.sqrt})
-        return (
-            (float(value), len(plain.group(1)) if plain else None) if math.isfinite(value) else None
-        )
+        if not math.isfinite(value):
+            return None
+        return float(value), places
     except (ArithmeticError, ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
         return None
 
@@ -177,41 +195,39 @@ def is_equivalent(pred: object, truth: object) -> bool:
         return False
     numbers = _number(pred), _number(truth)
     if None in numbers:
-        return numbers == (None, None) and re.sub(r"\s+", "", _normalise(pred)) == re.sub(
-            r"\s+", "", _normalise(truth)
-        )
+        if numbers != (None, None):
+            return False
+        return re.sub(r"\s+", "", _normalise(pred)) == re.sub(r"\s+", "", _normalise(truth))
     (value, places), (true_value, true_places) = numbers
-    rounded_to = (
-        true_places if true_places is not None else places
-    )  # a decimal matches what rounds to it
-    tolerance = max(
-        1e-4 * abs(true_value),
-        1e-9,
-        0.5 * 10.0**-rounded_to + 1e-12 if rounded_to is not None else 0,
-    )
+    # a decimal matches what rounds to it
+    rounded_to = true_places if true_places is not None else places
+    tolerance = max(1e-4 * abs(true_value), 1e-9)
+    if rounded_to is not None:
+        tolerance = max(tolerance, 0.5 * 10.0**-rounded_to + 1e-12)
     return abs(value - true_value) <= tolerance
 
 
 def _choice(answer: object, choices: list | None) -> object:
-    """A choice letter (`B`, `(B)`, `B.`, `\\text{B}`) mapped to its choice's value; anything else unchanged."""
-    letter = (
-        re.fullmatch(r"\s*(?:\\text(?:bf)?\{)?\(?([A-Ha-h])[).:]?\}?\s*", str(answer))
-        if choices
-        else None
-    )
+    """A choice letter (`B`, `(B)`, `B.`, `\\text{B}`) mapped to its choice's value; anything else
+    unchanged."""
+    if not choices:
+        return answer
+    letter = re.fullmatch(r"\s*(?:\\text(?:bf)?\{)?\(?([A-Ha-h])[).:]?\}?\s*", str(answer))
     if letter and LETTERS.index(letter.group(1).upper()) < len(choices):
         return choices[LETTERS.index(letter.group(1).upper())]
     return answer
 
 
 def grade(text: str, answer: object, choices: list | None = None) -> bool:
-    """Whether the final answer in `text` matches `answer`; a letter answer or reply maps to `choices`."""
+    """Whether the final answer in `text` matches `answer`; a letter answer or reply maps to
+    `choices`."""
     return is_equivalent(_choice(extract_answer(text), choices), _choice(answer, choices))
 
 
 def geo3k_reward(text: str, answer: object, choices: list | None = None) -> tuple[float, dict]:
     """The common Geometry3K reward, 0.9·accuracy + 0.1·format, and what it saw."""
-    accuracy, formatted = float(grade(text, answer, choices)), float(format_ok(text))
+    accuracy = float(grade(text, answer, choices))
+    formatted = float(format_ok(text))
     return 0.9 * accuracy + 0.1 * formatted, {
         "pred": extract_answer(text),
         "accuracy": accuracy,

@@ -2,8 +2,8 @@
 
 Episodes of one call advance together, one batched `generate` per turn, so a worker's engine
 always sees a full batch. Weight pushes may arrive (on another thread) while a call runs: with
-`rollout.partial` they take effect between token steps, otherwise after the call. Rewards are summed over an episode's turns; every segment of an episode
-carries the episode's reward.
+`rollout.partial` they take effect between token steps, otherwise after the call. Rewards are
+summed over an episode's turns; every segment of an episode carries the episode's reward.
 
 An exception in a plugin's code (Env.reset / Env.step, ChatAgent.run, its reward) fails that episode
 only: it comes back as a `failed_episodes` row with its traceback, and none of its segments reach
@@ -27,9 +27,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from workbench.api import ChatAgent, ChatContext, Result, load_plugin
+from workbench.engines import make_engine
 from workbench.engines.base import SamplingParams, from_wire
 from workbench.invariants.token_identity import TokenAccumulator, reply_text, retokenize_drift
 from workbench.segment import Batch, Segment
+from workbench.server.loopback import LoopbackServer
 
 
 @dataclass
@@ -45,27 +47,21 @@ class RolloutWorker:
     def __init__(self, cfg, model_path: str, worker_index: int = 0):
         from transformers import AutoTokenizer
 
-        from workbench.engines import make_engine
         from workbench.engines.torch_engine import set_threads
 
-        self.run_id, self.max_turns, self.worker_index = (
-            cfg.run.id,
-            cfg.agent.max_turns,
-            worker_index,
-        )
+        self.run_id = cfg.run.id
+        self.max_turns = cfg.agent.max_turns
+        self.worker_index = worker_index
         self.seed = cfg.seed * 1000 + worker_index
         self.engine = make_engine(cfg, model_path, seed=self.seed)
         set_threads(cfg, getattr(self.engine, "model", None))
-        self.lock = (
-            threading.Lock()
-        )  # one rollout at a time; weight pushes arrive on another thread
-        self.pool = ThreadPoolExecutor(
-            max_workers=8
-        )  # Env steps (tools, a sandbox) run side by side
+        # one rollout at a time; weight pushes arrive on another thread
+        self.lock = threading.Lock()
+        # Env steps (tools, a sandbox) run side by side
+        self.pool = ThreadPoolExecutor(max_workers=8)
         self._server = None
-        self.openings: OrderedDict = (
-            OrderedDict()
-        )  # first prompts rendered and encoded, by messages: data repeats each epoch
+        # first prompts rendered and encoded, by messages: data repeats each epoch
+        self.openings: OrderedDict = OrderedDict()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.plugin = load_plugin(cfg.agent.plugin)
         self.params = SamplingParams(
@@ -83,14 +79,20 @@ class RolloutWorker:
     def rollout(
         self, jobs: list[Job], params: SamplingParams | None = None, weights: dict | None = None
     ) -> list[Segment]:
-        """Run the episodes of `jobs` to the end (with `params`, else the training sampling settings; on
-        `weights` when given, else the engine's). Without partial rollout, one weight version serves them all."""
+        """Run the episodes of `jobs` to the end.
+
+        With `params`, else the training sampling settings; on `weights` when given, else the
+        engine's. Without partial rollout, one weight version serves them all.
+        """
         return self.rollout_with_failures(jobs, params, weights)[0]
 
     def evaluate(
         self, jobs: list[Job], max_tokens: int, temperature: float, weights: dict | None = None
     ) -> list[float]:
-        """The reward of each held-out episode, sampled with evaluation settings; nothing of it is trained."""
+        """The reward of each held-out episode, sampled with evaluation settings.
+
+        Nothing of it is trained.
+        """
         segments = self.rollout(
             jobs, replace(self.params, max_tokens=max_tokens, temperature=temperature), weights
         )
@@ -99,9 +101,12 @@ class RolloutWorker:
     def rollout_with_failures(
         self, jobs: list[Job], params: SamplingParams | None = None, weights: dict | None = None
     ) -> tuple[list[Segment], list[dict]]:
-        """(segments of the episodes that ended, a failure row for each one whose plugin code raised).
-        `weights` (as `load_weights` takes them) travel with the call, so the batch starts on exactly them
-        whenever Ray starts it; the loop sends each batch the weights async_depth versions behind."""
+        """(segments of ended episodes, a failure row for each episode whose plugin code raised).
+
+        `weights` (as `load_weights` takes them) travel with the call, so the batch starts on
+        exactly them whenever Ray starts it; the loop sends each batch the weights async_depth
+        versions behind.
+        """
         chat = isinstance(self.plugin.AgentRunner, type) and issubclass(
             self.plugin.AgentRunner, ChatAgent
         )
@@ -112,14 +117,12 @@ class RolloutWorker:
             with contextlib.nullcontext() if self.engine.partial else self.engine.hold():
                 generated = getattr(self.engine, "compute_s", None)
                 self.active = params or self.params
-                segments = (
-                    self._chat_rollout(jobs, failures)
-                    if chat
-                    else self._env_rollout(jobs, failures)
-                )
-        if (
-            segments and generated is not None
-        ):  # this call's generation seconds, for the learner's perf/generate_s
+                if chat:
+                    segments = self._chat_rollout(jobs, failures)
+                else:
+                    segments = self._env_rollout(jobs, failures)
+        # this call's generation seconds, for the learner's perf/generate_s
+        if segments and generated is not None:
             segments[0].audit["generate_s"] = self.engine.compute_s - generated
         return Batch(segments), list(failures.values())
 
@@ -137,35 +140,27 @@ class RolloutWorker:
     def server(self):
         """This worker's loopback server, started on first use."""
         if self._server is None:
-            from workbench.server.loopback import LoopbackServer
-
             self._server = LoopbackServer(self.engine, self.tokenizer, self.params)
         return self._server
 
     def _chat_rollout(self, jobs: list[Job], failures: dict) -> list[Segment]:
-        """Every job's ChatAgent runs at once on its own session; their requests share engine calls."""
+        """Every job's ChatAgent runs at once on its own session; requests share engine calls."""
         server = self.server()
         sessions = [server.open_session(job.rollout_id) for job in jobs]
-        judges = [
-            server.open_session(job.rollout_id) for job in jobs
-        ]  # judge calls: same engine, never trained
+        # judge calls: same engine, never trained
+        judges = [server.open_session(job.rollout_id) for job in jobs]
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
             results = list(
                 pool.map(lambda *args: _caught(self._run_agent, *args), jobs, sessions, judges)
             )
         segments = []
-        for index, (job, session, judge, result) in enumerate(zip(jobs, sessions, judges, results)):
+        episodes = zip(jobs, sessions, judges, results, strict=True)
+        for index, (job, session, judge, result) in enumerate(episodes):
             server.close_session(judge["session"])
             pieces, requests = server.close_session(session["session"])
             if not isinstance(result, Result):
-                error = (
-                    result
-                    if isinstance(result, BaseException)
-                    else TypeError(
-                        f"{self.plugin.AgentRunner.__name__}.run returned {type(result).__name__}, not a Result"
-                    )
-                )
-                failures[index] = self._failed(job, "agent_error", error)
+                runner = f"{self.plugin.AgentRunner.__name__}.run"
+                failures[index] = self._failed(job, "agent_error", _episode_error(result, runner))
                 continue
             episode = self._segments(
                 job, pieces, result.reward, pieces[-1].finish if pieces else "", result.info
@@ -177,16 +172,16 @@ class RolloutWorker:
 
     def _run_agent(self, job: Job, session: dict, judge: dict):
         ctx = ChatContext(
-            session["openai_base_url"],
-            session["anthropic_base_url"],
-            session["api_key"],
-            "policy",
-            job.sample.get("prompt", job.sample.get("problem", "")),
-            job.sample.get("answer"),
-            job.sample,
-            self.active.max_tokens,
-            self.active.temperature,
-            {"base_url": judge["openai_base_url"], "api_key": judge["api_key"]},
+            base_url=session["openai_base_url"],
+            anthropic_base_url=session["anthropic_base_url"],
+            api_key=session["api_key"],
+            model="policy",
+            prompt=job.sample.get("prompt", job.sample.get("problem", "")),
+            label=job.sample.get("answer"),
+            sample=job.sample,
+            max_tokens=self.active.max_tokens,
+            temperature=self.active.temperature,
+            judge={"base_url": judge["openai_base_url"], "api_key": judge["api_key"]},
         )
         result = self.plugin.AgentRunner().run(ctx)
         return asyncio.run(result) if inspect.iscoroutine(result) else result
@@ -195,31 +190,28 @@ class RolloutWorker:
         env = self.plugin.AgentRunner()
         system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
         messages = system + [{"role": "user", "content": env.reset(job.sample)}]
-        key = hashlib.sha256(
-            repr((messages, env.tools)).encode()
-        ).digest()  # an image's bytes: not kept twice
-        if (
-            key in self.openings
-        ):  # a group's episodes open on the same prompt, and so does each epoch: render it once
+        # a digest: an image's bytes are not kept twice
+        key = hashlib.sha256(repr((messages, env.tools)).encode()).digest()
+        # a group's episodes open on the same prompt, and so does each epoch: render it once
+        if key in self.openings:
             self.openings.move_to_end(key)
         else:
+            # its own copy: later episodes fork it
             self.openings[key] = TokenAccumulator(
                 self.tokenizer,
                 copy.deepcopy(messages),
                 tools=copy.deepcopy(env.tools),
                 codec=self.engine.codec,
-            )  # its own copy: later episodes fork it
+            )
             if len(self.openings) > 4096:
                 self.openings.popitem(last=False)
         return env, self.openings[key].fork()
 
     def _env_rollout(self, jobs: list[Job], failures: dict) -> list[Segment]:
-        envs, episodes, rewards, infos = (
-            [None] * len(jobs),
-            [None] * len(jobs),
-            [0.0] * len(jobs),
-            [{} for _ in jobs],
-        )
+        envs = [None] * len(jobs)
+        episodes = [None] * len(jobs)
+        rewards = [0.0] * len(jobs)
+        infos = [{} for _ in jobs]
         for index, job in enumerate(jobs):
             started = _caught(self._start_env, job)
             if isinstance(started, BaseException):
@@ -235,21 +227,14 @@ class RolloutWorker:
                 self._seeded(jobs, turn),
                 [episodes[i].open.images for i in open_],
             )
-            still_open, texts = (
-                [],
-                [reply_text(self.tokenizer, g.token_ids, g.finish_reason) for g in generations],
-            )
-            results = list(
-                self.pool.map(lambda i, text: _caught(envs[i].step, text), open_, texts)
-            )  # tools side by side
-            for i, generation, text, result in zip(open_, generations, texts, results):
+            texts = [reply_text(self.tokenizer, g.token_ids, g.finish_reason) for g in generations]
+            # tools side by side
+            results = list(self.pool.map(lambda i, text: _caught(envs[i].step, text), open_, texts))
+            still_open = []
+            for i, generation, text, result in zip(open_, generations, texts, results, strict=True):
                 if not isinstance(result, Result):
                     failures[i] = self._failed(
-                        jobs[i],
-                        "env_error",
-                        result
-                        if isinstance(result, BaseException)
-                        else TypeError(f"Env.step returned {type(result).__name__}, not a Result"),
+                        jobs[i], "env_error", _episode_error(result, "Env.step")
                     )
                     continue
                 episodes[i].add_sampled(
@@ -260,36 +245,36 @@ class RolloutWorker:
                     generation.finish_reason,
                     generation.extras.get("routed_experts"),
                 )
-                rewards[i], infos[i] = rewards[i] + result.reward, result.info
+                rewards[i] += result.reward
+                infos[i] = result.info
                 if not (result.terminated or result.truncated) and turn + 1 < self.max_turns:
                     episodes[i].add_messages(
                         [{"role": result.role, "content": result.observation or ""}]
                     )
                     still_open.append(i)
             open_ = still_open
-        return [
-            segment
-            for index, (job, episode, reward, info) in enumerate(
-                zip(jobs, episodes, rewards, infos)
-            )
-            if index not in failures
-            for segment in self._segments(job, episode.finish(), reward, episode.last_finish, info)
-        ]
+        segments = []
+        ended = zip(jobs, episodes, rewards, infos, strict=True)
+        for index, (job, episode, reward, info) in enumerate(ended):
+            if index not in failures:
+                segments += self._segments(job, episode.finish(), reward, episode.last_finish, info)
+        return segments
 
     def _seeded(self, jobs: list[Job], turn: int) -> SamplingParams:
-        """The sampling settings of one engine call, seeded by the batch (its first episode id) and turn:
-        a run samples the same whichever order its queued batches reach the worker, and after a resume."""
+        """The sampling settings of one engine call, seeded by the batch (its first episode id)
+        and turn: a run samples the same whichever order its queued batches reach the worker, and
+        after a resume."""
         if self.active.seed is not None:
             return self.active
-        entropy = [
-            value % 2**64 for value in (self.seed, jobs[0].rollout_id, turn)
-        ]  # held-out episodes have ids < 0
+        # held-out episodes have ids < 0
+        entropy = [value % 2**64 for value in (self.seed, jobs[0].rollout_id, turn)]
         return replace(self.active, seed=int(np.random.SeedSequence(entropy).generate_state(1)[0]))
 
     def _segments(
         self, job: Job, pieces: list, reward: float, finish_reason: str, info: dict | None = None
     ) -> list[Segment]:
-        """Segment records of one episode, each audited: sampled ids intact, and would text round-trip?"""
+        """Segment records of one episode, each audited: are its sampled ids intact, and would
+        its text round-trip?"""
         segments = []
         for index, piece in enumerate(pieces):
             prompt_end = piece.turn_spans[0][0] if piece.turn_spans else len(piece.token_ids)
@@ -314,8 +299,16 @@ class RolloutWorker:
         return segments
 
 
+def _episode_error(result, call: str) -> BaseException:
+    """The exception a plugin's `call` raised, or a TypeError saying its value is not a Result."""
+    if isinstance(result, BaseException):
+        return result
+    return TypeError(f"{call} returned {type(result).__name__}, not a Result")
+
+
 def _caught(function, *args):
-    """`function(*args)`, or the exception a plugin's code raised in it (one episode fails, not the worker)."""
+    """`function(*args)`, or the exception a plugin's code raised in it (one episode fails, not
+    the worker)."""
     try:
         return function(*args)
     except Exception as error:

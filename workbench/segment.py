@@ -19,31 +19,31 @@ class Segment:
     rollout_id: int
     segment_idx: int
     group_id: int
-    token_ids: np.ndarray  # int32 [T] the exact sequence the trainer sees
-    loss_mask: np.ndarray  # uint8 [T] 1 where the policy sampled the token
-    behavior_logprob: (
-        np.ndarray
-    )  # float32 [T] log-prob under the sampling policy, 0 where mask is 0
-    behavior_version: (
-        np.ndarray
-    )  # int32 [T] weight version that sampled the token, -1 where mask is 0
+    # int32 [T] the exact sequence the trainer sees
+    token_ids: np.ndarray
+    # uint8 [T] 1 where the policy sampled the token
+    loss_mask: np.ndarray
+    # float32 [T] log-prob under the sampling policy, 0 where mask is 0
+    behavior_logprob: np.ndarray
+    # int32 [T] weight version that sampled the token, -1 where mask is 0
+    behavior_version: np.ndarray
     reward: float = 0.0
-    turn_spans: list[tuple[int, int]] = field(
-        default_factory=list
-    )  # [start, end) of each sampled turn
-    finish_reason: str = ""  # the last turn's: stop | length
-    seal_reason: str = "end"  # why the segment closed: end (episode over) | compaction | ...
-    routed_experts: np.ndarray | None = None  # int16 [T, layers, top_k], -1 where unknown
-    images: list[bytes] = field(
-        default_factory=list
-    )  # encoded images, in the order of their placeholder runs in token_ids
-    display: dict = field(default_factory=dict)  # for people only: prompt text, env info
-    audit: dict = field(
-        default_factory=dict
-    )  # token-identity audit: identity (bool), retokenize_drift (bool)
-    requests: list[dict] = field(
-        default_factory=list
-    )  # loopback requests of the episode (on its first segment)
+    # [start, end) of each sampled turn
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)
+    # the last turn's: stop | length
+    finish_reason: str = ""
+    # why the segment closed: end (episode over) | compaction | ...
+    seal_reason: str = "end"
+    # int16 [T, layers, top_k], -1 where unknown
+    routed_experts: np.ndarray | None = None
+    # encoded images, in the order of their placeholder runs in token_ids
+    images: list[bytes] = field(default_factory=list)
+    # for people only: prompt text, env info
+    display: dict = field(default_factory=dict)
+    # token-identity audit: identity (bool), retokenize_drift (bool)
+    audit: dict = field(default_factory=dict)
+    # loopback requests of the episode (on its first segment)
+    requests: list[dict] = field(default_factory=list)
 
     def __post_init__(self):
         expected = {
@@ -75,17 +75,17 @@ class Segment:
 
 
 class Batch(list):
-    """A worker's Segments as Ray moves them: one in-band pickle, not one buffer per array (Ray puts 64
-    tiny-policy segments in 3.2 ms and gets them in 1.4, as a Batch in 1.0 and 0.6; bench/README.md)."""
+    """A worker's Segments as Ray moves them: one in-band pickle, not one buffer per array.
+
+    Ray puts 64 tiny-policy segments in 3.2 ms and gets them in 1.4, as a Batch in 1.0 and 0.6
+    (bench/README.md).
+    """
 
     def __reduce__(self):
         try:
             blob = pickle.dumps(list(self), protocol=pickle.HIGHEST_PROTOCOL)
-        except (
-            pickle.PicklingError,
-            AttributeError,
-            TypeError,
-        ):  # a plugin's info holds a lambda, a local class, ...
+        except (pickle.PicklingError, AttributeError, TypeError):
+            # a plugin's info holds a lambda, a local class, ...
             from ray import cloudpickle
 
             blob = cloudpickle.dumps(list(self), protocol=pickle.HIGHEST_PROTOCOL)

@@ -1,9 +1,18 @@
 """Advantage estimators against hand-computed values, and the vectorised path against the loop."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from workbench.algo.advantages import ESTIMATORS, _reference_advantages, compute_advantages
+from workbench.algo.advantages import (
+    ADVANTAGES,
+    REWARD_ESTIMATORS,
+    _reference_advantages,
+    compute_advantages,
+    distill_advantages,
+    uniform_groups,
+)
 
 EPS = 1e-6
 # Group 0 holds rewards 1, 0, 0.5; group 1 holds a single rollout with reward 2.
@@ -97,7 +106,7 @@ def test_unknown_estimator_names_the_valid_ones():
         compute_advantages(REWARDS, GROUPS, "ppo")
 
 
-@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("estimator", REWARD_ESTIMATORS)
 @pytest.mark.parametrize("seed", range(5))
 def test_vectorised_matches_reference_loop(estimator, seed):
     generator = torch.Generator().manual_seed(seed)
@@ -105,7 +114,8 @@ def test_vectorised_matches_reference_loop(estimator, seed):
     rollout_reward = torch.randint(0, 3, (n_rollouts,), generator=generator).double()  # ties likely
     rollout_group = torch.randint(0, 12, (n_rollouts,), generator=generator) * 7  # sparse ids
     rows = torch.randint(0, n_rollouts, (90,), generator=generator)  # rollouts spread over rows
-    rollout_ids = rows * 3 + 100  # ids are arbitrary labels, not indices
+    # ids are arbitrary labels, not indices
+    rollout_ids = rows * 3 + 100
     args = (rollout_reward[rows], rollout_group[rows], estimator)
     torch.testing.assert_close(
         compute_advantages(*args, rollout_ids=rollout_ids),
@@ -116,8 +126,6 @@ def test_vectorised_matches_reference_loop(estimator, seed):
 
 
 def test_on_policy_distill_advantage_is_minus_coef_times_the_log_ratio_on_sampled_tokens():
-    from workbench.algo.advantages import distill_advantages
-
     student = torch.tensor([[-1.0, -2.0, -0.5]])
     teacher = torch.tensor([[-1.5, -1.0, -3.0]])
     mask = torch.tensor([[0, 1, 1]])
@@ -126,8 +134,41 @@ def test_on_policy_distill_advantage_is_minus_coef_times_the_log_ratio_on_sample
 
 
 def test_uniform_groups_marks_every_row_of_a_group_with_one_reward():
-    from workbench.algo.advantages import uniform_groups
-
     # group 0 all 1 -> dropped; group 1 holds 0 and 0.5 -> kept; group 2 a single row -> dropped
     flags = uniform_groups(torch.tensor([1.0, 1.0, 0.0, 0.5, 3.0]), torch.tensor([0, 0, 1, 1, 2]))
     assert flags.tolist() == [True, True, False, False, True]
+
+
+# ---------------------------------------------------------------------------- the registry
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("reinforce", [1.0, 0.0, 0.5, 2.0]),
+        ("reinforce_baseline", [0.125, -0.875, -0.375, 1.125]),  # batch mean 0.875
+        ("rloo", [0.75, -0.75, 0.0, 0.0]),
+        ("dr_grpo", [0.5, -0.5, 0.0, 0.0]),
+    ],
+)
+def test_registered_reward_estimators_read_the_batch_and_give_hand_values(name, expected):
+    batch = {"rewards": REWARDS, "group_ids": GROUPS, "rollout_ids": torch.arange(4)}
+    advantages, metrics = ADVANTAGES[name].estimate(batch, None, None, None)
+    torch.testing.assert_close(advantages, torch.tensor(expected, dtype=torch.float64))
+    assert metrics == {}
+
+
+def test_registered_on_policy_distill_reads_the_teacher_and_reports_its_kl():
+    batch = {"loss_mask": torch.tensor([[0, 1, 1]])}
+    student = torch.tensor([[-1.0, -2.0, -0.5]])
+    teacher = torch.tensor([[-1.5, -1.0, -3.0]])
+    algo = SimpleNamespace(distill_coef=2.0)
+    advantages, metrics = ADVANTAGES["on_policy_distill"].estimate(batch, student, teacher, algo)
+    assert advantages.tolist() == [[0.0, 2.0, -5.0]]
+    # k1 over the sampled tokens: ((-2 + 1) + (-0.5 + 3)) / 2 = 0.75
+    assert metrics == {"distill/kl": pytest.approx(0.75)}
+
+
+def test_the_registry_says_which_estimators_need_a_teacher_or_a_group():
+    assert [name for name, e in ADVANTAGES.items() if e.teacher] == ["on_policy_distill"]
+    assert [name for name, e in ADVANTAGES.items() if e.groups] == ["rloo", "grpo", "dr_grpo"]

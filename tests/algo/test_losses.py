@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from workbench.algo.losses import approx_kl, masked_mean, policy_gradient_loss, token_logprobs
+from workbench.algo.losses import (
+    POLICY_LOSSES,
+    approx_kl,
+    masked_mean,
+    policy_gradient_loss,
+    sequence_ratio_logprob,
+    token_logprobs,
+)
 
 # ---------------------------------------------------------------------------- token_logprobs
 
@@ -52,7 +59,8 @@ def test_masked_mean_ignores_masked_out_values():
 
 # ---------------------------------------------------------------------------- policy_gradient_loss
 # clip band [0.8, 1.2]. Per masked token: ratio, advantage -> per-token loss -min(r*A, clip(r)*A)
-#   seq 0: 1.1, +1 -> -1.1 (inside)        1.5, +1 -> -1.2 (clipped)   0.5, +1 -> -0.5 (unclipped wins)
+#   seq 0: 1.1, +1 -> -1.1 (inside)        1.5, +1 -> -1.2 (clipped)
+#          0.5, +1 -> -0.5 (unclipped wins)
 #          4th token masked out (old_logprob = -inf, huge advantage: must not leak)
 #   seq 1: 0.5, -1 -> +0.8 (clipped)       1.5, -1 -> +1.5 (unclipped wins)
 #          0.9, -2 -> +1.8 (inside)        1.0, -1 -> +1.0 (inside)
@@ -95,7 +103,8 @@ def test_ppo_clip_metrics_match_hand_values():
     assert metrics["clip_frac"] == pytest.approx(2 / 7)  # (1.5, +1) and (0.5, -1)
     assert metrics["ratio_mean"] == pytest.approx((1.1 + 1.5 + 0.5 + 0.5 + 1.5 + 0.9 + 1.0) / 7)
     assert metrics["ratio_max"] == pytest.approx(1.5)
-    # k3 = sum(r - 1 - ln r) / 7; sum(r - 1) = 0 here, so k3 = -ln(1.1 * 1.5 * 0.5 * 0.5 * 1.5 * 0.9 * 1) / 7
+    # k3 = sum(r - 1 - ln r) / 7; sum(r - 1) = 0 here,
+    # so k3 = -ln(1.1 * 1.5 * 0.5 * 0.5 * 1.5 * 0.9 * 1) / 7
     assert metrics["approx_kl"] == pytest.approx(
         -math.log(1.1 * 1.5**2 * 0.5**2 * 0.9) / 7, rel=1e-5
     )
@@ -184,15 +193,14 @@ def test_unknown_kl_estimator_names_the_valid_ones():
 
 
 def test_gspo_ratio_is_the_geometric_mean_and_its_gradient_is_shared_evenly():
-    from workbench.algo.losses import sequence_ratio_logprob
-
     old = torch.tensor([[0.0, -1.0, -1.0]])
     logprob = torch.tensor([[0.0, -1.0 + math.log(2.0), -1.0]], requires_grad=True)
     mask = torch.tensor([[False, True, True]])
     # sequence ratio s = exp((ln 2 + 0) / 2) = sqrt(2) ≈ 1.4142 for every sampled token
     stand_in = sequence_ratio_logprob(logprob, old, mask)
     torch.testing.assert_close((stand_in - old)[mask].exp(), torch.full((2,), math.sqrt(2.0)))
-    # wide band: loss = -s * A = -sqrt(2) (seq_mean); d loss / d logprob_t = -s * A / 2 per sampled token
+    # wide band: loss = -s * A = -sqrt(2) (seq_mean);
+    # d loss / d logprob_t = -s * A / 2 per sampled token
     loss, _ = policy_gradient_loss(
         stand_in, old, torch.tensor([1.0]), mask, clip_low=10, clip_high=10, aggregation="seq_mean"
     )
@@ -219,8 +227,9 @@ def test_gspo_ratio_is_the_geometric_mean_and_its_gradient_is_shared_evenly():
 
 def test_cispo_weights_log_prob_by_the_clipped_ratio_and_keeps_gradient_on_clipped_tokens():
     logprob = logprob_for()
-    loss, metrics = policy_gradient_loss(logprob, OLD, ADVANTAGES, MASK, loss_type="cispo")
-    # weights clip(r, 0.8, 1.2): seq 0: 1.1, 1.2, 0.8 (A = +1); seq 1: 0.8, 1.2, 0.9, 1.0 (A = -1, -1, -2, -1)
+    loss, metrics = POLICY_LOSSES["cispo"](logprob, OLD, ADVANTAGES, MASK, MASK)
+    # weights clip(r, 0.8, 1.2): seq 0: 1.1, 1.2, 0.8 (A = +1);
+    # seq 1: 0.8, 1.2, 0.9, 1.0 (A = -1, -1, -2, -1)
     weight_times_advantage = [1.1, 1.2, 0.8, -0.8, -1.2, -1.8, -1.0]
     logprobs = [
         math.log(1.1) - 1,
@@ -232,27 +241,54 @@ def test_cispo_weights_log_prob_by_the_clipped_ratio_and_keeps_gradient_on_clipp
         -0.2,
     ]
     assert loss.item() == pytest.approx(
-        -sum(w * lp for w, lp in zip(weight_times_advantage, logprobs)) / 7, rel=1e-5
+        -sum(w * lp for w, lp in zip(weight_times_advantage, logprobs, strict=True)) / 7, rel=1e-5
     )
     loss.backward()
     # d/d logprob = -w*A/7 on every sampled token, clipped ones included; 0 on the masked-out token
     torch.testing.assert_close(
         logprob.grad, torch.tensor([[-1.1, -1.2, -0.8, 0.0], [0.8, 1.2, 1.8, 1.0]]) / 7
     )
-    assert metrics["clip_frac"] == pytest.approx(
-        4 / 7
-    )  # ratios 1.5, 0.5, 0.5, 1.5 lie outside [0.8, 1.2]
+    # ratios 1.5, 0.5, 0.5, 1.5 lie outside [0.8, 1.2]
+    assert metrics["clip_frac"] == pytest.approx(4 / 7)
 
 
 @pytest.mark.parametrize(
     "estimator, expected_grad",
     [
-        ("k1", [0.5, 0.5, 0.0]),  # d(logp - logq)/d logp / 2
-        ("k2", [-math.log(2) / 2, math.log(2) / 2, 0.0]),  # -(log r) / 2
-        ("k3", [-0.5, 0.25, 0.0]),  # (1 - r) / 2 with r = 2, 1/2
+        # d(logp - logq)/d logp / 2
+        ("k1", [0.5, 0.5, 0.0]),
+        # -(log r) / 2
+        ("k2", [-math.log(2) / 2, math.log(2) / 2, 0.0]),
+        # (1 - r) / 2 with r = 2, 1/2
+        ("k3", [-0.5, 0.25, 0.0]),
     ],
 )
 def test_kl_penalty_gradient_flows_to_the_policy_log_probs(estimator, expected_grad):
     logp = KL_LOGP.clone().requires_grad_()
     approx_kl(logp, KL_LOGQ, KL_MASK, estimator).backward()
     torch.testing.assert_close(logp.grad, torch.tensor([expected_grad]))
+
+
+# ---------------------------------------------------------------------------- the registry
+
+
+def test_registered_ppo_is_the_ppo_clip_loss_with_its_hand_values():
+    loss, metrics = POLICY_LOSSES["ppo"](logprob_for(), OLD, ADVANTAGES, MASK, MASK)
+    assert loss.item() == pytest.approx((-2.8 + 5.1) / 7, rel=1e-5)
+    assert metrics["clip_frac"] == pytest.approx(2 / 7)
+
+
+def test_registered_gspo_takes_its_sequence_ratio_over_the_sampled_tokens_not_the_loss_mask():
+    old = torch.tensor([[0.0, -1.0, -1.0]])
+    logprob = torch.tensor([[0.0, -1.0 + math.log(2.0), -1.0 + math.log(8.0)]], requires_grad=True)
+    sampled = torch.tensor([[False, True, True]])
+    gated = torch.tensor([[False, True, False]])  # the gate masked token 2 out of the loss
+    # s = exp((ln 2 + ln 8) / 2) = 4 over both sampled tokens; the loss sees token 1 only: -s * A
+    loss, metrics = POLICY_LOSSES["gspo"](
+        logprob, old, torch.tensor([1.0]), gated, sampled, clip_low=10, clip_high=10
+    )
+    assert loss.item() == pytest.approx(-4.0, rel=1e-6)
+    assert metrics["ratio_mean"] == pytest.approx(4.0, rel=1e-6)
+    loss.backward()
+    # d(-s)/d logprob_t = -s per token in the loss (s is constant in the stand-in's gradient)
+    torch.testing.assert_close(logprob.grad, torch.tensor([[0.0, -4.0, 0.0]]))

@@ -3,27 +3,32 @@
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from workbench.algo.losses import token_logprobs
+from workbench.config import compose_config
+from workbench.data import Prompts
 from workbench.engines.torch_engine import load_causal_lm
+from workbench.learner import Learner
 from workbench.models.prefix import plan, shared_prefix_logprobs, unique_rows
+from workbench.rollout import RolloutWorker
 
 
 def batch(rng, groups: int = 3, size: int = 4, prompt: tuple = (5, 9)):
     """Right-padded rows: per group one prompt, per row its own reply of its own length."""
-    rows, group_ids = [], []
+    rows = []
+    group_ids = []
     for g in range(groups):
         head = rng.integers(10, 500, size=int(rng.integers(*prompt)))
         for _ in range(size):
             rows.append(np.concatenate([head, rng.integers(10, 500, size=int(rng.integers(1, 6)))]))
             group_ids.append(g)
     longest = max(len(r) for r in rows)
-    ids, mask = (
-        torch.zeros((len(rows), longest), dtype=torch.long),
-        torch.zeros((len(rows), longest), dtype=torch.long),
-    )
+    ids = torch.zeros((len(rows), longest), dtype=torch.long)
+    mask = torch.zeros((len(rows), longest), dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, : len(r)], mask[i, : len(r)] = torch.from_numpy(r), 1
+        ids[i, : len(r)] = torch.from_numpy(r)
+        mask[i, : len(r)] = 1
     return ids, mask, torch.tensor(group_ids)
 
 
@@ -52,9 +57,8 @@ def test_plan_finds_each_groups_common_prompt():
 
 
 def test_plan_refuses_when_little_is_shared():
-    ids, mask, groups = batch(
-        np.random.default_rng(1), size=1
-    )  # groups of one row: nothing is saved
+    # groups of one row: nothing is saved
+    ids, mask, groups = batch(np.random.default_rng(1), size=1)
     assert plan(ids, mask.sum(-1), groups) is None
 
 
@@ -64,9 +68,12 @@ def test_shared_prefix_logprobs_and_gradients_equal_the_full_forward(
     model, temperature, shuffled, packed
 ):
     ids, mask, groups = batch(np.random.default_rng(2))
-    if shuffled:  # a group's rows need not be neighbours
+    # a group's rows need not be neighbours
+    if shuffled:
         order = torch.from_numpy(np.random.default_rng(5).permutation(len(ids)))
-        ids, mask, groups = ids[order], mask[order], groups[order]
+        ids = ids[order]
+        mask = mask[order]
+        groups = groups[order]
     weights = torch.randn(ids.shape)
     reference = full_logprobs(model, ids, mask, temperature)
     (reference * weights * mask).sum().backward()
@@ -79,26 +86,21 @@ def test_shared_prefix_logprobs_and_gradients_equal_the_full_forward(
     (shared * weights * mask).sum().backward()
     real = mask.bool()
     assert torch.allclose(shared[real], reference[real], atol=1e-5)
-    for name, param in model.named_parameters():  # to float rounding, on each gradient's own scale
+    # to float rounding, on each gradient's own scale
+    for name, param in model.named_parameters():
         assert (param.grad - expected[name]).abs().max() <= 1e-5 * expected[name].abs().max(), name
     model.zero_grad()
 
 
 def test_unique_rows_maps_each_prompt_to_its_first_copy():
-    a, b = np.array([1, 2, 3]), np.array([1, 2])
+    a = np.array([1, 2, 3])
+    b = np.array([1, 2])
     distinct, index = unique_rows([a, b, a.copy(), b, np.array([4])])
     assert [d.tolist() for d in distinct] == [[1, 2, 3], [1, 2], [4]]
     assert index.tolist() == [0, 1, 0, 1, 2]
 
 
 def test_the_learner_trains_the_same_with_and_without_shared_prefixes(tiny_path):
-    from omegaconf import OmegaConf
-
-    from workbench import runtime
-    from workbench.config import compose_config
-    from workbench.learner import Learner
-    from workbench.rollout import RolloutWorker
-
     cfg = compose_config(
         [
             "tracking=none",
@@ -108,8 +110,9 @@ def test_the_learner_trains_the_same_with_and_without_shared_prefixes(tiny_path)
         ]
     )
     OmegaConf.update(cfg, "run.id", "prefix")
-    segments = RolloutWorker(cfg, tiny_path).rollout(runtime.Prompts(cfg).next_jobs(1)[0])
-    for segment in segments:  # rewards that differ within each group, so every group has a gradient
+    segments = RolloutWorker(cfg, tiny_path).rollout(Prompts(cfg).next_jobs(1)[0])
+    # rewards that differ within each group, so every group has a gradient
+    for segment in segments:
         segment.reward = float(segment.rollout_id % 2)
     results = []
     for shared in (True, False):
@@ -121,9 +124,8 @@ def test_the_learner_trains_the_same_with_and_without_shared_prefixes(tiny_path)
     assert shared_metrics["loss/grad_norm"] > 0
     for key in ("loss/policy", "loss/grad_norm", "mismatch/kl"):
         assert shared_metrics[key] == pytest.approx(full_metrics[key], rel=1e-4, abs=1e-6), key
-    for a, b in zip(shared_rows["train_logprob"], full_rows["train_logprob"]):
+    for a, b in zip(shared_rows["train_logprob"], full_rows["train_logprob"], strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
-    for name in (
-        full_grads
-    ):  # (Adam's first step is sign(gradient): the weights themselves are no fair comparison)
+    # (Adam's first step is sign(gradient): the weights themselves are no fair comparison)
+    for name in full_grads:
         assert torch.allclose(shared_grads[name], full_grads[name], atol=1e-5, rtol=1e-4), name

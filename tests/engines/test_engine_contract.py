@@ -11,12 +11,17 @@ import numpy as np
 import openai
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from workbench.engines.base import SamplingParams
+from workbench.engines.torch_engine import TorchEngine
+from workbench.engines.vllm_engine import VllmEngine
+from workbench.server.loopback import LoopbackServer
 
 ENGINES = os.environ.get("MOLT_WB_ENGINES", "torch,vllm").split(",")
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-TOLERANCE = 2e-4  # |engine log-prob - learner log-prob| per token, float32
+# |engine log-prob - learner log-prob| per token, float32
+TOLERANCE = 2e-4
 
 
 def engine_params():
@@ -34,27 +39,23 @@ def engine_params():
 
 @pytest.fixture(scope="module", params=engine_params())
 def engine(request, tiny_path):
-    """One engine per kind for the module (a vLLM engine takes seconds to start); partial rollout on."""
+    """One engine per kind for the module (a vLLM engine takes seconds to start); partial rollout
+    on."""
     if request.param == "vllm":
-        from workbench.engines.vllm_engine import VllmEngine
-
         engine = VllmEngine(tiny_path, partial=True, check_weight_sync=True)
     else:
-        from workbench.engines.torch_engine import TorchEngine
-
         engine = TorchEngine(tiny_path, partial=True)
     yield engine
 
 
 @pytest.fixture(scope="module")
 def learner(tiny_path):
-    from transformers import AutoModelForCausalLM
-
     return AutoModelForCausalLM.from_pretrained(tiny_path).eval()
 
 
 def learner_logprobs(model, prompt, sampled, temperature):
-    """What the learner recomputes: one plain forward over prompt + sampled ids, log softmax(logits / T)."""
+    """What the learner recomputes: one plain forward over prompt + sampled ids,
+    log softmax(logits / T)."""
     ids = torch.tensor(np.concatenate([prompt, sampled]), dtype=torch.long)[None]
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0].float() / (temperature or 1.0)
@@ -75,8 +76,9 @@ PROMPTS = [RNG.integers(5, 400, size=n).astype(np.int32) for n in (3, 9, 5, 12)]
 
 
 def test_copies_of_a_prompt_in_one_seeded_call_sample_apart_and_repeat(engine):
-    """A GRPO group: one prompt, several samples, one seeded call (the rollout seeds each call by its
-    batch and turn). The samples differ from each other, and the same call gives the same samples."""
+    """A GRPO group: one prompt, several samples, one seeded call (the rollout seeds each call by
+    its batch and turn). The samples differ from each other, and the same call gives the same
+    samples."""
     group = [PROMPTS[1]] * 6
     first = engine.generate(group, SamplingParams(max_tokens=8, temperature=1.0, seed=11))
     again = engine.generate(group, SamplingParams(max_tokens=8, temperature=1.0, seed=11))
@@ -88,11 +90,9 @@ def test_copies_of_a_prompt_in_one_seeded_call_sample_apart_and_repeat(engine):
 def test_logprobs_of_exact_prompt_ids_match_a_learner_forward(engine, learner, temperature):
     out = engine.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=temperature, seed=1))
     assert len(out) == len(PROMPTS)
-    for prompt, generation in zip(PROMPTS, out):
-        assert (
-            generation.token_ids.dtype == np.int32
-            and len(generation.token_ids) == len(generation.logprobs) == 10
-        )
+    for prompt, generation in zip(PROMPTS, out, strict=True):
+        assert generation.token_ids.dtype == np.int32
+        assert len(generation.token_ids) == len(generation.logprobs) == 10
         np.testing.assert_allclose(
             generation.logprobs,
             learner_logprobs(learner, prompt, generation.token_ids, temperature),
@@ -133,18 +133,18 @@ def test_weight_push_changes_outputs_and_versions_even_mid_generation(engine, le
         learner_logprobs(moved, PROMPTS[0], after[0].token_ids, 0),
         atol=TOLERANCE,
     )
-    # partial rollout: a push that arrives while a generation runs takes effect after its first token
+    # partial rollout: a push that arrives while a generation runs takes effect after its first
+    # token
     with engine.hold():
         engine.load_weights(learner.state_dict(), version=version + 1)
         mixed = engine.generate(PROMPTS[:1], params)[0]
-    assert list(mixed.versions) == [version] + [version + 1] * 5 and engine.version == version + 1
+    assert list(mixed.versions) == [version] + [version + 1] * 5
+    assert engine.version == version + 1
 
 
 def test_loopback_server_on_the_engine_records_the_engine_ids_and_logprobs(
     engine, learner, tokenizer
 ):
-    from workbench.server.loopback import LoopbackServer
-
     engine.load_weights(learner.state_dict(), version=engine.version + 1)
     server = LoopbackServer(
         engine,
@@ -170,7 +170,8 @@ def test_loopback_server_on_the_engine_records_the_engine_ids_and_logprobs(
         (segment,), requests = server.close_session(session["session"])
     finally:
         server.stop()
-    assert [r["action"] for r in requests] == ["open", "extend"] and segment.identity_holds()
+    assert [r["action"] for r in requests] == ["open", "extend"]
+    assert segment.identity_holds()
     arrays = segment.arrays()
     mask = arrays["loss_mask"].astype(bool)
     assert set(arrays["behavior_version"][mask]) == {engine.version}

@@ -1,5 +1,7 @@
 """The CPU engine samples from exact ids and reports the sampling distribution's log-probs."""
 
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -25,14 +27,12 @@ def plain_logprobs(model, prompt, sampled, temperature):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_match_a_plain_forward_of_the_same_model(engine, temperature):
     rng = np.random.default_rng(0)
-    prompts = [
-        rng.integers(5, 400, size=n).astype(np.int32) for n in (3, 9, 5, 12)
-    ]  # ragged: left padding
+    # ragged: left padding
+    prompts = [rng.integers(5, 400, size=n).astype(np.int32) for n in (3, 9, 5, 12)]
     out = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=temperature, seed=1))
-    for prompt, generation in zip(prompts, out):
-        assert generation.token_ids.dtype == np.int32 and len(generation.token_ids) == len(
-            generation.logprobs
-        )
+    for prompt, generation in zip(prompts, out, strict=True):
+        assert generation.token_ids.dtype == np.int32
+        assert len(generation.token_ids) == len(generation.logprobs)
         reference = plain_logprobs(engine.model, prompt, generation.token_ids, temperature)
         np.testing.assert_allclose(generation.logprobs, reference, atol=2e-4)
 
@@ -43,24 +43,22 @@ def test_a_group_sharing_one_prompt_is_prefilled_once_and_sampled_apart(engine):
     rng = np.random.default_rng(3)
     heads = [rng.integers(5, 400, size=n).astype(np.int32) for n in (6, 11)]
     prompts = [heads[i % 2].copy() for i in range(8)]
-    rows = []  # batch size of each forward: the prefill is the first
+    # batch size of each forward: the prefill is the first
+    rows = []
     hook = engine.model.register_forward_hook(
         lambda module, args, kwargs, out: rows.append(len(kwargs["input_ids"])), with_kwargs=True
     )
     try:
         out = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=1.0, seed=2))
-        engine.generate(
-            prompts, SamplingParams(max_tokens=1, seed=2), [[] for _ in prompts]
-        )  # as the rollout calls it
+        # as the rollout calls it
+        engine.generate(prompts, SamplingParams(max_tokens=1, seed=2), [[] for _ in prompts])
     finally:
         hook.remove()
-    assert (
-        rows[0] == 2 and rows[-1] == 2 and set(rows[1:-1]) == {8}
-    )  # two distinct prompts prefilled; 8 rows decode
-    assert (
-        len({g.token_ids.tobytes() for g in out}) > 2
-    )  # the copies did not collapse into one sample
-    for prompt, generation in zip(prompts, out):
+    # two distinct prompts prefilled; 8 rows decode
+    assert rows[0] == 2 and rows[-1] == 2 and set(rows[1:-1]) == {8}
+    # the copies did not collapse into one sample
+    assert len({g.token_ids.tobytes() for g in out}) > 2
+    for prompt, generation in zip(prompts, out, strict=True):
         np.testing.assert_allclose(
             generation.logprobs,
             plain_logprobs(engine.model, prompt, generation.token_ids, 1.0),
@@ -85,7 +83,7 @@ def test_same_seed_same_samples(engine):
     prompts = [np.arange(3, 10, dtype=np.int32)] * 3
     a = engine.generate(prompts, SamplingParams(max_tokens=6, seed=7))
     b = engine.generate(prompts, SamplingParams(max_tokens=6, seed=7))
-    assert all(np.array_equal(x.token_ids, y.token_ids) for x, y in zip(a, b))
+    assert all(np.array_equal(x.token_ids, y.token_ids) for x, y in zip(a, b, strict=True))
 
 
 def test_new_weights_carry_their_version(tiny_path):
@@ -102,8 +100,6 @@ def test_new_weights_carry_their_version(tiny_path):
 
 
 def test_weights_cross_the_wire_bit_for_bit_in_every_dtype():
-    import pickle
-
     state = {
         "w": torch.randn(3, 4),
         "half": torch.randn(5).to(torch.bfloat16),
@@ -112,12 +108,10 @@ def test_weights_cross_the_wire_bit_for_bit_in_every_dtype():
         "strided": torch.randn(4, 3).t(),
     }
     wire = pickle.loads(pickle.dumps(to_wire(state)))  # as Ray moves it
-    assert (
-        isinstance(wire["raw"], np.ndarray) and wire["raw"].ndim == 1
-    )  # one buffer for Ray to put
-    assert all(
-        offset % 64 == 0 for _, _, _, offset, _ in wire["layout"]
-    )  # 10 bf16 bytes, then a float32: aligned
+    # one buffer for Ray to put
+    assert isinstance(wire["raw"], np.ndarray) and wire["raw"].ndim == 1
+    # 10 bf16 bytes, then a float32: aligned
+    assert all(offset % 64 == 0 for _, _, _, offset, _ in wire["layout"])
     back = from_wire(wire)
     for name, tensor in state.items():
         assert back[name].dtype == tensor.dtype and back[name].shape == tensor.shape
@@ -125,12 +119,9 @@ def test_weights_cross_the_wire_bit_for_bit_in_every_dtype():
 
 
 def test_a_tensor_off_the_wire_pickles_as_its_own_bytes():
-    import pickle
-
     state = {f"w{i}": torch.randn(10_000) for i in range(8)}  # 40 KB each, 320 KB on the wire
     back = from_wire(pickle.loads(pickle.dumps(to_wire(state))))
-    assert (
-        len(pickle.dumps(back["w3"])) < 41_000
-    )  # not the whole buffer (vLLM's RPC pickles what it is given)
+    # not the whole buffer (vLLM's RPC pickles what it is given)
+    assert len(pickle.dumps(back["w3"])) < 41_000
     assert torch.equal(back["w3"], state["w3"])
     assert from_wire(to_wire({"empty": torch.zeros(0, 3)}))["empty"].shape == (0, 3)

@@ -1,16 +1,19 @@
-"""vLLM engine on a mixture-of-experts policy: its log-probs match a learner forward before and after a
-weight push (the CPU expert kernels are re-packed after each reload). On the CPU backend vLLM cannot
-return routed experts (they need Model Runner V2), so there a generation carries none; their decoding
-is tested on recorded outputs in tests/invariants/test_routing_replay.py. Own module: one vLLM
-engine per process."""
+"""vLLM engine on a mixture-of-experts policy: its log-probs match a learner forward before and
+after a weight push (the CPU expert kernels are re-packed after each reload). On the CPU backend
+vLLM cannot return routed experts (they need Model Runner V2), so there a generation carries none;
+their decoding is tested on recorded outputs in tests/invariants/test_routing_replay.py. Own
+module: one vLLM engine per process."""
 
 import importlib.util
 
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from workbench.engines.base import SamplingParams
+from workbench.engines.vllm_engine import VllmEngine
+from workbench.models.tiny import tiny_model_path
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
@@ -19,11 +22,6 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_moe_logprobs_match_the_learner_before_and_after_a_weight_push():
-    from transformers import AutoModelForCausalLM
-
-    from workbench.engines.vllm_engine import VllmEngine
-    from workbench.models.tiny import tiny_model_path
-
     path = str(tiny_model_path("tiny-moe"))
     engine = VllmEngine(path, check_weight_sync=True)
     learner = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -39,13 +37,12 @@ def test_moe_logprobs_match_the_learner_before_and_after_a_weight_push():
             learner.load_state_dict(state)
             engine.load_weights(state, version)
         out = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=1.0, seed=3))
-        for prompt, generation in zip(prompts, out):
-            assert (
-                set(generation.versions) == {version} and "routed_experts" not in generation.extras
-            )  # CPU: none
-            ids = torch.tensor(np.concatenate([prompt, generation.token_ids]), dtype=torch.long)[
-                None
-            ]
+        for prompt, generation in zip(prompts, out, strict=True):
+            assert set(generation.versions) == {version}
+            # CPU: none
+            assert "routed_experts" not in generation.extras
+            sequence = np.concatenate([prompt, generation.token_ids])
+            ids = torch.tensor(sequence, dtype=torch.long)[None]
             with torch.no_grad():
                 dist = torch.log_softmax(
                     learner(input_ids=ids).logits[0, len(prompt) - 1 : -1].float(), dim=-1

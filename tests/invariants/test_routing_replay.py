@@ -1,4 +1,5 @@
-"""Forward consistency: the rollout's experts, captured per token, replayed in the learner, measured."""
+"""Forward consistency: the rollout's experts, captured per token, replayed in the learner,
+measured."""
 
 import base64
 import io
@@ -38,10 +39,9 @@ def rollout_segments(engine, count=6, max_tokens=10):
     prompts = [
         rng.integers(5, 400, size=n).astype(np.int32) for n in rng.integers(3, 9, size=count)
     ]
+    generations = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, seed=3))
     segments = []
-    for index, (prompt, g) in enumerate(
-        zip(prompts, engine.generate(prompts, SamplingParams(max_tokens=max_tokens, seed=3)))
-    ):
+    for index, (prompt, g) in enumerate(zip(prompts, generations, strict=True)):
         ids = np.r_[prompt, g.token_ids].astype(np.int32)
         mask = np.r_[np.zeros(len(prompt)), np.ones(len(g.token_ids))].astype(np.uint8)
         segments.append(
@@ -68,31 +68,30 @@ def test_captured_routes_cover_every_fed_token(moe):
     routes = segment.routed_experts
     layers = len(find_routers(engine.model))
     assert routes.shape == (len(segment.token_ids), layers, 2) and routes.dtype == np.int16
-    assert (routes[:-1] >= 0).all() and (
-        routes[-1] == -1
-    ).all()  # the last sampled token is never fed
-    assert (
-        np.sort(routes[:-1], -1)[..., 0] != np.sort(routes[:-1], -1)[..., 1]
-    ).all()  # top-2 distinct experts
+    assert (routes[:-1] >= 0).all()
+    # the last sampled token is never fed
+    assert (routes[-1] == -1).all()
+    # top-2 distinct experts
+    assert (np.sort(routes[:-1], -1)[..., 0] != np.sort(routes[:-1], -1)[..., 1]).all()
 
 
 def test_replay_on_the_same_weights_reproduces_rollout_logprobs(moe):
     name, path = moe
     segments = rollout_segments(TorchEngine(path))
     learner = learner_for(name, path)
-    batch, routing = collate(segments), {}
+    batch = collate(segments)
+    routing = {}
     with torch.no_grad():
         replayed = learner.logprobs(batch, routing=routing)
     mask = batch["loss_mask"]
     assert (replayed - batch["behavior_logprob"])[mask].abs().max() < 1e-5
-    assert (
-        not routing["mismatch"].any()
-        and routing["known"][batch["attention_mask"].bool()].float().mean() > 0.8
-    )
+    assert not routing["mismatch"].any()
+    assert routing["known"][batch["attention_mask"].bool()].float().mean() > 0.8
 
 
 def perturbed_router_engine(path, scale=0.05):
-    """The rollout engine's router weights carry noise: its expert choices differ from the learner's."""
+    """The rollout engine's router weights carry noise: its expert choices differ from the
+    learner's."""
     engine = TorchEngine(path)
     torch.manual_seed(1)
     with torch.no_grad():
@@ -127,23 +126,19 @@ def test_gradients_flow_through_the_router_under_replay(moe):
     before = [r.weight.detach().clone() for r in find_routers(learner.model)]
     metrics, rows = learner.train(segments)
     after = [r.weight.detach() for r in find_routers(learner.model)]
-    assert all(not torch.equal(b, a) for b, a in zip(before, after))
+    assert all(not torch.equal(b, a) for b, a in zip(before, after, strict=True))
     assert metrics["routing/mismatch_token_frac"] > 0 and rows["routing"]
     layers = {row["layer"] for row in rows["routing"]}
-    assert layers == set(range(len(after))) and all(
-        len(r["positions"]) == r["mismatched"] for r in rows["routing"]
-    )
+    assert layers == set(range(len(after)))
+    assert all(len(r["positions"]) == r["mismatched"] for r in rows["routing"])
     by_segment = {(s.rollout_id, s.segment_idx): s for s in segments}
-    for row in rows[
-        "routing"
-    ]:  # at each mismatch, the rollout's experts as recorded and the learner's, a different set
-        recorded = by_segment[row["rollout_id"], row["segment_idx"]].routed_experts[
-            row["positions"], row["layer"]
-        ]
+    # at each mismatch, the rollout's experts as recorded and the learner's, a different set
+    for row in rows["routing"]:
+        segment = by_segment[row["rollout_id"], row["segment_idx"]]
+        recorded = segment.routed_experts[row["positions"], row["layer"]]
         assert row["rollout_experts"] == recorded.tolist()
-        assert all(
-            sorted(r) != sorted(l) for r, l in zip(row["rollout_experts"], row["learner_experts"])
-        )
+        pairs = zip(row["rollout_experts"], row["learner_experts"], strict=True)
+        assert all(sorted(chosen) != sorted(live) for chosen, live in pairs)
 
 
 def test_vllm_routed_experts_decode_from_lists_and_base64_npy():
@@ -189,16 +184,15 @@ def test_a_moe_run_records_routing_per_segment_and_layer(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     db = open_run("moe", str(tmp_path))
-    assert (
-        db.execute("select count(*) from routing").fetchone()[0] == 2 * 8 * 3
-    )  # segments x layers
-    assert (
-        db.execute("select sum(mismatched) from routing").fetchone()[0] == 0
-    )  # same weights, same precision
+    # segments x layers
+    assert db.execute("select count(*) from routing").fetchone()[0] == 2 * 8 * 3
+    # same weights, same precision
+    assert db.execute("select sum(mismatched) from routing").fetchone()[0] == 0
     keys = {
         k
         for (k,) in db.execute(
-            "select distinct key from metrics where key like 'routing/%' or key like 'mismatch/kl_%'"
+            "select distinct key from metrics "
+            "where key like 'routing/%' or key like 'mismatch/kl_%'"
         ).fetchall()
     }
     assert keys == {

@@ -1,6 +1,7 @@
 """Token identity: the sampled ids are the trajectory; trainer input cannot come from text."""
 
 import copy
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -9,9 +10,9 @@ from omegaconf import OmegaConf
 
 from workbench.config import compose_config
 from workbench.invariants.token_identity import TokenAccumulator
-from workbench.learner import collate
+from workbench.learner import audit_identity, collate
 from workbench.rollout import Job, RolloutWorker
-from workbench.segment import Segment
+from workbench.segment import Batch, Segment
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -67,9 +68,8 @@ def test_extending_a_conversation_adds_only_the_rendered_delta(tokenizer):
         add_generation_prompt=True,
         tokenize=True,
     )["input_ids"]
-    assert episode.token_ids.tolist() == list(
-        whole
-    )  # ChatML: delta tokenisation equals the whole render
+    # ChatML: delta tokenisation equals the whole render
+    assert episode.token_ids.tolist() == list(whole)
 
 
 def test_a_truncated_turn_gets_its_stop_token_untrainable(tokenizer):
@@ -92,7 +92,8 @@ def test_a_truncated_turn_gets_its_stop_token_untrainable(tokenizer):
 HIDING_TEMPLATE = (
     "{%- for m in messages %}{%- if m['role'] == 'assistant' and not loop.last %}"
     "{{- '<|im_start|>assistant\\n(hidden)<|im_end|>\\n' }}{%- else %}"
-    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
@@ -149,9 +150,8 @@ def test_multi_turn_env_episodes_are_token_exact_segments(tiny_path):
     np.testing.assert_array_equal(
         batch["token_ids"][0, : len(segments[0].token_ids)].numpy(), segments[0].token_ids
     )
-    again = worker.rollout(
-        [Job({"problem": "Say 1."}, 0, 2)]
-    )  # the next epoch's episode opens from the kept render
+    # the next epoch's episode opens from the kept render
+    again = worker.rollout([Job({"problem": "Say 1."}, 0, 2)])
     assert (
         len(worker.openings) == 2
         and again[0].token_ids[: again[0].turn_spans[0][0]].tolist()
@@ -160,10 +160,6 @@ def test_multi_turn_env_episodes_are_token_exact_segments(tiny_path):
 
 
 def test_a_workers_segments_cross_processes_as_one_blob(tiny_path):
-    import pickle
-
-    from workbench.segment import Batch
-
     cfg = compose_config([f"agent.plugin={FIXTURES / 'two_turn.py'}", "engine.max_tokens=4"])
     OmegaConf.update(cfg, "run.id", "t")
     batch, failures = RolloutWorker(cfg, tiny_path).rollout_with_failures(
@@ -171,26 +167,23 @@ def test_a_workers_segments_cross_processes_as_one_blob(tiny_path):
     )
     assert isinstance(batch, Batch) and failures == []
     buffers = []
-    data = pickle.dumps(
-        batch, protocol=5, buffer_callback=buffers.append
-    )  # as Ray serialises a return value
-    assert buffers == []  # one in-band blob, not a buffer per array
+    # as Ray serialises a return value
+    data = pickle.dumps(batch, protocol=5, buffer_callback=buffers.append)
+    # one in-band blob, not a buffer per array
+    assert buffers == []
     back = pickle.loads(data)
     assert [s.rollout_id for s in back] == [0, 1, 2]
-    for ours, theirs in zip(batch, back):
+    for ours, theirs in zip(batch, back, strict=True):
         for field in ("token_ids", "loss_mask", "behavior_logprob", "behavior_version"):
             np.testing.assert_array_equal(getattr(theirs, field), getattr(ours, field))
             assert getattr(theirs, field).dtype == getattr(ours, field).dtype
         assert theirs.audit == ours.audit and theirs.display == ours.display
-    batch[0].display["info"] = {
-        "grader": lambda answer: answer == "2"
-    }  # a plugin's info: plain pickle refuses it
+    # a plugin's info: plain pickle refuses it
+    batch[0].display["info"] = {"grader": lambda answer: answer == "2"}
     assert pickle.loads(pickle.dumps(batch, protocol=5))[0].display["info"]["grader"]("2")
 
 
 def test_an_identity_violation_stops_training(tiny_path):
-    from workbench.learner import audit_identity
-
     ones = np.ones(3, np.uint8)
     good = Segment(
         "r",

@@ -1,4 +1,5 @@
-"""Version gate: staleness and ratio decisions per sequence, IS weights per token, against hand-computed values.
+"""Version gate: staleness and ratio decisions per sequence, IS weights per token, against
+hand-computed values.
 
 Log-probs are built so that e^δ is a round number: behavior log-prob −2 everywhere and
 train log-prob −2 + ln(ratio), so δ = ln(ratio) (ratios 0.25, 0.5, 1, 1.5, 2, 3 ...).
@@ -19,8 +20,10 @@ from workbench.invariants.version_gate import (
     version_gate,
 )
 
-BEHAVIOR = -2.0  # every behavior log-prob; train log-prob = BEHAVIOR + ln(ratio)
-X = 100.0  # ratio at an unsampled position: it would flip every decision if the gate read it
+# every behavior log-prob; train log-prob = BEHAVIOR + ln(ratio)
+BEHAVIOR = -2.0
+# ratio at an unsampled position: it would flip every decision if the gate read it
+X = 100.0
 BAND = (0.5, 2.0)
 LEVEL_MODES = [
     ("off", "mask"),
@@ -40,7 +43,8 @@ def logprobs(ratios):
 
 
 def gate(ratios, mask, versions=None, learner_version=0, **options):
-    """version_gate on a batch given by its per-token ratios; versions default to on-policy (−1 unsampled)."""
+    """version_gate on a batch given by its per-token ratios; versions default to on-policy
+    (−1 unsampled)."""
     behavior_logprob, train_logprob = logprobs(ratios)
     loss_mask = torch.tensor(mask, dtype=torch.bool)  # [B, T]
     if versions is None:
@@ -62,7 +66,7 @@ def test_unknown_level_mode_or_denominator_is_refused():
             gate([[1.0]], [[1]], **options)
 
 
-# ---------------------------------------------------------------------------- off and token level
+# ---------------------------------------------------------------------- off and token level
 
 
 def test_off_gives_weight_one_to_every_sampled_token_whatever_its_ratio():
@@ -116,7 +120,7 @@ def test_token_trunc_clamps_weights_from_above_only():
     assert result.kept.tolist() == [True, True]
 
 
-# ---------------------------------------------------------------------------- seq and geo level
+# ---------------------------------------------------------------------- seq and geo level
 
 # row 0: 2·2·1 = 4 (seq high);          geo 4^(1/3) ≈ 1.587 (ok)   -- unsampled X ignored
 # row 1: 0.5·0.5·0.5·3 = 0.375 (low);   geo 0.375^(1/4) ≈ 0.783 (ok)
@@ -162,18 +166,22 @@ def test_token_cap_truncates_kept_weights_without_changing_the_decision():
     )
 
 
-# ---------------------------------------------------------------------------- staleness
+# ---------------------------------------------------------------------- staleness
 
 ONES = [[1.0, 1.0, 1.0, 1.0]] * 4
 
 
 def test_staleness_counts_from_the_oldest_sampled_token_and_ignores_unsampled_ones():
     versions = [
-        [5, 3, 4, -1],  # oldest sampled 3 -> 6 − 3 = 3 (the −1 would give 7)
-        [6, 6, -1, -1],  # 6 − 6 = 0
-        [1, 6, 6, 6],  # version 1 sits on an unsampled (prompt) token -> 0, not 5
+        # oldest sampled 3 -> 6 − 3 = 3 (the −1 would give 7)
+        [5, 3, 4, -1],
+        # 6 − 6 = 0
+        [6, 6, -1, -1],
+        # version 1 sits on an unsampled (prompt) token -> 0, not 5
+        [1, 6, 6, 6],
+        # nothing sampled -> 0
         [-1, -1, -1, -1],
-    ]  # nothing sampled -> 0
+    ]
     mask = [[1, 1, 1, 0], [1, 1, 0, 0], [0, 1, 1, 1], [0, 0, 0, 0]]
     result = gate(ONES, mask, versions, learner_version=6)
     assert result.staleness.tolist() == [3, 0, 0, 0]
@@ -193,12 +201,8 @@ def test_max_staleness_drops_sequences_strictly_older_than_it_at_every_level(lev
 
 
 def test_stale_takes_precedence_over_a_ratio_reason():
-    ratios = [
-        [3.0, 1.0],
-        [0.25, 1.0],
-        [3.0, 1.0],
-        [1.0, 1.0],
-    ]  # products 3 (high), 0.25 (low), 3, 1
+    # products 3 (high), 0.25 (low), 3, 1
+    ratios = [[3.0, 1.0], [0.25, 1.0], [3.0, 1.0], [1.0, 1.0]]
     versions = [[3, 6], [2, 6], [6, 6], [4, 5]]  # staleness 3, 4, 0, 2
     result = gate(
         ratios, [[1, 1]] * 4, versions, learner_version=6, level="seq", band=BAND, max_staleness=2
@@ -217,7 +221,7 @@ def test_max_staleness_none_never_drops():
     close(result.token_weight, [[1.0, 1.0]])
 
 
-# ---------------------------------------------------------------------------- empty masks and extremes
+# ---------------------------------------------------------------------- empty masks and extremes
 
 
 @pytest.mark.parametrize(
@@ -227,9 +231,8 @@ def test_max_staleness_none_never_drops():
 def test_sequence_with_no_sampled_token_is_kept_with_weight_zero_and_no_nan(
     level, mode, denominator
 ):
-    behavior_logprob = torch.tensor(
-        [[-2.0, -2.0], [-math.inf, -math.inf]]
-    )  # row 1: padding, never sampled
+    # row 1: padding, never sampled
+    behavior_logprob = torch.tensor([[-2.0, -2.0], [-math.inf, -math.inf]])
     train_logprob = torch.tensor([[-2.0 + math.log(1.5), -2.0], [0.0, -math.inf]])
     loss_mask = torch.tensor([[True, True], [False, False]])
     behavior_version = torch.tensor([[7, 7], [-1, -1]])
@@ -283,7 +286,8 @@ def test_extreme_log_ratios_are_clamped_to_20_before_exp_and_stay_finite():
     train_logprob = torch.tensor([[0.0, -1001.0], [0.0, 0.0], [-1001.0, -1001.0]])
     loss_mask = torch.ones(3, 2, dtype=torch.bool)
     behavior_version = torch.zeros(3, 2, dtype=torch.long)
-    e20, e_20 = math.exp(20), math.exp(-20)  # ≈ 4.85e8 and 2.06e-9
+    e20 = math.exp(20)  # ≈ 4.85e8
+    e_20 = math.exp(-20)  # ≈ 2.06e-9
 
     def run(level, mode="mask", band=BAND):
         return version_gate(
@@ -307,16 +311,18 @@ def test_extreme_log_ratios_are_clamped_to_20_before_exp_and_stay_finite():
     close(seq.geo_ratio, [1.0, e20, e_20])
     assert seq.reason == ["ok", "ratio_high", "ratio_low"]
     close(seq.token_weight, [[e20, e_20], [0.0, 0.0], [0.0, 0.0]])
-    # seq with an unbounded band: Σδ = 40 is clamped to 20 before exp, so the decision sees e^20, not inf
+    # seq with an unbounded band: Σδ = 40 is clamped to 20 before exp, so the decision sees e^20,
+    # not inf
     assert run("seq", band=(0.0, math.inf)).kept.tolist() == [True, True, True]
     close(run("token", "trunc").token_weight, [[2.0, e_20], [2.0, 2.0], [e_20, e_20]])
     close(run("token", "clip").token_weight, [[2.0, 0.5], [2.0, 2.0], [0.5, 0.5]])
     close(run("token", "mask").token_weight, [[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
 
 
-# ---------------------------------------------------------------------------- denominator and the loss
+# ---------------------------------------------------------------------- denominator and the loss
 
-# token/mask, band (0.5, 2): row 0 ratios 1, 3, 1.5 -> weights 1, 0, 1.5; row 1 ratios 0.25, 1 -> 0, 1
+# token/mask, band (0.5, 2): row 0 ratios 1, 3, 1.5 -> weights 1, 0, 1.5; row 1 ratios 0.25, 1
+# -> 0, 1
 TOKEN_RATIOS = [[1.0, 3.0, 1.5], [0.25, 1.0, X]]
 TOKEN_MASK = [[1, 1, 1], [1, 1, 0]]
 
@@ -326,9 +332,8 @@ def test_denominator_all_keeps_the_input_mask_and_kept_keeps_only_surviving_toke
     assert for_all.loss_mask.tolist() == [[True, True, True], [True, True, False]]
     for_kept = gate(TOKEN_RATIOS, TOKEN_MASK, level="token", band=BAND, denominator="kept")
     assert for_kept.loss_mask.tolist() == [[True, False, True], [False, True, False]]
-    assert torch.equal(
-        for_all.token_weight, for_kept.token_weight
-    )  # the denominator changes no weight
+    # the denominator changes no weight
+    assert torch.equal(for_all.token_weight, for_kept.token_weight)
     # a dropped sequence leaves the `kept` mask entirely (seq: row 0 product 3 > 2)
     seq = gate(
         [[3.0, 1.0], [1.0, 1.0]], [[1, 1], [1, 1]], level="seq", band=BAND, denominator="kept"
@@ -352,7 +357,8 @@ def test_token_mean_loss_divides_by_all_sampled_tokens_or_by_kept_tokens():
 
 
 def test_mostly_rejected_batch_moves_the_policy_less_under_denominator_all():
-    # seq: row 0 (3 tokens, product 3) dropped, row 1 (1 sampled token, ratio 1) kept; A = 1 for both
+    # seq: row 0 (3 tokens, product 3) dropped, row 1 (1 sampled token, ratio 1) kept; A = 1 for
+    # both
     # all: −1·1 / 4 sampled = −0.25;  kept: −1·1 / 1 surviving = −1 (the survivor is amplified 4×)
     logprob = torch.zeros(2, 3)
     advantages = torch.tensor([1.0, 1.0])
@@ -371,18 +377,22 @@ def test_mostly_rejected_batch_moves_the_policy_less_under_denominator_all():
         assert loss.item() == pytest.approx(value, rel=1e-6), denominator
 
 
-# ---------------------------------------------------------------------------- metrics
+# ---------------------------------------------------------------------- metrics
 
 
 def test_gate_metrics_on_a_hand_case():
     ratios = [[1.0, 3.0, 1.0], [1.0, 1.0, X], [0.25, 1.0, 1.0], [X, X, X]]
     mask = [[1, 1, 1], [1, 1, 0], [1, 1, 1], [0, 0, 0]]
     versions = [
-        [5, 5, 5],  # staleness 0; ratio 3 masked -> 1 token filtered, weights 1 + 1
-        [3, 4, -1],  # staleness 2 > 1 -> stale, both sampled tokens filtered
-        [4, 5, 5],  # staleness 1 (not > 1, kept); ratio 0.25 masked -> 1 filtered, weights 1 + 1
+        # staleness 0; ratio 3 masked -> 1 token filtered, weights 1 + 1
+        [5, 5, 5],
+        # staleness 2 > 1 -> stale, both sampled tokens filtered
+        [3, 4, -1],
+        # staleness 1 (not > 1, kept); ratio 0.25 masked -> 1 filtered, weights 1 + 1
+        [4, 5, 5],
+        # nothing sampled: staleness 0, kept
         [-1, -1, -1],
-    ]  # nothing sampled: staleness 0, kept
+    ]
     result = gate(
         ratios,
         mask,
@@ -397,14 +407,13 @@ def test_gate_metrics_on_a_hand_case():
     metrics = gate_metrics(result, torch.tensor(mask))
     assert metrics["gate/kept_frac"] == pytest.approx(3 / 4)  # rows 0, 2, 3
     assert metrics["gate/stale_frac"] == pytest.approx(1 / 4)  # row 1
-    assert metrics["gate/is_filter_ratio"] == pytest.approx(
-        4 / 8
-    )  # (1 + 2 + 1 + 0) filtered / 8 sampled
+    # (1 + 2 + 1 + 0) filtered / 8 sampled
+    assert metrics["gate/is_filter_ratio"] == pytest.approx(4 / 8)
     assert metrics["gate/weight_mean"] == pytest.approx(4 / 8)  # (2 + 0 + 2 + 0) weight / 8 sampled
     assert metrics["async/mean_staleness"] == pytest.approx(3 / 4)  # (0 + 2 + 1 + 0) / 4
 
 
-# ---------------------------------------------------------------------------- on-policy identity
+# ---------------------------------------------------------------------- on-policy identity
 
 
 @pytest.mark.parametrize(

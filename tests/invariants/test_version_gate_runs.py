@@ -57,7 +57,8 @@ def test_on_policy_every_sequence_is_kept_with_unit_weights(tmp_path):
 
 
 def test_async_partial_rollout_spans_versions_and_stale_sequences_are_dropped(tmp_path):
-    # replies long enough that generating a batch outlasts a learner step, so pushes land mid-generation
+    # replies long enough that generating a batch outlasts a learner step, so pushes land
+    # mid-generation
     db = train(
         tmp_path,
         "trainer.steps=8",
@@ -67,9 +68,8 @@ def test_async_partial_rollout_spans_versions_and_stale_sequences_are_dropped(tm
         "gate.level=token",
         "gate.max_staleness=1",
     )
-    mixed = db.execute("select count(*) from segments where min_version < max_version").fetchone()[
-        0
-    ]
+    mixed_versions = "select count(*) from segments where min_version < max_version"
+    mixed = db.execute(mixed_versions).fetchone()[0]
     assert mixed > 0, "no sequence held tokens of two weight versions"
     stale = db.execute(
         "select count(*), min(staleness) from gate_decisions where reason = 'stale'"
@@ -84,7 +84,8 @@ def test_async_partial_rollout_spans_versions_and_stale_sequences_are_dropped(tm
     # a dropped sequence contributes nothing: every one of its tokens has weight 0
     assert (
         db.execute(
-            "select max(t.is_weight) from tokens t join gate_decisions g using (step, rollout_id, segment_idx) "
+            "select max(t.is_weight) from tokens t "
+            "join gate_decisions g using (step, rollout_id, segment_idx) "
             "where g.reason = 'stale'"
         ).fetchone()[0]
         == 0
@@ -105,7 +106,8 @@ def test_async_partial_rollout_spans_versions_and_stale_sequences_are_dropped(tm
 
 def test_whole_batch_rollouts_are_exactly_async_depth_versions_behind(tmp_path):
     """Without partial rollout each batch is sampled by the weights pushed before it was submitted:
-    batch k by version max(0, k - async_depth), never older (the push is delivered before the next submit)."""
+    batch k by version max(0, k - async_depth), never older (the push is delivered before the next
+    submit)."""
     db = train(
         tmp_path,
         "trainer.steps=3",
@@ -133,8 +135,9 @@ def test_corrupted_behavior_logprobs_are_caught_and_recorded(tmp_path, tiny_path
         ]
     )
     OmegaConf.update(cfg, "run.id", "corrupt")
-    worker, learner = RolloutWorker(cfg, tiny_path), Learner(cfg, tiny_path)
-    from workbench.runtime import Prompts
+    worker = RolloutWorker(cfg, tiny_path)
+    learner = Learner(cfg, tiny_path)
+    from workbench.data import Prompts
 
     segments = worker.rollout(Prompts(cfg).next_jobs(1)[0])
     for index, segment in enumerate(segments[:4]):  # shift sampled log-probs by ±1 nat per token
@@ -154,7 +157,8 @@ def test_corrupted_behavior_logprobs_are_caught_and_recorded(tmp_path, tiny_path
         )
         .fetchall()
     )
-    # behavior +1 nat -> δ = -1 per token -> geo ratio e^-1 = 0.37 < 0.5; behavior -1 -> e^1 = 2.72 > 2
+    # behavior +1 nat -> δ = -1 per token -> geo ratio e^-1 = 0.37 < 0.5;
+    # behavior -1 nat -> e^1 = 2.72 > 2
     for rollout_id, decision, reason, geo_ratio in decisions[:4]:
         expected = "ratio_low" if rollout_id % 2 == 0 else "ratio_high"
         assert (decision, reason) == ("dropped", expected)
@@ -175,9 +179,8 @@ def test_weights_pushed_mid_generation_are_adopted_between_token_steps(tiny_path
     )
     pusher.join()
     versions = generation.versions.tolist()
-    assert (
-        versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
-    )  # one switch, in order
+    # one switch, in order
+    assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
     torch.testing.assert_close(
         engine.model.state_dict()["lm_head.weight"], new_weights["lm_head.weight"]
     )
@@ -190,12 +193,11 @@ def test_without_partial_rollout_an_episode_keeps_one_version(tiny_path):
         target=lambda: (time.sleep(0.15), engine.load_weights(new_weights, 1))
     )
     pusher.start()
+    prompts = [np.arange(3, 9, dtype=np.int32)]
     with engine.hold():
-        first = engine.generate([np.arange(3, 9, dtype=np.int32)], SamplingParams(max_tokens=400))[
-            0
-        ]
+        first = engine.generate(prompts, SamplingParams(max_tokens=400))[0]
         time.sleep(0.2)
-        second = engine.generate([np.arange(3, 9, dtype=np.int32)], SamplingParams(max_tokens=4))[0]
+        second = engine.generate(prompts, SamplingParams(max_tokens=4))[0]
     pusher.join()
     assert set(first.versions) == set(second.versions) == {0} and engine.version == 1
 

@@ -1,16 +1,20 @@
-"""The loopback server under fuzzing: whatever a request says, the answer is a 4xx in the wire's error
-shape (or a proper reply), never a 5xx; a refused request records nothing; no session ever sees
-another's content or key. `bench/fuzz_server.py` runs the same fuzzer longer."""
+"""The loopback server under fuzzing: whatever a request says, the answer is a 4xx in the wire's
+error shape (or a proper reply), never a 5xx; a refused request records nothing; no session ever
+sees another's content or key. `bench/fuzz_server.py` runs the same fuzzer longer."""
 
 import http.client
 import json
 from collections import Counter
 
+import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import seed as with_seed
 from hypothesis import strategies as st
 
-from workbench.server.loopback import MAX_BODY
+from workbench.engines.base import SamplingParams
+from workbench.engines.torch_engine import TorchEngine
+from workbench.server.loopback import MAX_BODY, LoopbackServer
 
 MARKER = "zebra-quartz-7f3a"  # in the victim session's conversation only
 WEIRD_NUMBERS = st.sampled_from(
@@ -123,9 +127,8 @@ BODIES = ["wire"] * 4 + ["mutant"] * 6 + ["json", "bytes", "nested", "huge"]
 
 
 def victim_and_target(server):
-    """A victim session with one real turn (MARKER in its prompt), and the session the fuzzer talks to."""
-    import openai
-
+    """A victim session with one real turn (MARKER in its prompt), and the session the fuzzer
+    talks to."""
     victim = server.open_session(900)
     reply = openai.OpenAI(
         base_url=victim["openai_base_url"], api_key=victim["api_key"], max_retries=0
@@ -140,6 +143,70 @@ def snapshot(server, session_id):
     return id(session.accumulator), len(session.requests), session.last_request
 
 
+def draw_route(data, wire: str, target_kind: str, victim: dict, target: dict) -> tuple[str, dict]:
+    """The path and headers of a request aimed where `target_kind` says."""
+    endpoint = "/v1/chat/completions" if wire == "openai" else "/v1/messages"
+    session = target["session"]
+    key = target["api_key"]
+    if target_kind == "other_key":
+        key = victim["api_key"]
+    elif target_kind == "other_path":
+        session = victim["session"]
+    elif target_kind == "unknown_session":
+        session = "0123456789abcdef"
+    elif target_kind == "odd_key":
+        key = data.draw(st.sampled_from(["\xe9\xff", "sk-" + "a" * 5000, "", " " + key, key[:-1]]))
+    path = {
+        "traversal": f"/s/../../etc/passwd{endpoint}",
+        "no_route": f"/s/{session}/v1/files",
+    }.get(target_kind, f"/s/{session}{endpoint}")
+    if target_kind == "no_key":
+        return path, {}
+    if data.draw(st.booleans()):
+        return path, {"x-api-key": key}
+    return path, {"Authorization": f"Bearer {key}"}
+
+
+def draw_body(data, wire: str, body_kind: str) -> bytes:
+    """A hostile body of the kind `body_kind` names."""
+    if body_kind == "wire":
+        return json.dumps(data.draw(OPENAI if wire == "openai" else ANTHROPIC)).encode()
+    if body_kind == "mutant":
+        # a valid request with one or two fields made hostile: reaches the deeper code
+        hello = [{"role": "user", "content": "Hi."}]
+        conversations = [hello, TOOL_TURN if wire == "openai" else hello]
+        base = {
+            "model": "policy",
+            "max_tokens": 2,
+            "messages": data.draw(st.sampled_from(conversations)),
+        }
+        keys = data.draw(
+            st.lists(st.sampled_from(sorted(MUTATIONS)), min_size=1, max_size=2, unique=True)
+        )
+        return json.dumps(dict(base, **{key: data.draw(MUTATIONS[key]) for key in keys})).encode()
+    if body_kind == "json":
+        return json.dumps(data.draw(JSON)).encode()
+    if body_kind == "bytes":
+        return data.draw(st.binary(max_size=64))
+    if body_kind == "nested":
+        depth = data.draw(st.integers(100, 200_000))
+        return b'{"messages": ' + b"[" * depth + b"]" * depth + b"}"
+    return b'{"messages": [{"role": "user", "content": "' + b"x" * (MAX_BODY + 1024) + b'"}]}'
+
+
+def in_error_shape(path: str, reply: bytes) -> bool:
+    """Is this refusal in the error shape of the wire the path names?"""
+    try:
+        error = json.loads(reply)
+        return (
+            error["type"] == "error" and isinstance(error["error"]["message"], str)
+            if path.endswith("/messages")
+            else isinstance(error["error"]["message"], str)
+        )
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 def fuzz(
     server,
     victim: dict,
@@ -149,11 +216,8 @@ def fuzz(
     problems: list[str],
     seed: int | None = None,
 ) -> None:
-    """Send `budget` hostile requests (a fixed set unless `seed`); count status codes in `statuses` and every broken
-    promise in `problems`."""
-    from hypothesis import seed as with_seed
-
-    huge = b'{"messages": [{"role": "user", "content": "' + b"x" * (MAX_BODY + 1024) + b'"}]}'
+    """Send `budget` hostile requests (a fixed set unless `seed`); count status codes in
+    `statuses` and every broken promise in `problems`."""
     connection = [http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)]
 
     def send(method: str, path: str, headers: dict, body: bytes) -> tuple[int, bytes]:
@@ -162,10 +226,8 @@ def fuzz(
                 connection[0].request(method, path, body=body, headers=headers)
                 response = connection[0].getresponse()
                 return response.status, response.read()
-            except (
-                ConnectionError,
-                http.client.HTTPException,
-            ):  # the server closed a connection (after a 413): reconnect
+            # the server closed a connection (after a 413): reconnect
+            except (ConnectionError, http.client.HTTPException):
                 connection[0].close()
                 connection[0] = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
                 if attempt:
@@ -182,67 +244,10 @@ def fuzz(
     @given(st.data())
     def one_request(data):
         wire = data.draw(st.sampled_from(["openai", "anthropic"]))
-        target_kind, body_kind = (
-            data.draw(st.sampled_from(TARGETS)),
-            data.draw(st.sampled_from(BODIES)),
-        )
-        endpoint = "/v1/chat/completions" if wire == "openai" else "/v1/messages"
-        session, key = target["session"], target["api_key"]
-        if target_kind == "other_key":
-            key = victim["api_key"]
-        elif target_kind == "other_path":
-            session = victim["session"]
-        elif target_kind == "unknown_session":
-            session = "0123456789abcdef"
-        elif target_kind == "odd_key":
-            key = data.draw(
-                st.sampled_from(["\xe9\xff", "sk-" + "a" * 5000, "", " " + key, key[:-1]])
-            )
-        path = {
-            "traversal": f"/s/../../etc/passwd{endpoint}",
-            "no_route": f"/s/{session}/v1/files",
-        }.get(target_kind, f"/s/{session}{endpoint}")
-        headers = (
-            {}
-            if target_kind == "no_key"
-            else (
-                {"x-api-key": key}
-                if data.draw(st.booleans())
-                else {"Authorization": f"Bearer {key}"}
-            )
-        )
-        if body_kind == "wire":
-            body = json.dumps(data.draw(OPENAI if wire == "openai" else ANTHROPIC)).encode()
-        elif (
-            body_kind == "mutant"
-        ):  # a valid request with one or two fields made hostile: reaches the deeper code
-            base = {
-                "model": "policy",
-                "max_tokens": 2,
-                "messages": data.draw(
-                    st.sampled_from(
-                        [
-                            [{"role": "user", "content": "Hi."}],
-                            TOOL_TURN if wire == "openai" else [{"role": "user", "content": "Hi."}],
-                        ]
-                    )
-                ),
-            }
-            keys = data.draw(
-                st.lists(st.sampled_from(sorted(MUTATIONS)), min_size=1, max_size=2, unique=True)
-            )
-            body = json.dumps(
-                dict(base, **{key: data.draw(MUTATIONS[key]) for key in keys})
-            ).encode()
-        elif body_kind == "json":
-            body = json.dumps(data.draw(JSON)).encode()
-        elif body_kind == "bytes":
-            body = data.draw(st.binary(max_size=64))
-        elif body_kind == "nested":
-            depth = data.draw(st.integers(100, 200_000))
-            body = b'{"messages": ' + b"[" * depth + b"]" * depth + b"}"
-        else:
-            body = huge
+        target_kind = data.draw(st.sampled_from(TARGETS))
+        body_kind = data.draw(st.sampled_from(BODIES))
+        path, headers = draw_route(data, wire, target_kind, victim, target)
+        body = draw_body(data, wire, body_kind)
         before = {s: snapshot(server, s) for s in (victim["session"], target["session"])}
         status, reply = send(
             "GET" if target_kind == "get" else "POST",
@@ -261,16 +266,7 @@ def fuzz(
         if status != 200:
             if snapshot(server, target["session"]) != before[target["session"]]:
                 problems.append(f"a refused request ({status}) changed the session: {where}")
-            try:
-                error = json.loads(reply)
-                ok = (
-                    error["type"] == "error" and isinstance(error["error"]["message"], str)
-                    if path.endswith("/messages")
-                    else isinstance(error["error"]["message"], str)
-                )
-            except (ValueError, KeyError, TypeError):
-                ok = False
-            if not ok:
+            if not in_error_shape(path, reply):
                 problems.append(
                     f"{status} not in the {wire} error shape for {where}: {reply[:200]!r}"
                 )
@@ -281,10 +277,6 @@ def fuzz(
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_path, tokenizer):
-    from workbench.engines.base import SamplingParams
-    from workbench.engines.torch_engine import TorchEngine
-    from workbench.server.loopback import LoopbackServer
-
     server = LoopbackServer(
         TorchEngine(tiny_path),
         tokenizer,
@@ -296,10 +288,9 @@ def fuzz_server(tiny_path, tokenizer):
 
 
 def test_hostile_requests_get_wire_shaped_4xx_and_change_nothing(fuzz_server):
-    import openai
-
     victim, target = victim_and_target(fuzz_server)
-    statuses, problems = Counter(), []
+    statuses = Counter()
+    problems = []
     fuzz(fuzz_server, victim, target, 300, statuses, problems)
     assert not problems, "\n".join(problems[:10])
     assert sum(statuses.values()) == 300 and all(status < 500 for status in statuses)
@@ -324,8 +315,6 @@ def test_hostile_requests_get_wire_shaped_4xx_and_change_nothing(fuzz_server):
 
 
 def test_token_limit_and_body_limit_are_enforced(fuzz_server):
-    import openai
-
     session = fuzz_server.open_session(1)
     client = openai.OpenAI(
         base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0

@@ -5,6 +5,7 @@ import copy
 import json
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import numpy as np
@@ -15,6 +16,8 @@ import torch
 from workbench.engines.base import SamplingParams
 from workbench.engines.torch_engine import TorchEngine
 from workbench.server.loopback import MAX_BODY, LoopbackServer
+from workbench.server.wires import WIRES
+from workbench.server.wires.openai_chat import OpenAIChat
 
 TOOL_PROMPT = "Use the tool."
 TOOL_REPLY = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
@@ -24,14 +27,14 @@ OPENAI_TOOLS = [
         "function": {"name": "add", "description": "Add.", "parameters": {"type": "object"}},
     }
 ]
-ANTHROPIC_TOOLS = [
-    {"name": "add", "description": "Add.", "input_schema": {"type": "object"}}
-]  # renders the same
+# renders the same as OPENAI_TOOLS
+ANTHROPIC_TOOLS = [{"name": "add", "description": "Add.", "input_schema": {"type": "object"}}]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_path, tokenizer):
-    """A real engine on the tiny model, fine-tuned for a moment to answer TOOL_PROMPT with a tool call."""
+    """A real engine on the tiny model, fine-tuned for a moment to answer TOOL_PROMPT with a tool
+    call."""
     engine = TorchEngine(tiny_path)
     model = engine.model.train()
     prompt = tokenizer.apply_chat_template(
@@ -98,12 +101,14 @@ def test_openai_turns_extend_and_turn_one_ids_reappear_verbatim(server, stream):
     assert [r["action"] for r in requests] == ["open", "extend", "extend"] and {
         r["stream"] for r in requests
     } == {stream}
-    ids, mask = np.array(segment.token_ids), np.array(segment.loss_mask, bool)
-    for turn, ((start, end), sampled) in enumerate(zip(segment.turn_spans, segment.sampled_turns)):
-        np.testing.assert_array_equal(
-            ids[start:end], sampled
-        )  # the ids the engine returned, verbatim
-        if turn:  # and turn 2's input started with everything up to turn 1's end
+    ids = np.array(segment.token_ids)
+    mask = np.array(segment.loss_mask, bool)
+    turns = zip(segment.turn_spans, segment.sampled_turns, strict=True)
+    for turn, ((start, end), sampled) in enumerate(turns):
+        # the ids the engine returned, verbatim
+        np.testing.assert_array_equal(ids[start:end], sampled)
+        # and turn 2's input started with everything up to turn 1's end
+        if turn:
             assert requests[turn]["prompt_tokens_reused"] == segment.turn_spans[turn - 1][1]
     assert segment.identity_holds() and mask.sum() == sum(len(s) for s in segment.sampled_turns)
 
@@ -174,7 +179,8 @@ def test_a_template_that_rewrites_history_seals(server, tokenizer):
     hiding.chat_template = (
         "{%- for m in messages %}{%- if m['role'] == 'assistant' and not loop.last %}"
         "{{- '<|im_start|>assistant\\n(hidden)<|im_end|>\\n' }}{%- else %}"
-        "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+        "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+        "{%- endif %}{%- endfor %}"
         "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
     )
     rewriting = LoopbackServer(server.engine, hiding, server.params)
@@ -221,9 +227,8 @@ def test_openai_tool_call_round_trip(server):
     (segment,), requests = server.close_session(session["session"])
     assert [r["action"] for r in requests] == ["open", "extend"]
     assert "<tool_response>5</tool_response>" in server.tokenizer.decode(segment.token_ids)
-    assert TOOL_REPLY in server.tokenizer.decode(
-        segment.sampled_turns[0]
-    )  # the call is the sampled ids
+    # the call is the sampled ids
+    assert TOOL_REPLY in server.tokenizer.decode(segment.sampled_turns[0])
 
 
 def test_anthropic_tool_use_round_trip_streaming(server):
@@ -315,14 +320,49 @@ def test_malformed_oversize_and_unsupported_requests_get_wire_shaped_errors(serv
     assert server.close_session(session["session"]) == ([], [])
 
 
+class EchoChat(OpenAIChat):
+    """A third wire, as issue #14 adds one: OpenAI's request and reply under its own name and path,
+    with its own error shape."""
+
+    name = "echo"
+    path = "/v1/echo"
+
+    def error(self, error):
+        return {"echo_error": error.message}
+
+
+def test_a_new_wire_is_one_object_the_server_serves_without_knowing_it(server):
+    extra = LoopbackServer(
+        server.engine, server.tokenizer, server.params, wires=(*WIRES, EchoChat())
+    )
+    try:
+        session = extra.open_session(13)
+        url = session["openai_base_url"] + "/echo"
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        status, reply = post(url, json.dumps(body).encode(), session["api_key"])
+        assert status == 200 and reply["object"] == "chat.completion"
+        status, refused = post(url, json.dumps({"n": 2, **body}).encode(), session["api_key"])
+        assert status == 400 and "n=1" in refused["echo_error"]
+        # a GET: no such method, answered in the echo wire's error shape
+        with pytest.raises(urllib.error.HTTPError) as error:
+            urllib.request.urlopen(url)
+        assert error.value.code == 405 and "GET" in json.loads(error.value.read())["echo_error"]
+        # the other wires are served as before
+        status, refused = post(session["openai_base_url"] + "/chat/completions", b"[]", "sk-x")
+        assert status == 401 and refused["error"]["type"] == "authentication_error"
+        _, requests = extra.close_session(session["session"])
+    finally:
+        extra.stop()
+    assert [(r["wire"], r["action"]) for r in requests] == [("echo", "open")]
+    assert requests[0]["generated_tokens"] == reply["usage"]["completion_tokens"]
+
+
 def test_models_endpoint_lists_the_policy(server):
     with urllib.request.urlopen(server.url + "/v1/models") as response:
         assert json.loads(response.read())["data"][0]["id"] == "policy"
 
 
 def test_concurrent_sessions_share_engine_calls_and_stay_separate(server):
-    from concurrent.futures import ThreadPoolExecutor
-
     sessions = [server.open_session(100 + i) for i in range(6)]
 
     def ask(session):
@@ -339,7 +379,8 @@ def test_concurrent_sessions_share_engine_calls_and_stay_separate(server):
 
 
 class FailingOnce(TorchEngine):
-    """A real engine whose next generate call fails, as an out-of-memory or a killed kernel would."""
+    """A real engine whose next generate call fails, as an out-of-memory or a killed kernel
+    would."""
 
     fail_next = False
 
@@ -371,9 +412,8 @@ def test_a_failed_generation_commits_nothing(tiny_path, tokenizer):
         engine.fail_next = True
         with pytest.raises(openai.InternalServerError, match="nothing was recorded"):
             client.chat.completions.create(model="policy", messages=longer)
-        client.chat.completions.create(
-            model="policy", messages=longer
-        )  # the retry extends the committed turn
+        # the retry extends the committed turn
+        client.chat.completions.create(model="policy", messages=longer)
         (segment,), requests = loopback.close_session(session["session"])
     finally:
         loopback.stop()
@@ -420,6 +460,5 @@ def test_stop_sequences_cut_the_reply_on_both_wires(server):
     for name in (session["session"], other["session"]):
         (segment,), _ = server.close_session(name)
         sampled = server.tokenizer.decode(segment.sampled_turns[0])
-        assert (
-            sampled.endswith("arguments") or "arguments" in sampled[-12:]
-        )  # the ids up to the stop, kept
+        # the ids up to the stop, kept
+        assert sampled.endswith("arguments") or "arguments" in sampled[-12:]

@@ -129,13 +129,11 @@ def test_another_process_reads_while_the_writer_runs_and_a_kill_loses_only_the_b
         .execute("select count(distinct step), max(step) from tokens")
         .fetchone()
     )
-    assert (
-        flushed_steps[0] == flushed_steps[1] + 1 >= last_flushed + 1
-    )  # every flushed step, none torn
+    # every flushed step, none torn
+    assert flushed_steps[0] == flushed_steps[1] + 1 >= last_flushed + 1
     for path in (tmp_path / "r1" / "tokens").glob("part-*.parquet"):
-        duckdb.execute(
-            f"select count(*) from '{path}'"
-        ).fetchone()  # every visible shard is a whole file
+        # every visible shard is a whole file
+        duckdb.execute(f"select count(*) from '{path}'").fetchone()
 
 
 def test_runs_are_listed_newest_first_and_found_by_prefix(tmp_path):
@@ -166,8 +164,7 @@ def test_a_steps_progress_reaches_run_json_with_the_data_it_counts(tmp_path):
         tmp_path / "r2", {"run_id": "r2", "created": 1.0, "status": "running", "steps_done": 0}
     )
     writer.update_run(at_flush=True, steps_done=4)
-    assert (
-        json.loads((tmp_path / "r2" / "run.json").read_text())["steps_done"] == 0
-    )  # not before its data
+    # not before its data
+    assert json.loads((tmp_path / "r2" / "run.json").read_text())["steps_done"] == 0
     writer.flush()
     assert json.loads((tmp_path / "r2" / "run.json").read_text())["steps_done"] == 4

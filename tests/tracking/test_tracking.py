@@ -1,4 +1,5 @@
-"""Every logged metric reaches each enabled backend at its step; tested against real wandb and mlflow."""
+"""Every logged metric reaches each enabled backend at its step; tested against real wandb and
+mlflow."""
 
 import json
 import os
@@ -48,7 +49,8 @@ def run_python(code):
 
 def test_import_pulls_in_neither_wandb_nor_mlflow():
     result = run_python(
-        "import sys, workbench.tracking; assert not {'wandb', 'mlflow'} & set(sys.modules), sys.modules.keys()"
+        "import sys, workbench.tracking; "
+        "assert not {'wandb', 'mlflow'} & set(sys.modules), sys.modules.keys()"
     )
     assert result.returncode == 0, result.stderr
 
@@ -81,7 +83,7 @@ def test_wandb_offline_run_records_every_step(tmp_path):
     records = [json.loads(line) for line in inspect.stdout.splitlines()]
     history = [record["history"] for record in records if record["type"] == "history"]
     assert [entry["step"].get("num", 0) for entry in history] == [0, 1, 2]
-    for entry, metrics in zip(history, STEPS):
+    for entry, metrics in zip(history, STEPS, strict=True):
         assert {key: entry["item"][key] for key in metrics} == metrics
     [run] = [record["run"] for record in records if record["type"] == "run"]
     assert (run["run_id"], run["display_name"], run["run_group"]) == ("run-7", "run-7", "sweep-a")
@@ -98,14 +100,14 @@ def runs_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mlflow_uri(runs_root):
-    return (
-        f"sqlite:///{runs_root / 'mlflow.db'}"  # one store per module: its migrations take seconds
-    )
+    # one store per module: its migrations take seconds
+    return f"sqlite:///{runs_root / 'mlflow.db'}"
 
 
 def test_mlflow_run_in_the_default_store_records_every_step_and_the_params(runs_root, mlflow_uri):
     tracking_config = tracking()
-    tracking_config.mlflow.enabled = True  # tracking_uri None: the store beside the run folders
+    # tracking_uri None: the store beside the run folders
+    tracking_config.mlflow.enabled = True
     [sink] = make_sinks(tracking_config, str(runs_root / "run-8"), "run-8", CONFIG)
     log_steps([sink])
 
@@ -120,9 +122,9 @@ def test_mlflow_run_in_the_default_store_records_every_step_and_the_params(runs_
     run = client.get_run(sink.run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "run-8"
     assert run.data.params["model.name"] == "tiny-qwen" and run.data.params["model.layers"] == "2"
-    assert (
-        run.data.params["lr"] == str(3e-6) and run.data.params["notes"] == "x" * 6000
-    )  # mlflow's value limit
+    assert run.data.params["lr"] == str(3e-6)
+    # mlflow's value limit
+    assert run.data.params["notes"] == "x" * 6000
 
 
 @pytest.mark.parametrize(
@@ -139,7 +141,8 @@ def test_mlflow_run_status_follows_close(tmp_path, mlflow_uri, status, mlflow_st
 
 def test_enabled_mlflow_without_mlflow_installed_says_how_to_fix():
     code = (
-        "import sys; sys.modules['mlflow'] = None\n"  # makes `import mlflow` fail as if uninstalled
+        # makes `import mlflow` fail as if uninstalled
+        "import sys; sys.modules['mlflow'] = None\n"
         "from types import SimpleNamespace as NS\n"
         "from workbench.tracking import make_sinks\n"
         "make_sinks(NS(wandb=NS(mode='disabled'), mlflow=NS(enabled=True)), '/tmp/run', 'r', {})"

@@ -1,6 +1,6 @@
-"""One run made by the real loop, shared by every TUI test: the arith task as a ChatAgent (so loopback
-requests are recorded), a tiny MoE policy (so routing rows exist), async depth 1 with a seq gate at
-max staleness 0 (so stale segments are dropped), three steps."""
+"""One run made by the real loop, shared by every TUI test: the arith task as a ChatAgent (so
+loopback requests are recorded), a tiny MoE policy (so routing rows exist), async depth 1 with a
+seq gate at max staleness 0 (so stale segments are dropped), three steps."""
 
 import json
 import shutil
@@ -27,7 +27,8 @@ RUN = [
 
 @pytest.fixture(scope="session")
 def made_run(tmp_path_factory):
-    """(root, run_id) of the real run, plus a copy tagged with a sweep id (for the runs screen's sweep filter)."""
+    """(root, run_id) of the real run, plus a copy tagged with a sweep id (for the runs screen's
+    sweep filter)."""
     root = tmp_path_factory.mktemp("tui-runs")
     result = subprocess.run(
         [sys.executable, "-m", "workbench.cli", "train", *RUN, f"run.root={root}"],

@@ -7,18 +7,25 @@ import json
 import shutil
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
 pytest.importorskip("textual")
 from textual.widgets import DataTable  # noqa: E402
 
+from workbench import cli  # noqa: E402
 from workbench.store import open_run  # noqa: E402
+from workbench.store.schema import FAILED_EPISODES  # noqa: E402
 from workbench.tui import data as tui_data  # noqa: E402
-from workbench.tui.app import InspectApp, RunScreen, TokenScreen  # noqa: E402
+from workbench.tui.app import InspectApp  # noqa: E402
 from workbench.tui.data import Filter  # noqa: E402
+from workbench.tui.run_screen import RunScreen  # noqa: E402
+from workbench.tui.token_screen import TokenScreen  # noqa: E402
 
-pytestmark = pytest.mark.slow  # the shared fixture trains a run first
+# the shared fixture trains a run first
+pytestmark = pytest.mark.slow
 
 
 def screen_text(app) -> str:
@@ -103,23 +110,25 @@ def test_segments_filters_match_sql_counts_and_sorting_and_paging_work(made_run,
     tenth = db.execute(
         "select rollout_id from segments order by step, rollout_id, segment_idx limit 1 offset 10"
     ).fetchone()[0]
-    assert (
-        0 < dropped < total and 0 < same_question < total
-    )  # the fixture gives the filters something to do
+    # the fixture gives the filters something to do
+    assert 0 < dropped < total and 0 < same_question < total
     monkeypatch.setattr(tui_data, "PAGE", 10)
-    monkeypatch.setattr("workbench.tui.app.PAGE", 10)
+    monkeypatch.setattr("workbench.tui.run_screen.PAGE", 10)
 
     async def script(pilot):
-        screen, seen = pilot.app.screen, {}
+        screen = pilot.app.screen
+        seen = {}
         table = screen.query_one("#segments-table", DataTable)
         status = lambda: str(screen.query_one("#segments-status").render())  # noqa: E731
         await pilot.press("2")
         seen["header"] = next(
             line for line in screen_text(pilot.app).splitlines() if "rollout_id" in line
         )
-        seen["first"], seen["rows"] = status(), table.row_count
+        seen["first"] = status()
+        seen["rows"] = table.row_count
         await pilot.press("right_square_bracket")
-        seen["page2"], seen["page2_first"] = status(), table.get_row_at(0)[1]
+        seen["page2"] = status()
+        seen["page2_first"] = table.get_row_at(0)[1]
         await pilot.press(*["right_square_bracket"] * 3)
         seen["last"] = status()
         await pilot.press(*["left_square_bracket"] * 3)
@@ -132,9 +141,8 @@ def test_segments_filters_match_sql_counts_and_sorting_and_paging_work(made_run,
         seen["text"] = status()
         screen.query_one("#filter").value = ""
         await pilot.pause()
-        x = sum(
-            c.get_render_width(table) for c in list(table.columns.values())[:4]
-        )  # the num_tokens header
+        # the num_tokens header
+        x = sum(c.get_render_width(table) for c in list(table.columns.values())[:4])
         await pilot.click("#segments-table", offset=(x + 2, 0))
         await pilot.pause()
         seen["sorted"] = (status(), int(table.get_row_at(0)[4]))
@@ -152,9 +160,8 @@ def test_segments_filters_match_sql_counts_and_sorting_and_paging_work(made_run,
     ]
     assert seen["first"].startswith(f"rows 1-10 of {total}") and seen["rows"] == 10
     assert seen["page2"].startswith(f"rows 11-20 of {total}") and int(seen["page2_first"]) == tenth
-    assert seen["last"].startswith(
-        f"rows {(total - 1) // 10 * 10 + 1}-{total} of {total}"
-    )  # ] past the end stays
+    # ] past the end stays
+    assert seen["last"].startswith(f"rows {(total - 1) // 10 * 10 + 1}-{total} of {total}")
     assert seen["dropped"][0].startswith(f"rows 1-{min(dropped, 10)} of {dropped}") and seen[
         "dropped"
     ][1] == {"dropped"}
@@ -172,7 +179,8 @@ def test_token_view_shows_pieces_values_and_colours_of_a_known_segment(made_run)
     root, run_id = made_run
     db = open_run(run_id, root)
     step, rollout, segment, prompt, spans = db.execute(
-        "select step, rollout_id, segment_idx, prompt_text, turn_spans from segments order by step, rollout_id limit 1"
+        "select step, rollout_id, segment_idx, prompt_text, turn_spans from segments "
+        "order by step, rollout_id limit 1"
     ).fetchone()
     first_sampled = spans[0][0]
     token_id, behavior, train, version = db.execute(
@@ -185,15 +193,19 @@ def test_token_view_shows_pieces_values_and_colours_of_a_known_segment(made_run)
         seen = {}
         await pilot.press("2", "enter")
         screen = pilot.app.screen
-        seen["screen"], seen["key"] = screen, screen.segment_key
+        seen["screen"] = screen
+        seen["key"] = screen.segment_key
         seen["open"] = screen_text(pilot.app)
         await pilot.press("full_stop")  # the first sampled token
-        seen["cursor"], seen["side"] = screen.cursor, str(screen.query_one("#side").render())
+        seen["cursor"] = screen.cursor
+        seen["side"] = str(screen.query_one("#side").render())
         seen["styles"] = screen.token_styles()
         seen["rendered"] = screen.text
         for _ in range(3):
-            await pilot.press("c")  # behavior logprob -> δ -> IS weight -> version
-        seen["version_channel"], seen["version_styles"] = screen.channel, screen.token_styles()
+            # behavior logprob -> δ -> IS weight -> version
+            await pilot.press("c")
+        seen["version_channel"] = screen.channel
+        seen["version_styles"] = screen.token_styles()
         seen["legend"] = screen_text(pilot.app).splitlines()[1]
         await pilot.press("escape")
         seen["back"] = pilot.app.screen
@@ -209,24 +221,24 @@ def test_token_view_shows_pieces_values_and_colours_of_a_known_segment(made_run)
         f"train     {train:.4f}" in seen["side"]
         and f"δ         {train - behavior:+.4f}" in seen["side"]
     )
-    assert "routing   L0✓ L1✓ L2✓" in seen["side"]  # tiny-moe: 3 sparse layers, replay agrees
-    # colour of the known token under the logprob channel, by hand: p < .1 red, < .5 orange, < .9 yellow, else green
-    expected = (
-        "red"
-        if behavior < -2.3
-        else "dark_orange"
-        if behavior < -0.69
-        else "yellow"
-        if behavior < -0.105
-        else "green"
-    )
+    # tiny-moe: 3 sparse layers, replay agrees
+    assert "routing   L0✓ L1✓ L2✓" in seen["side"]
+    # colour of the known token under the logprob channel, by hand: p < .1 red, < .5 orange,
+    # < .9 yellow, else green
+    if behavior < -2.3:
+        expected = "red"
+    elif behavior < -0.69:
+        expected = "dark_orange"
+    elif behavior < -0.105:
+        expected = "yellow"
+    else:
+        expected = "green"
     assert seen["styles"][first_sampled] == expected and seen["styles"][0] == "dim"
-    assert any(
-        span.style == f"{expected} reverse" for span in seen["rendered"].spans
-    )  # the cursor on it
-    assert (
-        seen["version_channel"] == "version" and seen["version_styles"][first_sampled] == "green"
-    )  # step 0: on-policy
+    # the cursor on it
+    assert any(span.style == f"{expected} reverse" for span in seen["rendered"].spans)
+    # step 0: on-policy
+    assert seen["version_channel"] == "version"
+    assert seen["version_styles"][first_sampled] == "green"
     assert "channel version" in seen["legend"] and "on-policy" in seen["legend"]
     assert isinstance(seen["back"], RunScreen)
 
@@ -238,7 +250,8 @@ def test_a_stale_segment_is_coloured_by_version_and_gate_and_request_rows_jump_t
     db = open_run(run_id, root)
     gate_rows = db.execute("select count(*) from gate_decisions").fetchone()[0]
     first = db.execute(
-        "select step, rollout_id, segment_idx, decision from gate_decisions order by step, rollout_id limit 1"
+        "select step, rollout_id, segment_idx, decision from gate_decisions "
+        "order by step, rollout_id limit 1"
     ).fetchone()
     stale = db.execute(
         "select step, rollout_id, segment_idx, learner_version - min_version from segments "
@@ -248,7 +261,8 @@ def test_a_stale_segment_is_coloured_by_version_and_gate_and_request_rows_jump_t
     async def script(pilot):
         await pilot.press("3")
         table = pilot.app.screen.query_one("#gate-table", DataTable)
-        rows, cells = table.row_count, table.get_row_at(0)
+        rows = table.row_count
+        cells = table.get_row_at(0)
         await pilot.press("enter")
         gate_key = pilot.app.screen.segment_key
         await pilot.press("escape", "4")
@@ -273,7 +287,8 @@ def test_a_stale_segment_is_coloured_by_version_and_gate_and_request_rows_jump_t
         int(requests[1]) == rollout
         and request_key
         == db.execute(
-            "select step, rollout_id, segment_idx from segments where rollout_id = ? order by segment_idx",
+            "select step, rollout_id, segment_idx from segments "
+            "where rollout_id = ? order by segment_idx",
             [rollout],
         ).fetchone()
     )
@@ -298,9 +313,8 @@ def test_help_quit_and_an_80x24_terminal(made_run):
     assert "molt-wb inspect — keys" in help_text and "c channel" in help_text
     lines = small.splitlines()
     assert len(lines) == 24 and all(len(line) <= 80 for line in lines)
-    assert (
-        any("IS weight" in line for line in lines) and "Channel" in lines[-1]
-    )  # side panel and footer fit
+    # side panel and footer fit
+    assert any("IS weight" in line for line in lines) and "Channel" in lines[-1]
     assert not running
 
 
@@ -387,18 +401,15 @@ def test_the_app_reads_the_store_read_only_and_follows_a_live_run(made_run, tmp_
 
 
 def test_inspect_command_errors_are_one_sentence(made_run, monkeypatch):
-    from workbench.cli import app
-
     root, run_id = made_run
-    result = CliRunner().invoke(app, ["inspect", run_id[:-1] + "x", "--root", root])
+    result = CliRunner().invoke(cli.app, ["inspect", run_id[:-1] + "x", "--root", root])
     assert (
         result.exit_code == 2
         and f"No run '{run_id[:-1]}x' under {root}/. Close matches: {run_id}" in result.output
     )
-    monkeypatch.setitem(
-        __import__("sys").modules, "workbench.tui.app", None
-    )  # as if textual were not installed
-    result = CliRunner().invoke(app, ["inspect", "--root", root])
+    # as if textual were not installed
+    monkeypatch.setitem(__import__("sys").modules, "workbench.tui.app", None)
+    result = CliRunner().invoke(cli.app, ["inspect", "--root", root])
     assert result.exit_code == 2 and "pip install 'molt-wb[tui]'" in result.output
 
 
@@ -417,12 +428,8 @@ def test_filter_words_parse(line, expected):
 def test_failed_episodes_tab_lists_failures_and_shows_the_highlighted_ones_traceback(
     made_run, tmp_path
 ):
-    """Issue 10: a user's exception is shown with its traceback in the TUI, not lost in a worker log."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from workbench.store.schema import FAILED_EPISODES
-
+    """Issue 10: a user's exception is shown with its traceback in the TUI, not lost in a worker
+    log."""
     root, run_id = made_run
     shutil.copytree(Path(root) / run_id, tmp_path / run_id)
     rows = [

@@ -1,4 +1,5 @@
-"""`molt-wb inspect` in a real terminal: tmux runs the command, keys go in, the pane comes back as text."""
+"""`molt-wb inspect` in a real terminal: tmux runs the command, keys go in, the pane comes back as
+text."""
 
 import os
 import shlex

@@ -1,14 +1,42 @@
-"""Advantage estimators: every rollout counts once in its group's baseline, however many rows it spans.
+"""Advantage estimators: every rollout counts once in its group's baseline, however many rows it
+spans.
 
 A rollout split into several training rows (segments of one episode) shares one reward; the
 estimators below dedup rows by `rollout_ids` before taking any mean or std, then give each row
 its rollout's advantage.
+
+`ADVANTAGES` maps each `algo.advantage` name to its estimator, registered with `@advantage`:
+a new estimator is one function at the end of this module and its test in
+tests/algo/test_advantages.py.
 """
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-ESTIMATORS = ("reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo")
+from workbench.algo.losses import masked_mean
+
+# the estimators `compute_advantages` computes from rewards alone
+REWARD_ESTIMATORS = ("reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo")
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator as the learner calls it, and what it needs."""
+
+    estimate: Callable[..., tuple[Tensor, dict[str, float]]]
+    """(batch, logprob [B, T], teacher_logprob [B, T] or None, algo config) ->
+    (advantages [B] or [B, T], metrics)."""
+    teacher: bool = False
+    """It reads a frozen teacher's log-probs: the learner loads the teacher for it."""
+    groups: bool = True
+    """It compares the samples of one prompt, so it needs trainer.group_size of 2 or more."""
+
+
+ADVANTAGES: dict[str, Estimator] = {}
+"""algo.advantage -> its estimator, in the order of registration."""
 
 
 def compute_advantages(
@@ -24,19 +52,19 @@ def compute_advantages(
     of the group.  grpo: (r - group mean) / (unbiased group std + eps).  dr_grpo: r - group mean.
     A group holding a single rollout gets advantage 0 under rloo, grpo and dr_grpo.
     """
-    if estimator not in ESTIMATORS:
-        raise ValueError(
-            f"Unknown advantage estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}."
-        )
+    if estimator not in REWARD_ESTIMATORS:
+        choices = ", ".join(REWARD_ESTIMATORS)
+        raise ValueError(f"Unknown advantage estimator {estimator!r}; choose one of {choices}.")
     n_rows = rewards.shape[0]
     if rollout_ids is None:
         rollout_ids = torch.arange(n_rows, device=rewards.device)
     _, row_rollout = torch.unique(rollout_ids, return_inverse=True)  # [N] -> rollout index
     n_rollouts = int(row_rollout.max()) + 1 if n_rows else 0
     rows = torch.arange(n_rows, device=rewards.device)
+    # [R] one representative row per rollout
     first_row = torch.full((n_rollouts,), n_rows, device=rewards.device).scatter_reduce(
         0, row_rollout, rows, reduce="amin"
-    )  # [R] one representative row per rollout
+    )
     reward = rewards[first_row]  # [R]
     group = group_ids[first_row]  # [R]
     if (rewards != reward[row_rollout]).any() or (group_ids != group[row_rollout]).any():
@@ -53,13 +81,15 @@ def compute_advantages(
     count = zeros.index_add(0, rollout_group, torch.ones_like(reward))[rollout_group]  # [R]
     total = zeros.index_add(0, rollout_group, reward)[rollout_group]  # [R]
     centered = reward - total / count  # [R]
-    others = (count - 1).clamp(min=1)  # [R] n - 1, kept >= 1 so singletons don't divide by 0
+    # [R] n - 1, kept >= 1 so singletons don't divide by 0
+    others = (count - 1).clamp(min=1)
 
     if estimator == "dr_grpo":
         advantage = centered
     elif estimator == "rloo":
         advantage = reward - (total - reward) / others
-    else:  # grpo
+    else:
+        # grpo
         variance = zeros.index_add(0, rollout_group, centered**2)[rollout_group] / others
         advantage = centered / (variance.sqrt() + eps)
     return torch.where(count > 1, advantage, 0.0)[row_rollout]
@@ -74,7 +104,8 @@ def _reference_advantages(
 ) -> Tensor:
     """Plain-loop `compute_advantages`, for tests only."""
     rollouts = list(range(len(rewards))) if rollout_ids is None else rollout_ids.tolist()
-    reward_of, group_of = {}, {}
+    reward_of = {}
+    group_of = {}
     for row, rollout in enumerate(rollouts):
         reward_of.setdefault(rollout, rewards[row].item())
         group_of.setdefault(rollout, group_ids[row].item())
@@ -82,7 +113,8 @@ def _reference_advantages(
     advantage_of = {}
     for rollout, r in reward_of.items():
         group = [reward_of[o] for o in reward_of if group_of[o] == group_of[rollout]]
-        n, mean = len(group), sum(group) / len(group)
+        n = len(group)
+        mean = sum(group) / n
         if estimator == "reinforce":
             advantage_of[rollout] = r
         elif estimator == "reinforce_baseline":
@@ -102,16 +134,19 @@ def _reference_advantages(
 def distill_advantages(
     student_logprob: Tensor, teacher_logprob: Tensor, loss_mask: Tensor, coef: float = 1.0
 ) -> Tensor:
-    """on_policy_distill: per-token advantage [B, T] = -coef·(log π_student − log π_teacher) on sampled tokens, 0 elsewhere.
+    """on_policy_distill: per-token advantage [B, T] = -coef·(log π_student − log π_teacher) on
+    sampled tokens, 0 elsewhere.
 
-    No scalar reward: each token the student sampled is pushed towards the teacher by how much more
-    likely the student finds it; its mean over sampled tokens is the k1 estimate of reverse KL(student || teacher).
+    No scalar reward: each token the student sampled is pushed towards the teacher by how much
+    more likely the student finds it; its mean over sampled tokens is the k1 estimate of reverse
+    KL(student || teacher).
     """
     return torch.where(loss_mask.bool(), -coef * (student_logprob - teacher_logprob).detach(), 0.0)
 
 
 def uniform_groups(rewards: Tensor, group_ids: Tensor) -> Tensor:
-    """Rows [N] (bool) whose prompt group has one reward for all its rows: no relative signal, so dynamic filtering drops them."""
+    """Rows [N] (bool) whose prompt group has one reward for all its rows: no relative signal, so
+    dynamic filtering drops them."""
     _, group = torch.unique(group_ids, return_inverse=True)  # [N] -> group index
     n_groups = int(group.max()) + 1 if len(group) else 0
     low = torch.full((n_groups,), torch.inf, dtype=rewards.dtype).scatter_reduce(
@@ -121,3 +156,43 @@ def uniform_groups(rewards: Tensor, group_ids: Tensor) -> Tensor:
         0, group, rewards, reduce="amax"
     )
     return (low == high)[group]
+
+
+# ---- the registry: `algo.advantage=NAME` selects ADVANTAGES[NAME]
+
+
+def advantage(name: str, teacher: bool = False, groups: bool = True) -> Callable:
+    """Register the decorated function as the estimator `algo.advantage=name` (see `Estimator`)."""
+
+    def register(estimate: Callable) -> Callable:
+        ADVANTAGES[name] = Estimator(estimate, teacher=teacher, groups=groups)
+        return estimate
+
+    return register
+
+
+def _from_rewards(estimator: str) -> Callable:
+    """`compute_advantages(..., estimator)` as the learner calls it: one advantage per row."""
+
+    def estimate(batch: dict, logprob: Tensor, teacher_logprob: None, algo) -> tuple[Tensor, dict]:
+        rewards = batch["rewards"]
+        rollout_ids = batch["rollout_ids"]
+        return compute_advantages(rewards, batch["group_ids"], estimator, rollout_ids), {}
+
+    return estimate
+
+
+advantage("reinforce", groups=False)(_from_rewards("reinforce"))
+advantage("reinforce_baseline", groups=False)(_from_rewards("reinforce_baseline"))
+advantage("rloo")(_from_rewards("rloo"))
+advantage("grpo")(_from_rewards("grpo"))
+advantage("dr_grpo")(_from_rewards("dr_grpo"))
+
+
+@advantage("on_policy_distill", teacher=True, groups=False)
+def on_policy_distill(batch: dict, logprob: Tensor, teacher_logprob: Tensor, algo):
+    """Per token, from the frozen teacher; no reward. Its metric: k1 of KL(student || teacher)."""
+    mask = batch["loss_mask"]
+    advantages = distill_advantages(logprob, teacher_logprob, mask, algo.distill_coef)  # [B, T]
+    distill_kl = masked_mean(logprob - teacher_logprob, mask)
+    return advantages, {"distill/kl": float(distill_kl)}

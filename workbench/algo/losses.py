@@ -2,14 +2,23 @@
 
 Only tokens where `loss_mask` is true contribute anything, values and gradients alike; positions
 outside the mask may hold any value (even -inf) without leaking NaN into the loss.
+
+`POLICY_LOSSES` maps each `algo.policy_loss` name to its loss, registered with `@policy_loss`:
+a new loss is one function at the end of this module and its test in tests/algo/test_losses.py.
 """
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 AGGREGATIONS = ("token_mean", "seq_mean", "constant")
-POLICY_LOSSES = ("ppo", "gspo", "cispo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+PolicyLoss = Callable[..., tuple[Tensor, dict[str, float]]]
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+"""algo.policy_loss -> loss(logprob, old_logprob, advantages, loss_mask, sampled_mask, **options):
+(loss, metrics). `sampled_mask` holds every token the rollout sampled, before the gate; `options`
+are those of `policy_gradient_loss` after `loss_mask`."""
 
 
 def token_logprobs(logits: Tensor, token_ids: Tensor, temperature: float = 1.0) -> Tensor:
@@ -55,6 +64,27 @@ def approx_kl(logp: Tensor, logq: Tensor, mask: Tensor, estimator: str = "k3") -
     return masked_mean(per_token, mask)
 
 
+def ppo_surrogate(
+    logprob: Tensor, ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """PPO-clip per token [B, T]: -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A);
+    and where the clipped term is strictly smaller (the min picks it, so the gradient is 0)."""
+    unclipped = ratio * advantages  # [B, T]
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages  # [B, T]
+    return -torch.minimum(unclipped, clipped), clipped < unclipped
+
+
+def cispo_surrogate(
+    logprob: Tensor, ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """CISPO per token [B, T]: -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * logprob (the
+    clipped ratio is a constant weight, so clipped tokens still get gradient); and where the ratio
+    lies outside the band."""
+    weight = ratio.clamp(1 - clip_low, 1 + clip_high).detach()  # [B, T]
+    outside = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)  # [B, T]
+    return -weight * advantages * logprob, outside
+
+
 def policy_gradient_loss(
     logprob: Tensor,
     old_logprob: Tensor,
@@ -65,21 +95,20 @@ def policy_gradient_loss(
     aggregation: str = "token_mean",
     constant_denominator: float | None = None,
     is_weight: Tensor | None = None,
-    loss_type: str = "ppo",
+    surrogate: Callable[..., tuple[Tensor, Tensor]] = ppo_surrogate,
 ) -> tuple[Tensor, dict[str, float]]:
-    """PPO-clip (or CISPO) loss over masked tokens, and its metrics.
+    """A clipped policy-gradient loss over masked tokens (PPO-clip by default), and its metrics.
 
-    Per token, with ratio = exp(logprob - old_logprob):
-        ppo:   loss = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) * is_weight
-        cispo: loss = -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * logprob * is_weight
-               (the clipped ratio is a constant weight, so clipped tokens still get gradient)
+    Per token, with ratio = exp(logprob - old_logprob): loss = surrogate * is_weight, where
+    `surrogate` is `ppo_surrogate` or `cispo_surrogate` (masked-out log-probs reach it as 0).
     advantages A is [B] (one per sequence) or [B, T]; is_weight [B, T] is detached (default 1).
     aggregation: token_mean = sum / number of masked tokens; seq_mean = mean, over sequences
-    with at least one masked token, of each sequence's token mean; constant = sum / constant_denominator.
+    with at least one masked token, of each sequence's token mean; constant = sum /
+    constant_denominator.
 
-    metrics (python floats, over masked tokens): clip_frac = fraction of tokens where the clipped
-    term is strictly smaller than the unclipped one (so the min picks it and the gradient is 0;
-    cispo: where the ratio lies outside the band);
+    metrics (python floats, over masked tokens): clip_frac = fraction of tokens the surrogate
+    reports clipped (ppo: the clipped term is strictly smaller than the unclipped one, so the min
+    picks it and the gradient is 0; cispo: the ratio lies outside the band);
     ratio_mean, ratio_max; approx_kl = k3 estimate of KL(old || new). An empty mask gives loss 0
     (still attached to the graph) and all metrics 0.
     """
@@ -94,13 +123,8 @@ def policy_gradient_loss(
         advantages = advantages.unsqueeze(-1)  # [B, 1], broadcast over tokens
     log_ratio = torch.where(mask, logprob - old_logprob, 0.0)  # [B, T]; masked-out -> ratio 1
     ratio = torch.exp(log_ratio)  # [B, T]
-    unclipped = ratio * advantages  # [B, T]
-    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages  # [B, T]
-    if loss_type == "cispo":
-        weight = ratio.clamp(1 - clip_low, 1 + clip_high).detach()  # [B, T]
-        per_token = -weight * advantages * torch.where(mask, logprob, 0.0)  # [B, T]
-    else:
-        per_token = -torch.minimum(unclipped, clipped)  # [B, T]
+    masked_logprob = torch.where(mask, logprob, 0.0)  # [B, T]
+    per_token, clipped = surrogate(masked_logprob, ratio, advantages, clip_low, clip_high)
     if is_weight is not None:
         per_token = per_token * is_weight.detach()
     per_token = torch.where(mask, per_token, 0.0)  # [B, T]
@@ -117,14 +141,7 @@ def policy_gradient_loss(
     with torch.no_grad():
         any_token = bool(mask.any())
         metrics = {
-            "clip_frac": masked_mean(
-                (
-                    (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
-                    if loss_type == "cispo"
-                    else clipped < unclipped
-                ).float(),
-                mask,
-            ).item(),
+            "clip_frac": masked_mean(clipped.float(), mask).item(),
             "ratio_mean": masked_mean(ratio, mask).item(),
             "ratio_max": ratio[mask].max().item() if any_token else 0.0,
             "approx_kl": approx_kl(old_logprob, logprob, mask, "k3").item(),
@@ -133,14 +150,47 @@ def policy_gradient_loss(
 
 
 def sequence_ratio_logprob(logprob: Tensor, old_logprob: Tensor, loss_mask: Tensor) -> Tensor:
-    """GSPO as a stand-in for `logprob`: feeding the result to `policy_gradient_loss` (seq_mean) is GSPO.
+    """GSPO as a stand-in for `logprob`: fed to `policy_gradient_loss` (seq_mean), it is GSPO.
 
     Every token's ratio becomes the sequence ratio s = exp(mean over sampled tokens of
     logprob − old_logprob), while its gradient stays that of the token: s·∇log π. Clipping then
     acts on s, per sequence (GSPO uses a narrow band, e.g. clip_low 3e-4, clip_high 4e-4).
     """
     mask = loss_mask.bool()  # [B, T]
-    log_seq_ratio = torch.where(mask, logprob - old_logprob, 0.0).sum(-1) / mask.sum(-1).clamp(
-        min=1
-    )  # [B]
+    log_ratio_sum = torch.where(mask, logprob - old_logprob, 0.0).sum(-1)  # [B]
+    log_seq_ratio = log_ratio_sum / mask.sum(-1).clamp(min=1)  # [B]
     return old_logprob + log_seq_ratio.detach()[:, None] + (logprob - logprob.detach())  # [B, T]
+
+
+# ---- the registry: `algo.policy_loss=NAME` selects POLICY_LOSSES[NAME]
+
+
+def policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Register the decorated loss as `algo.policy_loss=name`."""
+
+    def register(loss: PolicyLoss) -> PolicyLoss:
+        POLICY_LOSSES[name] = loss
+        return loss
+
+    return register
+
+
+@policy_loss("ppo")
+def ppo_loss(logprob, old_logprob, advantages, loss_mask, sampled_mask, **options):
+    """Token ratio, PPO-clip."""
+    return policy_gradient_loss(logprob, old_logprob, advantages, loss_mask, **options)
+
+
+@policy_loss("gspo")
+def gspo_loss(logprob, old_logprob, advantages, loss_mask, sampled_mask, **options):
+    """Sequence ratio (geometric mean of the ratios of the sampled tokens), clipped per sequence."""
+    stand_in = sequence_ratio_logprob(logprob, old_logprob, sampled_mask)
+    return policy_gradient_loss(stand_in, old_logprob, advantages, loss_mask, **options)
+
+
+@policy_loss("cispo")
+def cispo_loss(logprob, old_logprob, advantages, loss_mask, sampled_mask, **options):
+    """REINFORCE on log π, weighted by the clipped token ratio held constant."""
+    return policy_gradient_loss(
+        logprob, old_logprob, advantages, loss_mask, surrogate=cispo_surrogate, **options
+    )

@@ -3,19 +3,20 @@
 
 def make_engine(cfg, model_path: str, seed: int):
     """The rollout engine `cfg.engine.name` names, loaded from `model_path`."""
+    # The engines load here, not at the top: importing engines.base (light) runs this file first.
     if cfg.engine.name == "vllm":
         from workbench.engines.vllm_engine import VllmEngine
 
-        e = cfg.engine
+        engine = cfg.engine
         return VllmEngine(
             model_path,
             cfg.model.dtype,
             seed=seed,
             partial=cfg.rollout.partial,
-            tensor_parallel_size=e.tensor_parallel_size,
-            gpu_memory_utilization=e.gpu_memory_utilization,
-            check_weight_sync=e.check_weight_sync,
-            routed_experts=e.routed_experts,
+            tensor_parallel_size=engine.tensor_parallel_size,
+            gpu_memory_utilization=engine.gpu_memory_utilization,
+            check_weight_sync=engine.check_weight_sync,
+            routed_experts=engine.routed_experts,
         )
     from workbench.engines.torch_engine import TorchEngine
 

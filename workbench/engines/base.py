@@ -8,10 +8,14 @@ implement the same protocol.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+
+# torch loads inside the wire functions: the loopback server and the rollout import this module
+# without needing torch.
 
 
 @dataclass
@@ -23,19 +27,22 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     """Generation of a sequence ends after it samples one of these (it is kept, and trainable)."""
     top_p: float = 1.0
-    """Nucleus sampling; below 1 the log-probs are those of the truncated, renormalised distribution."""
+    """Nucleus sampling; below 1 the log-probs are those of the truncated, renormalised
+    distribution."""
     seed: int | None = None
     """Seed of this call's sampler; None draws from the engine's own generator."""
 
 
 @dataclass
 class Generation:
-    token_ids: np.ndarray  # int32 [n] sampled ids, stop token included
-    logprobs: np.ndarray  # float32 [n] log-prob of each sampled id under the sampling distribution
-    versions: (
-        np.ndarray
-    )  # int32 [n] weight version that sampled each token (partial rollouts span several)
-    finish_reason: str  # "stop" | "length"
+    # int32 [n] sampled ids, stop token included
+    token_ids: np.ndarray
+    # float32 [n] log-prob of each sampled id under the sampling distribution
+    logprobs: np.ndarray
+    # int32 [n] weight version that sampled each token (partial rollouts span several)
+    versions: np.ndarray
+    # "stop" | "length"
+    finish_reason: str
     extras: dict = field(default_factory=dict)
 
 
@@ -52,39 +59,42 @@ class Engine(Protocol):
 
 
 def to_wire(state_dict: dict) -> dict:
-    """A state dict as Ray moves it fastest: every tensor's raw bytes in one numpy array (one buffer, put
-    without pickling: the tiny policy's 1.7 MB in 1.1-1.5 ms, against 2.2-3.4 as 25 arrays and ~3x that as
-    pickled tensors), each tensor at a 64-byte aligned offset, with its name, dtype and shape."""
+    """A state dict as Ray moves it fastest: every tensor's raw bytes in one numpy array (one
+    buffer, put without pickling: the tiny policy's 1.7 MB in 1.1-1.5 ms, against 2.2-3.4 as 25
+    arrays and ~3x that as pickled tensors), each tensor at a 64-byte aligned offset, with its name,
+    dtype and shape."""
     import torch
 
-    layout, pieces, offset = [], [], 0
+    layout = []
+    pieces = []
+    offset = 0
     for name, tensor in state_dict.items():
         flat = tensor.detach().cpu().reshape(-1).view(torch.uint8)
         pad = -flat.numel() % 64
         pieces += [flat, torch.zeros(pad, dtype=torch.uint8)]
         layout.append((name, tensor.dtype, tuple(tensor.shape), offset, flat.numel()))
         offset += flat.numel() + pad
-    return {"raw": torch.cat(pieces).numpy() if pieces else np.zeros(0, np.uint8), "layout": layout}
+    raw = np.zeros(0, np.uint8)
+    if pieces:
+        raw = torch.cat(pieces).numpy()
+    return {"raw": raw, "layout": layout}
 
 
 def from_wire(wire: dict) -> dict:
     """The state dict `to_wire` packed (tensors on the array's memory)."""
-    import warnings
-
     import torch
 
-    with (
-        warnings.catch_warnings()
-    ):  # Ray hands out read-only arrays; the engines only read (copy) them
+    state_dict = {}
+    # Ray hands out read-only arrays; the engines only read (copy) them
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        # each tensor on its own storage over its bytes: pickling one (vLLM's RPC) then sends its bytes, not the whole buffer
-        return {
-            name: (
-                torch.frombuffer(
-                    wire["raw"], dtype=dtype, count=size // dtype.itemsize, offset=offset
-                )
-                if size
-                else torch.empty(0, dtype=dtype)
-            ).reshape(shape)
-            for name, dtype, shape, offset, size in wire["layout"]
-        }
+        for name, dtype, shape, offset, size in wire["layout"]:
+            # each tensor on its own storage over its bytes: pickling one (vLLM's RPC) then sends
+            # its bytes, not the whole buffer (frombuffer refuses an empty one)
+            if size:
+                count = size // dtype.itemsize
+                tensor = torch.frombuffer(wire["raw"], dtype=dtype, count=count, offset=offset)
+            else:
+                tensor = torch.empty(0, dtype=dtype)
+            state_dict[name] = tensor.reshape(shape)
+    return state_dict

@@ -21,25 +21,26 @@ import numpy as np
 import torch
 
 from workbench.engines.base import Generation, SamplingParams
+from workbench.invariants.routing_replay import capture_routes, find_routers
+from workbench.models.multimodal import ImageCodec, forward_inputs, is_vision_language, load_policy
 from workbench.models.prefix import cache_input, output_cache, unique_rows
 
 
 def set_threads(cfg, model=None) -> None:
-    """torch threads of this actor (Ray would give it one): `ray.torch_threads`; else one for a policy
-    under 1M parameters (the built-in tiny ones: their matrices are too small to split, and waking a
-    second thread costs more than it saves, bench/README.md); else every core when rollout and learner
-    take turns (synchronous), else the cores split between them."""
+    """torch threads of this actor (Ray would give it one): `ray.torch_threads`; else one for a
+    policy under 1M parameters (the built-in tiny ones: their matrices are too small to split, and
+    waking a second thread costs more than it saves, bench/README.md); else every core when rollout
+    and learner take turns (synchronous), else the cores split between them."""
     cores = os.cpu_count() or 1
-    share = (
-        cores if cfg.trainer.async_depth == 0 else max(1, cores // (cfg.ray.rollout_workers + 1))
-    )
-    small = model is not None and sum(p.numel() for p in model.parameters()) < 1_000_000
-    torch.set_num_threads(cfg.ray.torch_threads or (1 if small else share))
+    threads = cores
+    if cfg.trainer.async_depth != 0:
+        threads = max(1, cores // (cfg.ray.rollout_workers + 1))
+    if model is not None and sum(p.numel() for p in model.parameters()) < 1_000_000:
+        threads = 1
+    torch.set_num_threads(cfg.ray.torch_threads or threads)
 
 
 def load_causal_lm(path: str, dtype: str = "float32"):
-    from workbench.models.multimodal import load_policy
-
     return load_policy(path, dtype)
 
 
@@ -48,40 +49,33 @@ def nucleus(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
     if top_p >= 1:
         return logprobs
     sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)
-    outside = (
-        sorted_logprobs.exp().cumsum(-1) - sorted_logprobs.exp() >= top_p
-    )  # mass before this token
+    # the mass before this token already reaches top_p
+    outside = sorted_logprobs.exp().cumsum(-1) - sorted_logprobs.exp() >= top_p
     sorted_logprobs = sorted_logprobs.masked_fill(outside, float("-inf"))
     truncated = torch.full_like(logprobs, float("-inf")).scatter(-1, order, sorted_logprobs)
     return torch.log_softmax(truncated, dim=-1)
 
 
 class TorchEngine:
-    compute_s = (
-        0.0  # seconds spent generating, all calls (bench/step_cost.py: model compute vs overhead)
-    )
+    # seconds spent generating, all calls (bench/step_cost.py: model compute vs overhead)
+    compute_s = 0.0
 
     def __init__(
         self, model_path: str, dtype: str = "float32", seed: int = 0, partial: bool = False
     ):
-        from workbench.models.multimodal import ImageCodec, is_vision_language
-
         self.model = load_causal_lm(model_path, dtype).eval()
         self.codec = ImageCodec(model_path) if is_vision_language(model_path) else None
         config = self.model.config.get_text_config()
         self.pad_token_id = config.pad_token_id or 0
         self.generator = torch.Generator().manual_seed(seed)
-        self.version, self.partial = 0, partial
-        from workbench.invariants.routing_replay import find_routers
-
-        self.moe = bool(
-            find_routers(self.model)
-        )  # then every Generation carries its routed experts
-        self._lock, self._pending, self._busy = (
-            threading.Lock(),
-            None,
-            0,
-        )  # busy: generations and holds
+        self.version = 0
+        self.partial = partial
+        # then every Generation carries its routed experts
+        self.moe = bool(find_routers(self.model))
+        self._lock = threading.Lock()
+        self._pending = None
+        # generations and holds under way
+        self._busy = 0
 
     def load_weights(self, state_dict: dict, version: int) -> None:
         with self._lock:
@@ -123,10 +117,11 @@ class TorchEngine:
         params: SamplingParams,
         images: list[list[bytes]] | None = None,
     ) -> list[Generation]:
-        """`images[i]`: the images of prompt i, in the order of its placeholder runs (vision-language models)."""
-        # OpenMP's thread count is per thread: the calling thread (a Ray actor thread, a loopback server request)
-        # starts at OMP_NUM_THREADS or every core, not at set_threads' choice (with passive waits, two threads
-        # on the tiny policy's matmuls took 1.9x as long as one)
+        """`images[i]`: the images of prompt i, in the order of its placeholder runs
+        (vision-language models)."""
+        # OpenMP's thread count is per thread: the calling thread (a Ray actor thread, a loopback
+        # server request) starts at OMP_NUM_THREADS or every core, not at set_threads' choice (with
+        # passive waits, two threads on the tiny policy's matmuls took 1.9x as long as one)
         torch.set_num_threads(torch.get_num_threads())
         self._enter()
         start = time.perf_counter()
@@ -141,70 +136,74 @@ class TorchEngine:
     ) -> list[Generation]:
         if not self.moe:
             return self._sample(prompts, params, images)
-        from workbench.invariants.routing_replay import capture_routes
-
         with capture_routes(self.model) as forwards:
             generations = self._sample(prompts, params, images)
         longest = max(len(p) for p in prompts)
-        prefill = forwards[0].reshape(
-            len(prompts), longest, *forwards[0].shape[1:]
-        )  # [batch, seq, layers, k]
-        for row, (prompt, generation) in enumerate(zip(prompts, generations)):
-            # token j of the reply is fed (and routed) by forward j + 1; the last sampled token never is
+        # [batch, seq, layers, k]
+        prefill = forwards[0].reshape(len(prompts), longest, *forwards[0].shape[1:])
+        for row, (prompt, generation) in enumerate(zip(prompts, generations, strict=True)):
+            routes = [prefill[row, longest - len(prompt) :]]
+            # token j of the reply is fed (and routed) by forward j + 1; the last sampled token
+            # never is
             fed = [forwards[j + 1][row] for j in range(len(generation.token_ids) - 1)]
-            unknown = np.full((1, *prefill.shape[2:]), -1, dtype=np.int16)
-            generation.extras["routed_experts"] = np.concatenate(
-                [prefill[row, longest - len(prompt) :], *([np.stack(fed)] if fed else []), unknown]
-            )
+            if fed:
+                routes.append(np.stack(fed))
+            routes.append(np.full((1, *prefill.shape[2:]), -1, dtype=np.int16))
+            generation.extras["routed_experts"] = np.concatenate(routes)
         return generations
 
     @torch.no_grad()
     def _sample(
         self, prompts: list[np.ndarray], params: SamplingParams, images=None
     ) -> list[Generation]:
-        from workbench.models.multimodal import forward_inputs
-
-        batch, longest = len(prompts), max(len(p) for p in prompts)
-        # a group's samples share their prompt: prefill each distinct prompt once (text-only, dense policies)
-        text_only = not any(images or [])  # the rollout passes each prompt's (empty) image list
-        distinct, copy_of = (
-            unique_rows(prompts) if text_only and not self.moe else (prompts, np.arange(batch))
-        )
-        input_ids = torch.full(
-            (len(distinct), longest), self.pad_token_id, dtype=torch.long
-        )  # [distinct, seq]
+        batch = len(prompts)
+        longest = max(len(p) for p in prompts)
+        # a group's samples share their prompt: prefill each distinct prompt once (text-only, dense
+        # policies); the rollout passes each prompt's (empty) image list
+        text_only = not any(images or [])
+        if text_only and not self.moe:
+            distinct, copy_of = unique_rows(prompts)
+        else:
+            distinct = prompts
+            copy_of = np.arange(batch)
+        # [distinct, seq]
+        input_ids = torch.full((len(distinct), longest), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros((len(distinct), longest), dtype=torch.long)
         for row, prompt in enumerate(distinct):
             input_ids[row, longest - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
             attention[row, longest - len(prompt) :] = 1
         inputs = forward_inputs(self.model, input_ids, attention, images, self.codec)
-        generator = (
-            self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
-        )
+        generator = self.generator
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed)
         stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long)
 
         out = self.model(**inputs, use_cache=True, logits_to_keep=1)
-        cache, logits = output_cache(out), out.logits[:, -1]
-        positions = inputs["position_ids"]  # [batch, seq], or [3, batch, seq] (M-RoPE)
-        if len(distinct) < batch:  # each sample reads its prompt's cache from here on
+        cache = output_cache(out)
+        logits = out.logits[:, -1]
+        # [batch, seq], or [3, batch, seq] (M-RoPE)
+        positions = inputs["position_ids"]
+        # each sample reads its prompt's cache from here on
+        if len(distinct) < batch:
             copy_of = torch.from_numpy(copy_of)
             cache.batch_select_indices(copy_of)
-            logits, attention, positions = (
-                logits[copy_of],
-                attention[copy_of],
-                positions[..., copy_of, :],
-            )
-        forward_version, cache_kw = self.version, cache_input(self.model, cache)
-        sampled, logprobs, versions = [], [], []
+            logits = logits[copy_of]
+            attention = attention[copy_of]
+            positions = positions[..., copy_of, :]
+        forward_version = self.version
+        cache_kw = cache_input(self.model, cache)
+        sampled = []
+        logprobs = []
+        versions = []
         done = torch.zeros(batch, dtype=torch.bool)
         for step in range(params.max_tokens):
-            versions.append(forward_version)  # the weights whose forward produced these logits
+            # the weights whose forward produced these logits
+            versions.append(forward_version)
             logits = logits.float()  # [batch, vocab]
             if params.temperature > 0:
                 dist = nucleus(torch.log_softmax(logits / params.temperature, dim=-1), params.top_p)
-                noise = torch.rand(
-                    dist.shape, generator=generator
-                )  # Gumbel-max: an exact draw, far cheaper than multinomial
+                # Gumbel-max: an exact draw, far cheaper than multinomial
+                noise = torch.rand(dist.shape, generator=generator)
                 token = (dist - (-noise.log()).log()).argmax(-1)
             else:
                 dist = torch.log_softmax(logits, dim=-1)
@@ -213,12 +212,12 @@ class TorchEngine:
             sampled.append(token)
             logprobs.append(dist.gather(-1, token[:, None]).squeeze(-1))
             done |= torch.isin(token, stop)
-            if (
-                bool(done.all()) or step + 1 == params.max_tokens
-            ):  # no forward whose logits nothing samples
+            # no forward whose logits nothing samples
+            if bool(done.all()) or step + 1 == params.max_tokens:
                 break
             if self.partial and self._pending is not None:
-                with self._lock:  # pause, swap, resume: the next token samples from the new weights
+                # pause, swap, resume: the next token samples from the new weights
+                with self._lock:
                     self._swap()
             forward_version = self.version
             attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long)], dim=-1)
@@ -234,16 +233,21 @@ class TorchEngine:
 
         tokens = torch.stack(sampled, dim=1).numpy()  # [batch, new]
         token_logprobs = torch.stack(logprobs, dim=1).numpy()
-        results, stopped = [], np.isin(tokens, stop.numpy())  # [batch, new]
+        stopped = np.isin(tokens, stop.numpy())  # [batch, new]
+        results = []
         for row in range(batch):
             hits = np.flatnonzero(stopped[row])
-            end = int(hits[0]) + 1 if len(hits) else tokens.shape[1]
+            end = tokens.shape[1]
+            finish_reason = "length"
+            if len(hits):
+                end = int(hits[0]) + 1
+                finish_reason = "stop"
             results.append(
                 Generation(
                     tokens[row, :end].astype(np.int32),
                     token_logprobs[row, :end].astype(np.float32),
                     np.asarray(versions[:end], dtype=np.int32),
-                    "stop" if len(hits) else "length",
+                    finish_reason,
                 )
             )
         return results

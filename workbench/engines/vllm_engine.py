@@ -20,10 +20,11 @@ MoE routed experts (`enable_return_routed_experts`) need vLLM's Model Runner V2;
 vLLM refuses them ("AuxOutput Connector requires Model Runner V2"), so there the engine asks for
 none and a MoE generation carries no routes; on GPUs they are decoded into the Segment record.
 
-Images (vision-language policies) go in as `multi_modal_data` beside ids whose placeholder runs the
-rollout has already expanded with the checkpoint's own image processor, as vLLM would. vLLM's vision
-models import torchvision, and no torchvision build for this machine's torch 2.13 CPU exists, so this
-path is not exercised here (config validation refuses it where torchvision does not import).
+Images (vision-language policies) go in as `multi_modal_data` beside ids whose placeholder runs
+the rollout has already expanded with the checkpoint's own image processor, as vLLM would. vLLM's
+vision models import torchvision, and no torchvision build for this machine's torch 2.13 CPU
+exists, so this path is not exercised here (config validation refuses it where torchvision does
+not import).
 """
 
 from __future__ import annotations
@@ -36,9 +37,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+from PIL import Image
+from transformers import AutoConfig
 
 from workbench.engines.base import Generation, SamplingParams
 from workbench.engines.torch_engine import TorchEngine
+from workbench.invariants.routing_replay import decode_vllm_routed_experts
+from workbench.models.multimodal import ImageCodec, is_vision_language
+from workbench.models.tiny import is_moe
 
 CPU_DEFAULTS = {
     "VLLM_HOST_IP": "127.0.0.1",
@@ -53,17 +59,17 @@ class WeightSync:
     def load_policy_weights(
         self, weights: list[tuple[str, torch.Tensor]], check: bool
     ) -> list[str]:
-        """Reload from (name, tensor) pairs in checkpoint format; with `check`, every parameter is first
-        filled with NaN, and the names of those still holding NaN afterwards (not updated) are returned."""
+        """Reload from (name, tensor) pairs in checkpoint format; with `check`, every parameter is
+        first filled with NaN, and the names of those still holding NaN afterwards (not updated) are
+        returned."""
         model = self.model_runner.get_model()
         if check:
             with torch.no_grad():
                 for parameter in model.parameters():
                     parameter.fill_(float("nan"))
         self.reload_weights(weights_iterator=iter(weights))
-        for module in (
-            model.modules()
-        ):  # CPU MoE kernels read prepacked experts, packed only at the first load
+        # CPU MoE kernels read prepacked experts, packed only at the first load
+        for module in model.modules():
             kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
             if kernel is not None and module.w13_weight.device.type == "cpu":
                 kernel.fused_experts.process_weights_after_loading(module)
@@ -73,7 +79,8 @@ class WeightSync:
 
 
 class VllmEngine(TorchEngine):
-    """Same protocol, weight slot and hold/partial semantics as the torch engine; vLLM does the sampling."""
+    """Same protocol, weight slot and hold/partial semantics as the torch engine; vLLM does the
+    sampling."""
 
     def __init__(
         self,
@@ -86,22 +93,24 @@ class VllmEngine(TorchEngine):
         check_weight_sync: bool = False,
         routed_experts: bool = True,
     ):
-        from workbench.models.multimodal import ImageCodec, is_vision_language
-        from workbench.models.tiny import is_moe
-
         vision = is_vision_language(model_path)
         cpu = not torch.cuda.is_available()
-        for key, value in CPU_DEFAULTS.items() if cpu else ():
-            os.environ.setdefault(key, value)
-        from transformers import AutoConfig
+        if cpu:
+            for key, value in CPU_DEFAULTS.items():
+                os.environ.setdefault(key, value)
+        # vLLM loads after the CPU defaults are set (it reads them at import), and only here: it is
+        # optional
         from vllm import LLM
 
         self.moe = is_moe(AutoConfig.from_pretrained(model_path).get_text_config())
-        self.routes = (
-            self.moe and routed_experts and not cpu
-        )  # vLLM serves them with Model Runner V2 only (GPU)
-        # vLLM's CPU kernels keep the OpenMP settings of the thread that started them: all calls run on that thread
+        # vLLM serves them with Model Runner V2 only (GPU)
+        self.routes = self.moe and routed_experts and not cpu
+        # vLLM's CPU kernels keep the OpenMP settings of the thread that started them: all calls run
+        # on that thread
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="vllm")
+        options = {}
+        if vision:
+            options["limit_mm_per_prompt"] = {"image": 8}
         self.llm = self._call(
             LLM,
             model=model_path,
@@ -116,14 +125,18 @@ class VllmEngine(TorchEngine):
             async_scheduling=False,
             worker_extension_cls=f"{__name__}.WeightSync",
             enable_return_routed_experts=self.routes,
-            **({"limit_mm_per_prompt": {"image": 8}} if vision else {}),
+            **options,
         )
-        self.codec = (
-            ImageCodec(model_path) if vision else None
-        )  # the rollout expands placeholders as vLLM does
-        self.seed, self.check = seed, check_weight_sync
-        self.version, self.partial, self.ids = 0, partial, itertools.count()
-        self._lock, self._pending, self._busy = threading.Lock(), None, 0
+        # the rollout expands placeholders as vLLM does
+        self.codec = ImageCodec(model_path) if vision else None
+        self.seed = seed
+        self.check = check_weight_sync
+        self.version = 0
+        self.partial = partial
+        self.ids = itertools.count()
+        self._lock = threading.Lock()
+        self._pending = None
+        self._busy = 0
 
     def _call(self, function, *args, **kwargs):
         """`function(*args, **kwargs)` on the engine's own thread."""
@@ -135,7 +148,8 @@ class VllmEngine(TorchEngine):
         return self._call(self._steps, prompts, params, images or [[] for _ in prompts])
 
     def _swap(self) -> None:
-        """Adopt pending weights, if any (the caller holds the lock); refuse a partial update when checking."""
+        """Adopt pending weights, if any (the caller holds the lock); refuse a partial update when
+        checking."""
         if self._pending is None:
             return
         state_dict, version = self._pending
@@ -147,15 +161,15 @@ class VllmEngine(TorchEngine):
         missed = sorted({name for worker in stale for name in worker})
         if missed:
             raise RuntimeError(
-                f"Weight sync to version {version} left {len(missed)} vLLM parameter(s) not updated "
-                f"(e.g. {missed[0]}): the pushed state dict does not cover the engine's model."
+                f"Weight sync to version {version} left {len(missed)} vLLM parameter(s) not "
+                f"updated (e.g. {missed[0]}): the pushed state dict does not cover the engine's "
+                "model."
             )
         self.version = version
 
     def _steps(
         self, prompts: list[np.ndarray], params: SamplingParams, images: list[list[bytes]]
     ) -> list[Generation]:
-        from PIL import Image
         from vllm import SamplingParams as VllmParams
         from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -172,22 +186,19 @@ class VllmEngine(TorchEngine):
             skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA,
         )
-        engine, rows = self.llm.llm_engine, {}
+        engine = self.llm.llm_engine
+        rows = {}
         for row, prompt in enumerate(prompts):
-            sampling = (
-                sampling.clone()
-            )  # a seed per request: the engine's own stream, or the call's seed and the row
-            sampling.seed = (
-                self.seed * 1_000_003 + next(self.ids)
-                if params.seed is None
-                else (params.seed * 1_000_003 + row) % 2**63
-            )
-            request_id = (
-                f"r{next(self.ids)}"  # outputs carry this id (add_request returns an internal one)
-            )
-            inputs = TokensPrompt(
-                prompt_token_ids=[int(t) for t in prompt]
-            )  # placeholders already expanded
+            # a seed per request: the engine's own stream, or the call's seed and the row
+            sampling = sampling.clone()
+            if params.seed is None:
+                sampling.seed = self.seed * 1_000_003 + next(self.ids)
+            else:
+                sampling.seed = (params.seed * 1_000_003 + row) % 2**63
+            # outputs carry this id (add_request returns an internal one)
+            request_id = f"r{next(self.ids)}"
+            # placeholders already expanded
+            inputs = TokensPrompt(prompt_token_ids=[int(t) for t in prompt])
             if images[row]:
                 inputs["multi_modal_data"] = {
                     "image": [Image.open(io.BytesIO(b)).convert("RGB") for b in images[row]]
@@ -195,22 +206,26 @@ class VllmEngine(TorchEngine):
             engine.add_request(request_id, inputs, sampling)
             rows[request_id] = row
         parts = {row: ([], [], []) for row in range(len(prompts))}  # ids, logprobs, versions
-        finish, routes = {}, {}
+        finish = {}
+        routes = {}
         while engine.has_unfinished_requests():
             version = self.version
             for output in engine.step():
-                row, completion = rows[output.request_id], output.outputs[0]
+                row = rows[output.request_id]
+                completion = output.outputs[0]
                 ids, logprobs, versions = parts[row]
                 ids += completion.token_ids
                 logprobs += [
                     entry[token].logprob
-                    for entry, token in zip(completion.logprobs, completion.token_ids)
+                    for entry, token in zip(completion.logprobs, completion.token_ids, strict=True)
                 ]
                 versions += [version] * len(completion.token_ids)
                 if output.finished:
-                    finish[row], routes[row] = completion.finish_reason, completion.routed_experts
+                    finish[row] = completion.finish_reason
+                    routes[row] = completion.routed_experts
             if self.partial and self._pending is not None:
-                with self._lock:  # pause (between steps), swap, resume on the kept KV cache
+                # pause (between steps), swap, resume on the kept KV cache
+                with self._lock:
                     self._swap()
         generations = []
         for row, prompt in enumerate(prompts):
@@ -222,8 +237,6 @@ class VllmEngine(TorchEngine):
                 "stop" if finish[row] == "stop" else "length",
             )
             if routes.get(row) is not None:
-                from workbench.invariants.routing_replay import decode_vllm_routed_experts
-
                 generation.extras["routed_experts"] = decode_vllm_routed_experts(
                     routes[row], len(prompt) + len(ids)
                 )

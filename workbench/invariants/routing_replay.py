@@ -1,4 +1,5 @@
-"""Invariant: rollout and trainer compute the same model — the experts the rollout chose for each token are the experts the training forward uses.
+"""Invariant: rollout and trainer compute the same model — the experts the rollout chose for each
+token are the experts the training forward uses.
 
 Rollout routing replay (R3, arXiv 2510.11370), with no change to the model code: a forward hook
 on every MoE router (transformers' `*TopKRouter`: `forward(hidden) -> (logits, weights, indices)`)
@@ -31,7 +32,8 @@ def find_routers(model) -> list[torch.nn.Module]:
 
 @contextlib.contextmanager
 def _hooked(routers: list[torch.nn.Module], make_hook):
-    """`make_hook(layer)` installed as a forward hook on each router for the duration of the block."""
+    """`make_hook(layer)` installed as a forward hook on each router for the duration of the
+    block."""
     handles = [router.register_forward_hook(make_hook(i)) for i, router in enumerate(routers)]
     try:
         yield
@@ -42,13 +44,17 @@ def _hooked(routers: list[torch.nn.Module], make_hook):
 
 @contextlib.contextmanager
 def capture_routes(model):
-    """Yield a list that collects, per forward, one int16 [tokens, layers, top_k] array of live expert ids."""
-    routers, per_forward, current = find_routers(model), [], {}
+    """Yield a list that collects, per forward, one int16 [tokens, layers, top_k] array of live
+    expert ids."""
+    routers = find_routers(model)
+    per_forward = []
+    current = {}
 
     def hook(index):
         def record(module, inputs, output):
             current[index] = output[2].detach().to(torch.int16)
-            if len(current) == len(routers):  # the last MoE layer of this forward
+            # the last MoE layer of this forward
+            if len(current) == len(routers):
                 per_forward.append(
                     torch.stack([current[i] for i in range(len(routers))], dim=1).numpy()
                 )
@@ -66,38 +72,37 @@ def replay_routes(model, routed_experts: torch.Tensor, enabled: bool = True):
 
     routed_experts: int [batch, seq, layers, top_k] for the batch about to be run (-1 = unknown).
     Yields a dict filled with `mismatch`: bool [batch, seq, layers] (live top-k set ≠ recorded set,
-    where recorded), `known`: bool [batch, seq, layers] and `live`: int16 [batch, seq, layers, top_k], the
-    experts the live router chose.
+    where recorded), `known`: bool [batch, seq, layers] and `live`: int16
+    [batch, seq, layers, top_k], the experts the live router chose.
     """
     routers = find_routers(model)
     batch, seq = routed_experts.shape[:2]
     stats: dict[str, torch.Tensor] = {}
 
+    def table(name: str, fill: int, dtype: torch.dtype, *tail: int) -> torch.Tensor:
+        """stats[name], made at the first forward: [batch, seq, layers, *tail] of `fill`."""
+        return stats.setdefault(
+            name, torch.full((batch, seq, len(routers), *tail), fill, dtype=dtype)
+        )
+
     def hook(layer):
         def force(module, inputs, output):
-            logits, live_weights, live = output  # [tokens, experts], [tokens, k], [tokens, k]
+            # [tokens, experts], [tokens, k], [tokens, k]
+            logits, live_weights, live = output
             recorded = (
                 routed_experts[:, :, layer, :].reshape(-1, live.shape[-1]).to(live.device).long()
             )
             known = (recorded >= 0).all(-1)  # [tokens]
             same = (live.sort(-1).values == recorded.sort(-1).values).all(-1)
-            stats.setdefault("mismatch", torch.zeros(batch, seq, len(routers), dtype=torch.bool))[
-                :, :, layer
-            ] = (known & ~same).view(batch, seq)
-            stats.setdefault("known", torch.zeros(batch, seq, len(routers), dtype=torch.bool))[
-                :, :, layer
-            ] = known.view(batch, seq)
-            stats.setdefault(
-                "live",
-                torch.full((batch, seq, len(routers), live.shape[-1]), -1, dtype=torch.int16),
-            )[:, :, layer] = live.view(batch, seq, -1)
+            table("mismatch", False, torch.bool)[:, :, layer] = (known & ~same).view(batch, seq)
+            table("known", False, torch.bool)[:, :, layer] = known.view(batch, seq)
+            table("live", -1, torch.int16, live.shape[-1])[:, :, layer] = live.view(batch, seq, -1)
             if not enabled:
                 return output
             chosen = torch.where(known[:, None], recorded, live)  # [tokens, k]
             weights = torch.softmax(logits.float(), dim=-1).gather(-1, chosen)
-            if getattr(
-                module, "norm_topk_prob", True
-            ):  # Mixtral always re-normalises; Qwen3-MoE / OLMoE by config
+            # Mixtral always re-normalises; Qwen3-MoE / OLMoE by config
+            if getattr(module, "norm_topk_prob", True):
                 weights = weights / weights.sum(-1, keepdim=True)
             return logits, weights.to(live_weights.dtype), chosen
 
@@ -108,9 +113,9 @@ def replay_routes(model, routed_experts: torch.Tensor, enabled: bool = True):
 
 
 def decode_vllm_routed_experts(data, num_tokens: int) -> np.ndarray:
-    """vLLM's `routed_experts` (nested lists, or a base64 `.npy` string), one row per token that was
-    fed (one fewer than the tokens: the last sampled token never is), as int16 [num_tokens, layers, k]
-    with -1 for rows vLLM did not report."""
+    """vLLM's `routed_experts` (nested lists, or a base64 `.npy` string), one row per token that
+    was fed (one fewer than the tokens: the last sampled token never is), as int16
+    [num_tokens, layers, k] with -1 for rows vLLM did not report."""
     if isinstance(data, str):
         array = np.load(io.BytesIO(base64.b64decode(data)), allow_pickle=False)
     else:
@@ -121,7 +126,8 @@ def decode_vllm_routed_experts(data, num_tokens: int) -> np.ndarray:
         )
     if not num_tokens - 1 <= len(array) <= num_tokens:
         raise ValueError(
-            f"routed_experts has {len(array)} rows for {num_tokens} tokens (expected {num_tokens - 1} or {num_tokens})."
+            f"routed_experts has {len(array)} rows for {num_tokens} tokens (expected "
+            f"{num_tokens - 1} or {num_tokens})."
         )
     out = np.full((num_tokens, *array.shape[1:]), -1, dtype=np.int16)
     out[: len(array)] = array.astype(np.int16)

@@ -1,4 +1,4 @@
-"""Invariant: the token ids the policy sampled are the trajectory; nothing is decoded and re-encoded.
+"""Invariant: the token ids the policy sampled are the trajectory; nothing is re-encoded.
 
 `TokenAccumulator` builds an episode's token sequence turn by turn. Sampled ids are appended as
 they came out of the engine (mask 1, with their log-prob and version). A new message is added by
@@ -70,7 +70,9 @@ class SegmentTokens:
 
 
 def message_images(messages: list[dict]) -> list[bytes]:
-    """Encoded images of `messages` in render order (content parts `{"type": "image", "image": bytes}`)."""
+    """Encoded images of `messages` in render order.
+
+    Content parts look like `{"type": "image", "image": bytes}`."""
     return [
         part["image"]
         for m in messages
@@ -81,8 +83,10 @@ def message_images(messages: list[dict]) -> list[bytes]:
 
 
 def retokenize_drift(tokenizer, token_ids: list[int]) -> bool:
-    """Would decoding these ids to text and encoding it again give other ids? (Measured, never acted on.)
-    Through the fast tokenizer's Rust backend when there is one: the same round trip, a quarter of the cost."""
+    """Would decoding these ids to text and encoding it again give other ids?
+
+    Measured, never acted on. Through the fast tokenizer's Rust backend when there is one:
+    the same round trip, a quarter of the cost."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return tokenizer(tokenizer.decode(token_ids), add_special_tokens=False)[
@@ -117,7 +121,8 @@ class TokenAccumulator:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if images and self.codec is None:
             raise ValueError(
-                "A message holds an image but the policy has no vision tower: use a vision-language model."
+                "A message holds an image but the policy has no vision tower: "
+                "use a vision-language model."
             )
         return self.codec.expand(ids, images) if images else ids
 
@@ -136,12 +141,13 @@ class TokenAccumulator:
         routed_experts: np.ndarray | None = None,
     ) -> None:
         """Append what the engine sampled, untouched, with each token's log-prob and weight version
-        (`versions`: one int for the whole turn or int [n]). `message` is the assistant message decoded
-        from it (text, tool calls), for the conversation only; `finish_reason` "stop" means the last
-        id is the template's stop token."""
+        (`versions`: one int for the whole turn or int [n]). `message` is the assistant message
+        decoded from it (text, tool calls), for the conversation only; `finish_reason` "stop" means
+        the last id is the template's stop token."""
         if len(logprobs) != len(token_ids):
             raise ValueError(
-                f"The engine returned {len(logprobs)} log-probs for {len(token_ids)} sampled tokens."
+                f"The engine returned {len(logprobs)} log-probs "
+                f"for {len(token_ids)} sampled tokens."
             )
         start = len(self.open.token_ids)
         versions = np.broadcast_to(np.asarray(versions, dtype=np.int32), (len(token_ids),))
@@ -154,8 +160,10 @@ class TokenAccumulator:
         self.last_finish = self.open.finish = finish_reason
 
     def continue_with(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """Take a client's whole conversation: `extend` when it continues this one (our messages are its
-        prefix and the render stays a prefix), else `seal` and start a new segment from its full render."""
+        """Take a client's whole conversation.
+
+        `extend` when it continues this one (our messages are its prefix and the render stays a
+        prefix), else `seal` and start a new segment from its full render."""
         known = len(self.messages)
         if (
             (tools or None) == self.tools
@@ -169,15 +177,17 @@ class TokenAccumulator:
         return "seal"
 
     def add_messages(self, new_messages: list[dict]) -> bool:
-        """Extend the open segment with the rendered delta of `new_messages`; False if it had to seal."""
+        """Extend the open segment with the rendered delta of `new_messages`.
+
+        False if it had to seal."""
         previous = self.render(self.messages, generation_prompt=False)
         full = self.render(self.messages + new_messages, generation_prompt=True)
         if not full.startswith(previous):
             self.seal("template_rewrite")
             self._open(self.messages + new_messages)
             return False
-        # The template closes the assistant turn after its stop token (e.g. a newline); a turn that ran
-        # out of tokens never sampled the stop token, so it is added here, untrainable.
+        # The template closes the assistant turn after its stop token (e.g. a newline); a turn that
+        # ran out of tokens never sampled the stop token, so it is added here, untrainable.
         eos = self.tokenizer.eos_token
         end = previous.rfind(eos)
         tail = previous[end + len(eos) :] if self.last_finish == "stop" else previous[end:]

@@ -1,4 +1,5 @@
-"""Invariant: every trainable token keeps the log-prob and version that sampled it; asynchronous use is gated per sequence, then corrected per token.
+"""Invariant: every trainable token keeps the log-prob and version that sampled it; asynchronous
+use is gated per sequence, then corrected per token.
 
 `version_gate` is a pure function of the batch's behavior log-probs and versions, the learner's
 recomputed log-probs of the same ids (π_old) and the learner version. Per sampled token
@@ -27,21 +28,28 @@ from torch import Tensor
 LEVELS = ("off", "token", "seq", "geo")
 MODES = ("mask", "clip", "trunc")
 DENOMINATORS = ("all", "kept")
-MAX_LOG_RATIO = 20.0  # log-ratios are clamped here before exponentiation: e^20 is finite in float32
+# log-ratios are clamped here before exponentiation: e^20 is finite in float32
+MAX_LOG_RATIO = 20.0
 
 
 @dataclass
 class GateResult:
-    token_weight: (
-        Tensor  # [B, T] weight of each token in the loss (0 outside the mask or where rejected)
-    )
-    loss_mask: Tensor  # [B, T] bool: tokens counted in the loss denominator
-    kept: Tensor  # [B] bool: sequence kept
-    reason: list[str]  # [B] ok | stale | ratio_low | ratio_high
-    staleness: Tensor  # [B] learner version − oldest sampled token's version (0 when none sampled)
-    seq_log_ratio: Tensor  # [B] Σδ over sampled tokens
-    geo_ratio: Tensor  # [B] e^(mean δ)
-    tokens_masked: Tensor  # [B] sampled tokens given weight 0 by the gate
+    # [B, T] weight of each token in the loss (0 outside the mask or where rejected)
+    token_weight: Tensor
+    # [B, T] bool: tokens counted in the loss denominator
+    loss_mask: Tensor
+    # [B] bool: sequence kept
+    kept: Tensor
+    # [B] ok | stale | ratio_low | ratio_high
+    reason: list[str]
+    # [B] learner version − oldest sampled token's version (0 when none sampled)
+    staleness: Tensor
+    # [B] Σδ over sampled tokens
+    seq_log_ratio: Tensor
+    # [B] e^(mean δ)
+    geo_ratio: Tensor
+    # [B] sampled tokens given weight 0 by the gate
+    tokens_masked: Tensor
 
 
 def version_gate(
@@ -63,9 +71,8 @@ def version_gate(
     low, high = band
     mask = loss_mask.bool()
     sampled = mask.sum(-1)  # [B]
-    delta = torch.where(mask, train_logprob - behavior_logprob, 0.0).clamp(
-        -MAX_LOG_RATIO, MAX_LOG_RATIO
-    )  # [B, T]
+    log_ratio = torch.where(mask, train_logprob - behavior_logprob, 0.0)  # [B, T]
+    delta = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     seq_log_ratio = delta.sum(-1)  # [B]
     geo_log_ratio = seq_log_ratio / sampled.clamp(min=1)
     oldest = torch.where(mask, behavior_version, torch.iinfo(behavior_version.dtype).max).amin(-1)
@@ -73,23 +80,25 @@ def version_gate(
 
     ratio = delta.exp()  # [B, T]
     keep_token = mask.clone()
-    reason = torch.zeros_like(sampled)  # 0 ok, 1 stale, 2 ratio_low, 3 ratio_high
+    # 0 ok, 1 stale, 2 ratio_low, 3 ratio_high
+    reason = torch.zeros_like(sampled)
     if level == "off":
         weight = mask.float()
     elif level == "token":
         if mode == "mask":
             keep_token &= (ratio >= low) & (ratio <= high)
             weight = ratio * keep_token
+        elif mode == "clip":
+            weight = ratio.clamp(min=low, max=high) * mask
         else:
-            weight = ratio.clamp(min=low if mode == "clip" else None, max=high) * mask
+            weight = ratio.clamp(max=high) * mask
     else:
-        sequence_ratio = (
-            (seq_log_ratio if level == "seq" else geo_log_ratio)
-            .clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-            .exp()
-        )
+        sequence_log_ratio = seq_log_ratio if level == "seq" else geo_log_ratio
+        sequence_ratio = sequence_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
         reason = torch.where(sequence_ratio < low, 2, torch.where(sequence_ratio > high, 3, 0))
-        weight = (ratio.clamp(max=token_cap) if token_cap is not None else ratio) * mask
+        if token_cap is not None:
+            ratio = ratio.clamp(max=token_cap)
+        weight = ratio * mask
     if max_staleness is not None:
         reason = torch.where(staleness > max_staleness, 1, reason)
     kept = reason == 0
@@ -109,7 +118,8 @@ def version_gate(
 
 
 def gate_metrics(gate: GateResult, loss_mask: Tensor) -> dict[str, float]:
-    """Per-step aggregates: kept and stale fractions, the fraction of sampled tokens filtered, staleness."""
+    """Per-step aggregates: kept and stale fractions, the fraction of sampled tokens filtered,
+    staleness."""
     sampled = loss_mask.bool().sum().clamp(min=1)
     return {
         "gate/kept_frac": float(gate.kept.float().mean()),

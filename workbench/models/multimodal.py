@@ -16,6 +16,13 @@ from pathlib import Path
 
 import torch
 
+VISION_MARKERS = (
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+)
+
 
 def is_vision_language(path: str) -> bool:
     return "vision_config" in json.loads(Path(path, "config.json").read_text())
@@ -31,24 +38,13 @@ def load_policy(path: str, dtype: str = "float32"):
     if not is_vision_language(path):
         return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=getattr(torch, dtype))
-    # The vision markers are input only: a sampled image placeholder has no image behind it. Their logits
-    # are -inf in every forward (engine, learner, warm start), so no distribution ever gives them mass.
-    config, vocab = model.config, model.config.get_text_config().vocab_size
-    banned = torch.tensor(
-        [
-            i
-            for i in (
-                getattr(config, k, None)
-                for k in (
-                    "image_token_id",
-                    "video_token_id",
-                    "vision_start_token_id",
-                    "vision_end_token_id",
-                )
-            )
-            if i is not None and i < vocab
-        ]
-    )
+    # The vision markers are input only: a sampled image placeholder has no image behind it. Their
+    # logits are -inf in every forward (engine, learner, warm start), so no distribution ever gives
+    # them mass.
+    config = model.config
+    vocab = config.get_text_config().vocab_size
+    markers = [getattr(config, key, None) for key in VISION_MARKERS]
+    banned = torch.tensor([i for i in markers if i is not None and i < vocab])
     model.get_output_embeddings().register_forward_hook(
         lambda module, inputs, logits: logits.index_fill(-1, banned, float("-inf"))
     )
@@ -79,13 +75,13 @@ class ImageCodec:
 
     def expand(self, ids: list[int], images: list[bytes]) -> list[int]:
         """Replace the k-th single placeholder in `ids` by as many as `images[k]` takes."""
-        out, images = [], iter(images)
+        out = []
+        remaining = iter(images)
         for token in ids:
-            out.extend(
-                [token] * self.placeholders(next(images))
-                if token == self.placeholder_id
-                else [token]
-            )
+            if token == self.placeholder_id:
+                out.extend([token] * self.placeholders(next(remaining)))
+            else:
+                out.append(token)
         return out
 
     def pixels(self, images: list[bytes]) -> dict[str, torch.Tensor]:
@@ -103,8 +99,9 @@ def forward_inputs(
     images: list[list[bytes]] | None = None,
     codec: ImageCodec | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Keyword inputs of a full forward over padded rows: position ids that skip padding (3-row M-RoPE
-    positions for a vision-language model) and, when any row has images, their pixels in row order."""
+    """Keyword inputs of a full forward over padded rows: position ids that skip padding (3-row
+    M-RoPE positions for a vision-language model) and, when any row has images, their pixels in row
+    order."""
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
     flat = [image for row in images or [] for image in row]
     if codec is None:
@@ -115,7 +112,6 @@ def forward_inputs(
         inputs.update(codec.pixels(flat))
         grid = inputs["image_grid_thw"]
     kinds = (input_ids == codec.placeholder_id).int()
-    inputs["position_ids"], _ = model.model.get_rope_index(
-        input_ids, kinds, grid, attention_mask
-    )  # [3, batch, seq]
+    # M-RoPE positions [3, batch, seq]
+    inputs["position_ids"], _ = model.model.get_rope_index(input_ids, kinds, grid, attention_mask)
     return inputs

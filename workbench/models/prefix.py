@@ -12,16 +12,21 @@ group. Dense text-only policies: MoE routing replay and images take the full pat
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from workbench.algo.losses import token_logprobs
+
 
 @dataclass
 class Plan:
-    prefix_len: np.ndarray  # [groups] tokens each group's rows share
-    group_of: np.ndarray  # [batch] the group of each row
+    # [groups] tokens each group's rows share
+    prefix_len: np.ndarray
+    # [batch] the group of each row
+    group_of: np.ndarray
 
 
 def plan(
@@ -30,7 +35,8 @@ def plan(
     """Each group's longest common prefix (leaving every row at least one token of its own; a group
     of one row shares with itself); None when a group shares no token, or when sharing would save
     under `min_saved` of the batch's tokens."""
-    ids, lengths = token_ids.numpy(), lengths.numpy()
+    ids = token_ids.numpy()
+    lengths = lengths.numpy()
     groups, group_of = np.unique(group_ids.numpy(), return_inverse=True)
     prefix_len = np.zeros(len(groups), dtype=np.int64)
     for g in range(len(groups)):
@@ -39,11 +45,9 @@ def plan(
         same = (ids[rows, :limit] == ids[rows[0], :limit]).all(0)
         prefix_len[g] = limit if same.all() else int(np.argmin(same))
     saved = int(prefix_len[group_of].sum() - prefix_len.sum())
-    return (
-        Plan(prefix_len, group_of)
-        if prefix_len.min() > 0 and saved >= min_saved * lengths.sum()
-        else None
-    )
+    if prefix_len.min() <= 0 or saved < min_saved * lengths.sum():
+        return None
+    return Plan(prefix_len, group_of)
 
 
 def shared_prefix_logprobs(
@@ -54,21 +58,21 @@ def shared_prefix_logprobs(
     temperature: float = 1.0,
     packed: bool | None = None,
 ) -> torch.Tensor:
-    """Log-probs [batch, seq] of right-padded rows' own ids, as `token_logprobs` of a full forward gives
-    them (padding positions hold any value), with each group's prefix computed once: `packed` in one
-    forward, else in two (prefixes, then rows on their KV cache). By default packed while a group's
-    packed row is at most twice the hidden size: the dense attention over a longer one costs more
-    than the second forward saves (bench/shared_prefix.py)."""
+    """Log-probs [batch, seq] of right-padded rows' own ids, as `token_logprobs` of a full forward
+    gives them (padding positions hold any value), with each group's prefix computed once: `packed`
+    in one forward, else in two (prefixes, then rows on their KV cache). By default packed while a
+    group's packed row is at most twice the hidden size: the dense attention over a longer one costs
+    more than the second forward saves (bench/shared_prefix.py)."""
     lengths = attention_mask.sum(-1)
-    prefix_len, group_of = torch.from_numpy(plan.prefix_len), torch.from_numpy(plan.group_of)
-    own = prefix_len[group_of]  # [batch] where each row's own tokens start
-    member = (
-        torch.nn.functional.one_hot(group_of, len(prefix_len)) * (lengths - own)[:, None]
-    )  # [batch, groups]
+    prefix_len = torch.from_numpy(plan.prefix_len)
+    group_of = torch.from_numpy(plan.group_of)
+    # [batch] where each row's own tokens start
+    own = prefix_len[group_of]
+    # [batch, groups] each row's own token count, in its group's column
+    member = torch.nn.functional.one_hot(group_of, len(prefix_len)) * (lengths - own)[:, None]
     width = int((prefix_len + member.sum(0)).max())  # the longest packed row
-    if (
-        packed is None
-    ):  # (a 4D mask is an additive bias for sdpa and eager attention; flash kernels take none)
+    # (a 4D mask is an additive bias for sdpa and eager attention; flash kernels take none)
+    if packed is None:
         packed = (
             width <= 2 * model.config.get_text_config().hidden_size
             and model.config._attn_implementation in ("sdpa", "eager")
@@ -79,39 +83,36 @@ def shared_prefix_logprobs(
 
 
 def _packed(model, token_ids, lengths, group_of, temperature, own, member, width):
-    """One row per group: its prefix once, then each of its rows' own tokens, under a mask by which a
-    row's tokens see the prefix and their own earlier tokens only, at their own positions."""
+    """One row per group: its prefix once, then each of its rows' own tokens, under a mask by which
+    a row's tokens see the prefix and their own earlier tokens only, at their own positions."""
     groups = member.shape[1]
-    start = (
-        own + (member.cumsum(0) - member).gather(1, group_of[:, None])[:, 0]
-    )  # [batch] own tokens' packed column
+    # [batch] own tokens' packed column
+    start = own + (member.cumsum(0) - member).gather(1, group_of[:, None])[:, 0]
     t = torch.arange(token_ids.shape[1])[None]  # [1, seq]
     column = torch.where(t < own[:, None], t, start[:, None] + t - own[:, None])
-    spare = groups * width  # the slot every padding position writes to (dropped)
-    slot = torch.where(
-        t < lengths[:, None], group_of[:, None] * width + column, spare
-    )  # [batch, seq] packed slot
+    # the slot every padding position writes to (dropped)
+    spare = groups * width
+    # [batch, seq] packed slot
+    slot = torch.where(t < lengths[:, None], group_of[:, None] * width + column, spare)
 
-    def pack(
-        values: torch.Tensor, fill: int
-    ) -> torch.Tensor:  # [groups, width]; a group's rows agree on its prefix
+    def pack(values: torch.Tensor, fill: int) -> torch.Tensor:
+        """[groups, width]: `values` at their packed slots; a group's rows agree on its prefix."""
         return (
             torch.full((spare + 1,), fill)
             .index_put_((slot.flatten(),), values.flatten())[:spare]
             .view(-1, width)
         )
 
-    ids, positions = pack(token_ids, 0), pack(t.expand_as(token_ids), 0)
-    owner = pack(
-        torch.where(t < own[:, None], -1, torch.arange(len(token_ids))[:, None]), -2
-    )  # prefix -1, padding -2
+    ids = pack(token_ids, 0)
+    positions = pack(t.expand_as(token_ids), 0)
+    # the row each slot belongs to: prefix -1, padding -2
+    owner = pack(torch.where(t < own[:, None], -1, torch.arange(len(token_ids))[:, None]), -2)
     sees = ((owner[:, None, :] == owner[:, :, None]) | (owner[:, None, :] == -1)) & (
         positions[:, None, :] <= positions[:, :, None]
     )
     dtype = next(model.parameters()).dtype
-    bias = torch.zeros(sees.shape, dtype=dtype).masked_fill(~sees, torch.finfo(dtype).min)[
-        :, None
-    ]  # [groups, 1, q, k]
+    # [groups, 1, q, k]
+    bias = torch.zeros(sees.shape, dtype=dtype).masked_fill(~sees, torch.finfo(dtype).min)[:, None]
     logits = (
         model(input_ids=ids, attention_mask=bias, position_ids=positions, use_cache=False)
         .logits.flatten(0, 1)
@@ -119,23 +120,22 @@ def _packed(model, token_ids, lengths, group_of, temperature, own, member, width
     )
     if temperature != 1.0:
         logits = logits / temperature
-    source = slot[:, :-1].clamp(max=spare - 1)  # the slot whose logits predict each next id
-    picked = (
-        logits[source, token_ids[:, 1:]] - torch.logsumexp(logits, dim=-1)[source]
-    )  # [batch, seq - 1]
+    # the slot whose logits predict each next id
+    source = slot[:, :-1].clamp(max=spare - 1)
+    # [batch, seq - 1]
+    picked = logits[source, token_ids[:, 1:]] - torch.logsumexp(logits, dim=-1)[source]
     return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
 
 
 def _cached(model, token_ids, lengths, plan, temperature):
-    """The prefixes in one forward (KV cache kept, with gradient), every row's own tokens in a second on it."""
-    from workbench.algo.losses import token_logprobs
-
-    prefix_len, group_of = torch.from_numpy(plan.prefix_len), torch.from_numpy(plan.group_of)
+    """The prefixes in one forward (KV cache kept, with gradient), every row's own tokens in a
+    second on it."""
+    prefix_len = torch.from_numpy(plan.prefix_len)
+    group_of = torch.from_numpy(plan.group_of)
     first_rows = torch.from_numpy(np.unique(plan.group_of, return_index=True)[1])
     longest = int(prefix_len.max())
-    prefix_mask = (
-        torch.arange(longest)[None] < prefix_len[:, None]
-    ).long()  # [groups, prefix], right-padded
+    # [groups, prefix], right-padded
+    prefix_mask = (torch.arange(longest)[None] < prefix_len[:, None]).long()
     prefix_ids = token_ids[first_rows, :longest] * prefix_mask
     out = model(
         input_ids=prefix_ids,
@@ -144,7 +144,8 @@ def _cached(model, token_ids, lengths, plan, temperature):
         use_cache=True,
     )
     cache = output_cache(out)
-    cache.batch_select_indices(group_of)  # each row reads its group's prefix keys and values
+    # each row reads its group's prefix keys and values
+    cache.batch_select_indices(group_of)
     own = prefix_len[group_of]  # [batch]
     steps = torch.arange(int((lengths - own).max()))[None]  # [1, suffix]
     suffix_mask = (steps < (lengths - own)[:, None]).long()  # [batch, suffix]
@@ -158,11 +159,12 @@ def _cached(model, token_ids, lengths, plan, temperature):
         use_cache=True,
         **cache_input(model, cache),
     ).logits
-    # a row's first own token is predicted by its group's last prefix position; the rest by its suffix
+    # a row's first own token is predicted by its group's last prefix position; the rest by its
+    # suffix
     last = out.logits[torch.arange(len(prefix_len)), prefix_len - 1][group_of]  # [batch, vocab]
-    head = torch.log_softmax(last.float() / temperature, dim=-1).gather(
-        -1, suffix_ids[:, :1]
-    )  # [batch, 1]
+    # [batch, 1]
+    head = torch.log_softmax(last.float() / temperature, dim=-1).gather(-1, suffix_ids[:, :1])
+    # [batch, prefix + suffix]
     joined = torch.cat(
         [
             token_logprobs(out.logits, prefix_ids, temperature)[group_of],
@@ -170,14 +172,10 @@ def _cached(model, token_ids, lengths, plan, temperature):
             token_logprobs(suffix, suffix_ids, temperature)[:, 1:],
         ],
         dim=1,
-    )  # [batch, prefix + suffix]
-    t = torch.arange(token_ids.shape[1])[None]
-    return joined.gather(
-        1,
-        torch.where(
-            t < own[:, None], t, (longest + t - own[:, None]).clamp(max=joined.shape[1] - 1)
-        ),
     )
+    t = torch.arange(token_ids.shape[1])[None]
+    suffix_column = (longest + t - own[:, None]).clamp(max=joined.shape[1] - 1)
+    return joined.gather(1, torch.where(t < own[:, None], t, suffix_column))
 
 
 def output_cache(out):
@@ -186,14 +184,11 @@ def output_cache(out):
 
 
 def cache_input(model, cache) -> dict:
-    """The keyword a forward takes its KV cache by (`cache`; `past_key_values` before transformers 5.20)."""
-    import inspect
-
-    return {
-        "cache"
-        if "cache" in inspect.signature(model.forward).parameters
-        else "past_key_values": cache
-    }
+    """The keyword a forward takes its KV cache by (`cache`; `past_key_values` before transformers
+    5.20)."""
+    if "cache" in inspect.signature(model.forward).parameters:
+        return {"cache": cache}
+    return {"past_key_values": cache}
 
 
 def unique_rows(prompts: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:

@@ -16,34 +16,47 @@ import shutil
 import tempfile
 from pathlib import Path
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
-VISION_TOKENS = [
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-]  # Qwen2-VL's; image_pad is expanded per image
+# torch, tokenizers and transformers load inside the builders: config, the CLI and the TUI import
+# this module for its names only.
 
-# ChatML with Qwen-style tools: a tool list in the system turn, calls as <tool_call>{json}</tool_call>
-# after the assistant's text, tool results as <tool_response> user turns.
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+# Qwen2-VL's; image_pad is expanded per image
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+
+# ChatML with Qwen-style tools: a tool list in the system turn, calls as
+# <tool_call>{json}</tool_call> after the assistant's text, tool results as <tool_response> user
+# turns.
 CHAT_TEMPLATE = (
     "{%- macro content(c) %}{%- if c is string %}{{- c }}{%- else %}{%- for part in c %}"
     "{%- if part['type'] == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
     "{%- else %}{{- part['text'] }}{%- endif %}{%- endfor %}{%- endif %}{%- endmacro %}"
     "{%- set first_system = messages and messages[0]['role'] == 'system' %}"
     "{%- if tools %}"
-    "{{- '<|im_start|>system\\n' }}{%- if first_system %}{{- content(messages[0]['content']) + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n<tools>\\n' }}{%- for tool in tools %}{{- tool | tojson }}{{- '\\n' }}{%- endfor %}"
-    '{{- \'</tools>\\nCall a tool as <tool_call>{\\"name\\": ..., \\"arguments\\": ...}</tool_call>.<|im_end|>\\n\' }}'
-    "{%- elif first_system %}{{- '<|im_start|>system\\n' + content(messages[0]['content']) + '<|im_end|>\\n' }}{%- endif %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if first_system %}{{- content(messages[0]['content']) + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n<tools>\\n' }}"
+    "{%- for tool in tools %}{{- tool | tojson }}{{- '\\n' }}{%- endfor %}"
+    '{{- \'</tools>\\nCall a tool as <tool_call>{\\"name\\": ..., \\"arguments\\": ...}'
+    "</tool_call>.<|im_end|>\\n' }}"
+    "{%- elif first_system %}"
+    "{{- '<|im_start|>system\\n' + content(messages[0]['content']) + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message['role'] == 'system' and loop.first %}"
-    "{%- elif message['role'] == 'assistant' %}{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
     "{%- for call in message.get('tool_calls') or [] %}"
-    "{{- '<tool_call>' }}{{- {'name': call['name'], 'arguments': call['arguments']} | tojson }}{{- '</tool_call>' }}"
+    "{{- '<tool_call>' }}"
+    "{{- {'name': call['name'], 'arguments': call['arguments']} | tojson }}"
+    "{{- '</tool_call>' }}"
     "{%- endfor %}{{- '<|im_end|>\\n' }}"
     "{%- elif message['role'] == 'tool' %}"
-    "{{- '<|im_start|>user\\n<tool_response>' + content(message['content']) + '</tool_response><|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + content(message['content']) + '<|im_end|>\\n' }}{%- endif %}"
+    "{{- '<|im_start|>user\\n<tool_response>' + content(message['content'])"
+    " + '</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content(message['content'])"
+    " + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
@@ -54,7 +67,8 @@ _SHAPE = dict(
 )
 TINY_SPECS: dict[str, dict] = {
     "tiny": dict(_SHAPE, family="qwen3", num_hidden_layers=2, intermediate_size=256),
-    # a dense Qwen3 with ~10x tiny's compute per token (4.2M parameters): scaling benchmarks, heavier CPU runs
+    # a dense Qwen3 with ~10x tiny's compute per token (4.2M parameters): scaling benchmarks,
+    # heavier CPU runs
     "small": dict(
         _SHAPE,
         family="qwen3",
@@ -83,7 +97,8 @@ TINY_SPECS: dict[str, dict] = {
         num_experts_per_tok=2,
         intermediate_size=64,
     ),
-    # vision-language: Qwen2-VL with a 2-block vision tower; a 112x112 image is 64 patches, 16 tokens after merging
+    # vision-language: Qwen2-VL with a 2-block vision tower; a 112x112 image is 64 patches, 16
+    # tokens after merging
     "tiny-vl": dict(
         _SHAPE,
         vocab_size=1024,
@@ -123,38 +138,49 @@ def spec_hash(spec: dict) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
-# The vision-language model's tokenizer also learns the phrases of tool-using geometry episodes (a tool
-# schema, a tool call, a diagram question), so a rendered episode is a few hundred tokens, not a thousand.
+# The vision-language model's tokenizer also learns the phrases of tool-using geometry episodes
+# (a tool schema, a tool call, a diagram question), so a rendered episode is a few hundred tokens,
+# not a thousand. A backslash at a line's end continues the line: the string has no break there.
 _TOOL_CORPUS = """\
 Solve the geometry problem shown in the diagram. You may run Python with the python_executor tool.
-Give the final answer as <answer>...</answer>. # Tools <tools> </tools> <tool_response> </tool_response>
-{"type": "function", "function": {"name": "python_executor", "description": "Run Python code in a sandbox and return what it prints.", "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+Give the final answer as <answer>...</answer>. # Tools <tools> </tools> <tool_response> \
+</tool_response>
+{"type": "function", "function": {"name": "python_executor", "description": "Run Python code \
+in a sandbox and return what it prints.", "parameters": {"type": "object", "properties": \
+{"code": {"type": "string"}}, "required": ["code"]}}}
 Call a tool as <tool_call>{"name": ..., "arguments": ...}</tool_call>.
-<tool_call>{"name": "python_executor", "arguments": {"code": "print(180 - 50 - 60)"}}</tool_call> <answer>70</answer>
+<tool_call>{"name": "python_executor", "arguments": {"code": "print(180 - 50 - 60)"}}</tool_call> \
+<answer>70</answer>
 Two angles of the triangle measure 50° and 60°. Find x, the third angle, in degrees.
 The legs of the right triangle measure 3 and 4. Find x, the hypotenuse. \\sqrt{2} \\pi
 The radius of the circle is 5. Find the area of the circle, in terms of \\pi. circumference
-Two parallel lines are cut by a transversal. An angle measures 70°, and x is its corresponding angle.
-alternate interior same-side interior Find x in degrees. The rectangle has sides 7 and 2. Find its perimeter.
+Two parallel lines are cut by a transversal. An angle measures 70°, and x is its corresponding \
+angle.
+alternate interior same-side interior Find x in degrees. The rectangle has sides 7 and 2. Find its \
+perimeter.
 """
 
 
 def build_tokenizer(vocab_size: int, vision: bool = False):
-    """A byte-level BPE with ChatML special tokens (and Qwen2-VL's vision tokens) and chat template (~0.1 s)."""
+    """A byte-level BPE with ChatML special tokens (and Qwen2-VL's vision tokens) and chat template
+    (~0.1 s)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
+    special_tokens = SPECIAL_TOKENS
+    corpus = _CORPUS
+    if vision:
+        special_tokens = SPECIAL_TOKENS + VISION_TOKENS
+        corpus = _CORPUS + _TOOL_CORPUS
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS + (VISION_TOKENS if vision else []),
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    bpe.train_from_iterator(
-        (_CORPUS + (_TOOL_CORPUS if vision else "")).splitlines(), trainer=trainer
-    )
+    bpe.train_from_iterator(corpus.splitlines(), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
     )
@@ -163,9 +189,10 @@ def build_tokenizer(vocab_size: int, vision: bool = False):
 
 
 def build_model(spec: dict, tokenizer, seed: int = 0):
-    """A randomly initialised causal LM of the given spec (untied embeddings: vLLM reloads need it)."""
+    """A randomly initialised causal LM of the given spec (untied embeddings: vLLM reloads need
+    it)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     fields = {
@@ -184,11 +211,8 @@ def build_model(spec: dict, tokenizer, seed: int = 0):
     torch.manual_seed(seed)
     if "vision" not in spec:
         return AutoModelForCausalLM.from_config(CONFIG_MAPPING[spec["family"]](**fields))
-    from transformers import AutoModelForImageTextToText
-
-    fields.pop(
-        "head_dim"
-    )  # Qwen2-VL derives it; mrope sections (t, h, w) split its 16 rotary pairs
+    # Qwen2-VL derives head_dim; mrope sections (t, h, w) split its 16 rotary pairs
+    fields.pop("head_dim")
     fields["rope_parameters"] = {
         "rope_type": "default",
         "mrope_section": [4, 6, 6],
@@ -215,7 +239,8 @@ def is_moe(model_config) -> bool:
 
 
 def tiny_model_path(name: str = "tiny", seed: int = 0) -> Path:
-    """Build (once) and return the folder of the tiny model `name`; safe under concurrent callers."""
+    """Build (once) and return the folder of the tiny model `name`; safe under concurrent
+    callers."""
     if name not in TINY_SPECS:
         raise ValueError(
             f"Unknown tiny model {name!r}: use one of {sorted(TINY_SPECS)} or set model.path."
@@ -236,9 +261,8 @@ def tiny_model_path(name: str = "tiny", seed: int = 0) -> Path:
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}-"))
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    if (
-        "vision" in spec
-    ):  # images are resized to exactly image_pixels (no download: the processor is built here)
+    # images are resized to exactly image_pixels (no download: the processor is built here)
+    if "vision" in spec:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
             Qwen2VLImageProcessorPil,
         )
@@ -252,7 +276,9 @@ def tiny_model_path(name: str = "tiny", seed: int = 0) -> Path:
             temporal_patch_size=vision["temporal_patch_size"],
         ).save_pretrained(staging)
     try:
-        os.rename(staging, target)  # atomic: a half-built model is never visible
-    except OSError:  # another process won the race
+        # atomic: a half-built model is never visible
+        os.rename(staging, target)
+    except OSError:
+        # another process won the race
         shutil.rmtree(staging, ignore_errors=True)
     return target

@@ -16,27 +16,29 @@ from pathlib import Path
 
 import torch
 
+from workbench.engines.torch_engine import load_causal_lm
+from workbench.invariants.token_identity import TokenAccumulator
+from workbench.models.multimodal import ImageCodec, forward_inputs, is_vision_language
+
 
 def demonstration(
     tokenizer, codec, env, sample: dict, completion
 ) -> tuple[list[int], list[int], list[bytes]]:
-    """(ids, trainable mask, images) of one demonstrated episode, built as a rollout builds it: `completion` is
-    the assistant's text, or a list of turns `{"role": "assistant" | "tool" | "user", "content": ...}`."""
-    from workbench.invariants.token_identity import TokenAccumulator
-
-    system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
-    episode = TokenAccumulator(
-        tokenizer, system + [{"role": "user", "content": env.reset(sample)}], env.tools, codec
-    )
-    for turn in (
-        [{"role": "assistant", "content": completion}]
-        if isinstance(completion, str)
-        else completion
-    ):
+    """(ids, trainable mask, images) of one demonstrated episode, built as a rollout builds it:
+    `completion` is the assistant's text, or a list of turns
+    `{"role": "assistant" | "tool" | "user", "content": ...}`."""
+    messages = []
+    if env.system_prompt:
+        messages.append({"role": "system", "content": env.system_prompt})
+    messages.append({"role": "user", "content": env.reset(sample)})
+    episode = TokenAccumulator(tokenizer, messages, env.tools, codec)
+    turns = completion
+    if isinstance(completion, str):
+        turns = [{"role": "assistant", "content": completion}]
+    for turn in turns:
         if turn["role"] == "assistant":
-            ids = tokenizer(turn["content"], add_special_tokens=False)["input_ids"] + [
-                tokenizer.eos_token_id
-            ]
+            ids = tokenizer(turn["content"], add_special_tokens=False)["input_ids"]
+            ids.append(tokenizer.eos_token_id)
             episode.add_sampled(ids, [0.0] * len(ids), 0, turn, "stop")
         else:
             episode.add_messages([turn])
@@ -55,9 +57,6 @@ def warm_started_path(
         return target
     from transformers import AutoTokenizer
 
-    from workbench.engines.torch_engine import load_causal_lm
-    from workbench.models.multimodal import ImageCodec, forward_inputs, is_vision_language
-
     tokenizer = AutoTokenizer.from_pretrained(base)
     codec = ImageCodec(str(base)) if is_vision_language(str(base)) else None
     model = load_causal_lm(str(base)).train()
@@ -71,10 +70,12 @@ def warm_started_path(
         rows = []
         for index in rng.sample(range(len(samples)), batch):
             completion = plugin.warm_start(samples[index], rng)
-            key = (index, repr(completion))
-            if key not in cache:
-                cache[key] = demonstration(tokenizer, codec, env, samples[index], completion)
-            rows.append(cache[key])
+            episode_key = (index, repr(completion))
+            if episode_key not in cache:
+                cache[episode_key] = demonstration(
+                    tokenizer, codec, env, samples[index], completion
+                )
+            rows.append(cache[episode_key])
         longest = max(len(ids) for ids, _, _ in rows)
         input_ids = torch.full((len(rows), longest), tokenizer.pad_token_id)  # [batch, seq]
         attention = torch.zeros((len(rows), longest), dtype=torch.long)

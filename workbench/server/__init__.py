@@ -1,1 +1,2 @@
-"""The loopback server: OpenAI and Anthropic wires onto a rollout engine, token-exact."""
+"""The loopback server: its wires (OpenAI, Anthropic; one object each) onto a rollout engine,
+token-exact."""

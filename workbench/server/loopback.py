@@ -1,7 +1,8 @@
 """The loopback server: an agent's stock OpenAI or Anthropic SDK talks to the rollout engine.
 
 One per rollout worker, on 127.0.0.1 and a free port, on its own event-loop thread. Every episode
-gets a session (`/s/<session>/v1/...`) with its own key. Both wires decode into the session's
+gets a session (`/s/<session>/v1/...`) with its own key. Every wire (workbench/server/wires/, one
+object each; the server never asks which it serves) decodes into the session's
 `TokenAccumulator`: a request that continues the conversation adds only the rendered delta and
 generation continues from the exact accumulated ids; otherwise the segment is sealed and a new
 one starts. A turn is committed only after generation succeeds; an identical retry gets the
@@ -17,6 +18,7 @@ request says is read from or written to a file.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import json
@@ -25,11 +27,17 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+from aiohttp import web
+
 from workbench.engines.base import SamplingParams
 from workbench.invariants.token_identity import TokenAccumulator, reply_text
-from workbench.server import wires
+from workbench.server.wires import WIRES, wire_at
+from workbench.server.wires.base import ChatReply, ChatRequest, Wire, WireError, parse_assistant
 
 MAX_BODY = 4 * 2**20
+# what a wire's decoder raises on a field of the wrong type (a list where a string belongs, ...)
+MALFORMED = (TypeError, ValueError, AttributeError, KeyError, OverflowError)
 
 
 @dataclass
@@ -39,52 +47,70 @@ class Session:
     rollout_id: int
     accumulator: TokenAccumulator | None = None
     last_request: str | None = None
+    # the last request's (ChatRequest, ChatReply, sampled ids), handed again to its retry
     last_response: tuple | None = None
     requests: list[dict] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass
+class Waiting:
+    """A request in the batcher's queue: what to generate from, and the future for its output."""
+
+    prompt_ids: np.ndarray  # int32 [t]
+    params: SamplingParams
+    images: list[bytes]
+    output: asyncio.Future
 
 
 class Batcher:
     """Requests waiting while the engine is busy go into its next call together."""
 
     def __init__(self, engine):
-        self.engine, self.queue = engine, asyncio.Queue()
+        self.engine = engine
+        self.queue: asyncio.Queue[Waiting] = asyncio.Queue()
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def generate(self, prompt_ids, params: SamplingParams, images: list[bytes]):
-        future = asyncio.get_running_loop().create_future()
-        await self.queue.put((prompt_ids, params, future, images))
-        return await future
+        output = asyncio.get_running_loop().create_future()
+        waiting = Waiting(prompt_ids=prompt_ids, params=params, images=images, output=output)
+        await self.queue.put(waiting)
+        return await output
 
     async def _run(self) -> None:
         while True:
             waiting = [await self.queue.get()]
             while not self.queue.empty():
                 waiting.append(self.queue.get_nowait())
-            by_params: dict[tuple, list] = {}
+            by_params: dict[tuple, list[Waiting]] = {}
             for item in waiting:
-                params = item[1]
-                by_params.setdefault(
-                    (params.max_tokens, params.temperature, params.stop_token_ids), []
-                ).append(item)
+                params = item.params
+                key = (params.max_tokens, params.temperature, params.stop_token_ids)
+                by_params.setdefault(key, []).append(item)
             for items in by_params.values():
-                try:
-                    outputs = await asyncio.to_thread(
-                        self.engine.generate,
-                        [i[0] for i in items],
-                        items[0][1],
-                        [i[3] for i in items],
-                    )
-                    for (_, _, future, _), output in zip(items, outputs):
-                        future.set_result(output)
-                except (
-                    Exception
-                ) as error:  # the engine failed: every waiting request gets the error
-                    for _, _, future, _ in items:
-                        future.set_exception(error)
+                await self._generate(items)
+
+    async def _generate(self, items: list[Waiting]) -> None:
+        """One engine call for requests of the same sampling params; each gets its output."""
+        try:
+            outputs = await asyncio.to_thread(
+                self.engine.generate,
+                [item.prompt_ids for item in items],
+                items[0].params,
+                [item.images for item in items],
+            )
+            for item, output in zip(items, outputs, strict=True):
+                item.output.set_result(output)
+        # the engine failed: every waiting request gets the error
+        except Exception as error:
+            for item in items:
+                if not item.output.done():
+                    item.output.set_exception(error)
 
 
 class LoopbackServer:
+    """One rollout worker's server: its sessions, its engine's batcher, and a route per wire."""
+
     def __init__(
         self,
         engine,
@@ -92,20 +118,19 @@ class LoopbackServer:
         params: SamplingParams,
         model_name: str = "policy",
         max_total_tokens: int | None = None,
+        wires: tuple[Wire, ...] = WIRES,
     ):
-        self.engine, self.tokenizer, self.params, self.model_name = (
-            engine,
-            tokenizer,
-            params,
-            model_name,
-        )
-        context = getattr(
-            getattr(getattr(engine, "model", None), "config", None), "max_position_embeddings", None
-        )
-        self.max_total_tokens = (
-            max_total_tokens or context or 32768
-        )  # prompt + max_tokens of one request
-        self.codec = getattr(engine, "codec", None)  # a vision-language policy's image codec
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.params = params
+        self.model_name = model_name
+        self.wires = wires
+        model_config = getattr(getattr(engine, "model", None), "config", None)
+        context = getattr(model_config, "max_position_embeddings", None)
+        # prompt + max_tokens of one request
+        self.max_total_tokens = max_total_tokens or context or 32768
+        # a vision-language policy's image codec
+        self.codec = getattr(engine, "codec", None)
         self.sessions: dict[str, Session] = {}
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True, name="loopback").start()
@@ -113,13 +138,12 @@ class LoopbackServer:
         self.url = f"http://127.0.0.1:{self.port}"
 
     async def _start(self) -> int:
-        from aiohttp import web
-
-        app = web.Application(client_max_size=MAX_BODY, middlewares=[web.middleware(_route_errors)])
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._route_errors])
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/s/{session}/v1/models", self._models)
-        app.router.add_post("/s/{session}/v1/chat/completions", lambda r: self._handle(r, "openai"))
-        app.router.add_post("/s/{session}/v1/messages", lambda r: self._handle(r, "anthropic"))
+        for wire in self.wires:
+            handler = functools.partial(self._handle, wire=wire)
+            app.router.add_post(f"/s/{{session}}{wire.path}", handler)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -130,24 +154,29 @@ class LoopbackServer:
     # ---- sessions (called from the worker's thread)
 
     def open_session(self, rollout_id: int) -> dict:
-        session = Session(secrets.token_hex(8), "sk-" + secrets.token_hex(16), rollout_id)
+        session = Session(
+            session_id=secrets.token_hex(8),
+            api_key="sk-" + secrets.token_hex(16),
+            rollout_id=rollout_id,
+        )
         asyncio.run_coroutine_threadsafe(self._add(session), self.loop).result()
         base = f"{self.url}/s/{session.session_id}"
-        return {
-            "session": session.session_id,
-            "openai_base_url": f"{base}/v1",
-            "anthropic_base_url": base,
-            "api_key": session.api_key,
-        }
+        # each wire's SDK appends its own path to its base URL
+        base_urls = {wire.base_url_key: base + wire.base_url_suffix for wire in self.wires}
+        return {"session": session.session_id, **base_urls, "api_key": session.api_key}
 
     async def _add(self, session: Session) -> None:
         session.lock = asyncio.Lock()
         self.sessions[session.session_id] = session
 
     def close_session(self, session_id: str) -> tuple[list, list[dict]]:
-        """End a session: its token-exact segments (none if it never generated) and its request rows."""
+        """End a session: its token-exact segments (none if it never generated) and its request
+        rows."""
         session = self.sessions.pop(session_id)
-        return (session.accumulator.finish() if session.accumulator else []), session.requests
+        segments = []
+        if session.accumulator:
+            segments = session.accumulator.finish()
+        return segments, session.requests
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(timeout=30)
@@ -160,99 +189,38 @@ class LoopbackServer:
     # ---- HTTP
 
     async def _models(self, request):
-        from aiohttp import web
+        model = {"id": self.model_name, "object": "model", "owned_by": "molt-wb", "created": 0}
+        return web.json_response({"object": "list", "data": [model]})
 
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {"id": self.model_name, "object": "model", "owned_by": "molt-wb", "created": 0}
-                ],
-            }
-        )
-
-    async def _handle(self, request, wire: str):
-        from aiohttp import web
-
+    async def _handle(self, request, wire: Wire):
         started = time.perf_counter()
-        decode = wires.openai_request if wire == "openai" else wires.anthropic_request
-        error_body = wires.openai_error if wire == "openai" else wires.anthropic_error
         try:
-            session = self.sessions.get(request.match_info["session"])
-            if session is None:
-                raise wires.WireError(
-                    404,
-                    "Unknown session: use the base URL handed to this episode.",
-                    "not_found_error",
-                )
-            given = request.headers.get("x-api-key") or request.headers.get(
-                "Authorization", ""
-            ).removeprefix("Bearer ")
-            if not hmac.compare_digest(
-                given.encode("utf-8", "surrogateescape"), session.api_key.encode()
-            ):
-                raise wires.WireError(
-                    401, "Invalid API key for this session.", "authentication_error"
-                )
-            try:
-                raw = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                raise wires.WireError(
-                    413,
-                    f"Request body over {MAX_BODY} bytes: send a shorter conversation.",
-                    "request_too_large",
-                ) from None
-            try:
-                body = json.loads(raw)
-                assert isinstance(body, dict)
-            except (ValueError, AssertionError, RecursionError):
-                raise wires.WireError(
-                    400,
-                    "Malformed JSON: the body must be one JSON object (UTF-8, not nested too deep).",
-                ) from None
-            try:
-                chat = decode(body)
-            except (
-                TypeError,
-                ValueError,
-                AttributeError,
-                KeyError,
-                OverflowError,
-            ) as error:  # a field of the wrong type
-                raise wires.WireError(
-                    400,
-                    f"Malformed request ({type(error).__name__}: {error}): check the fields' types.",
-                ) from None
-            fingerprint = hashlib.sha256(
-                wire.encode() + json.dumps(body, sort_keys=True).encode()
-            ).hexdigest()
+            session = self._session(request)
+            body = await _json_body(request)
+            chat = _decode(wire, body)
+            request_bytes = wire.name.encode() + json.dumps(body, sort_keys=True).encode()
+            fingerprint = hashlib.sha256(request_bytes).hexdigest()
             async with session.lock:
                 if fingerprint != session.last_request:
                     reply, ids = await self._turn(session, chat, wire, started)
-                    session.last_request, session.last_response = fingerprint, (chat, reply, ids)
-                chat, reply, ids = (
-                    session.last_response
-                )  # a retry gets the committed reply, nothing new
-        except wires.WireError as error:
-            return web.json_response(error_body(error), status=error.status)
-        except Exception as error:  # the engine failed: nothing was committed, the client may retry
-            failure = wires.WireError(
+                    session.last_request = fingerprint
+                    session.last_response = (chat, reply, ids)
+                # a retry gets the committed reply, nothing new
+                chat, reply, ids = session.last_response
+        except WireError as error:
+            return web.json_response(wire.error(error), status=error.status)
+        # the engine failed: nothing was committed, the client may retry
+        except Exception as error:
+            failure = WireError(
                 500,
                 f"Generation failed ({type(error).__name__}: {error}); nothing was recorded, "
                 f"retry the request.",
                 "api_error",
             )
-            return web.json_response(error_body(failure), status=500)
+            return web.json_response(wire.error(failure), status=500)
         if not chat.stream:
-            return web.json_response(
-                wires.openai_reply(reply) if wire == "openai" else wires.anthropic_reply(reply)
-            )
-        pieces = self._pieces(ids, reply.text)
-        events = (
-            wires.openai_events(reply, chat.include_usage, pieces)
-            if wire == "openai"
-            else wires.anthropic_events(reply, pieces)
-        )
+            return web.json_response(wire.reply(reply))
+        events = wire.events(chat, reply, self._pieces(ids, reply.text))
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -262,89 +230,75 @@ class LoopbackServer:
         await response.write_eof()
         return response
 
-    async def _turn(self, session: Session, chat: wires.ChatRequest, wire: str, started: float):
-        """Extend or seal, generate, and only then commit the turn to the session."""
-        episode = session.accumulator.fork() if session.accumulator else None
-        reused = len(episode.open.token_ids) if episode else 0
+    @web.middleware
+    async def _route_errors(self, request, handler):
+        """No such route or method: still a wire's error shape (that of the wire the path
+        names)."""
         try:
-            if episode is None:
-                episode, action = (
-                    TokenAccumulator(self.tokenizer, chat.messages, chat.tools, self.codec),
-                    "open",
-                )
-            else:
-                action = episode.continue_with(chat.messages, chat.tools)
-                reused = reused if action == "extend" else 0
-        except ValueError as error:  # e.g. an image sent to a text-only policy
-            raise wires.WireError(400, str(error)) from None
-        except (
-            Exception
-        ) as error:  # the chat template refused these messages (a role order, a tool call, ...)
-            raise wires.WireError(
-                400,
-                f"The policy's chat template cannot render these messages "
-                f"({type(error).__name__}: {error}).",
-            ) from None
+            return await handler(request)
+        except web.HTTPException as error:
+            if error.status < 400:
+                raise
+            kind = "invalid_request_error"
+            if error.status == 404:
+                kind = "not_found_error"
+            message = f"{error.reason}: {request.method} is not served at this path."
+            refused = WireError(error.status, message, kind)
+            wire = wire_at(self.wires, request.path)
+            return web.json_response(wire.error(refused), status=error.status)
+
+    def _session(self, request) -> Session:
+        """The session the request's path names, if the request holds that session's key."""
+        session = self.sessions.get(request.match_info["session"])
+        if session is None:
+            raise WireError(
+                404, "Unknown session: use the base URL handed to this episode.", "not_found_error"
+            )
+        bearer = request.headers.get("Authorization", "").removeprefix("Bearer ")
+        given = request.headers.get("x-api-key") or bearer
+        if not hmac.compare_digest(
+            given.encode("utf-8", "surrogateescape"), session.api_key.encode()
+        ):
+            raise WireError(401, "Invalid API key for this session.", "authentication_error")
+        return session
+
+    async def _turn(self, session: Session, chat: ChatRequest, wire: Wire, started: float):
+        """Extend or seal, generate, and only then commit the turn to the session."""
+        episode, action, reused = self._episode(session, chat)
         prompt = episode.token_ids
-        params = replace(
-            self.params,
-            max_tokens=chat.max_tokens or self.params.max_tokens,
-            temperature=self.params.temperature if chat.temperature is None else chat.temperature,
-        )
-        if len(prompt) + params.max_tokens > self.max_total_tokens:
-            raise wires.WireError(
-                400,
-                f"The prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds this "
-                f"server's limit of {self.max_total_tokens} tokens: shorten the conversation or "
-                f"lower max_tokens.",
-            )
+        params = self._sampling(chat, len(prompt))
         generation = await self.batcher.generate(prompt, params, episode.open.images)
-        ids, logprobs, versions, finish = (
-            generation.token_ids,
-            generation.logprobs,
-            generation.versions,
-            generation.finish_reason,
-        )
+        ids = generation.token_ids
+        logprobs = generation.logprobs
+        versions = generation.versions
+        finish = generation.finish_reason
         text = reply_text(self.tokenizer, ids, finish)
-        hit = (
-            min((text.index(s), s) for s in chat.stop if s in text)
-            if any(s in text for s in chat.stop)
-            else None
-        )
-        if (
-            hit
-        ):  # keep the ids up to the one that completed the stop sequence; its text is not returned
-            end = next(
-                k
-                for k in range(1, len(ids) + 1)
-                if hit[1] in reply_text(self.tokenizer, ids[:k], "length")
-            )
-            ids, logprobs, versions, finish, text = (
-                ids[:end],
-                logprobs[:end],
-                versions[:end],
-                "stop_sequence",
-                text[: hit[0]],
-            )
-        content, calls = wires.parse_assistant(text)
-        message = dict(
-            {"role": "assistant", "content": content}, **({"tool_calls": calls} if calls else {})
-        )
+        stop_sequence = None
+        stop = _first_stop(text, chat.stop)
+        if stop is not None:
+            # keep the ids up to the one that completed the stop sequence; its text is not returned
+            start, stop_sequence = stop
+            end = self._ids_holding(ids, stop_sequence)
+            ids = ids[:end]
+            logprobs = logprobs[:end]
+            versions = versions[:end]
+            finish = "stop_sequence"
+            text = text[:start]
+        content, calls = parse_assistant(text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
         routes = generation.extras.get("routed_experts")
-        episode.add_sampled(
-            ids,
-            logprobs,
-            versions,
-            message,
-            finish,
-            None if routes is None else routes[: len(prompt) + len(ids)],
-        )
-        session.accumulator = episode  # committed: generation succeeded
+        if routes is not None:
+            routes = routes[: len(prompt) + len(ids)]
+        episode.add_sampled(ids, logprobs, versions, message, finish, routes)
+        # committed: generation succeeded
+        session.accumulator = episode
         session.requests.append(
             {
                 "session": session.session_id,
                 "rollout_id": session.rollout_id,
-                "wire": wire,
+                "wire": wire.name,
                 "stream": chat.stream,
                 "action": action,
                 "prompt_tokens_reused": reused,
@@ -354,20 +308,73 @@ class LoopbackServer:
                 "time": time.time(),
             }
         )
-        reply = wires.ChatReply(
-            content,
-            calls,
-            "length" if finish == "length" else finish,
-            len(prompt),
-            len(ids),
-            self.model_name,
-            stop_sequence=hit[1] if hit else None,
+        reply = ChatReply(
+            text=content,
+            tool_calls=calls,
+            finish=finish,
+            prompt_tokens=len(prompt),
+            completion_tokens=len(ids),
+            model=self.model_name,
+            stop_sequence=stop_sequence,
         )
         return reply, ids
 
+    def _episode(self, session: Session, chat: ChatRequest) -> tuple[TokenAccumulator, str, int]:
+        """A copy of the session's episode with the request's messages (extended by their rendered
+        delta, or sealed and started anew), or a new episode; the action taken; and how many of
+        the prompt's ids were already there."""
+        episode = None
+        reused = 0
+        if session.accumulator:
+            episode = session.accumulator.fork()
+            reused = len(episode.open.token_ids)
+        try:
+            if episode is None:
+                episode = TokenAccumulator(self.tokenizer, chat.messages, chat.tools, self.codec)
+                action = "open"
+            else:
+                action = episode.continue_with(chat.messages, chat.tools)
+        except ValueError as error:  # e.g. an image sent to a text-only policy
+            raise WireError(400, str(error)) from None
+        # the chat template refused these messages (a role order, a tool call, ...)
+        except Exception as error:
+            raise WireError(
+                400,
+                f"The policy's chat template cannot render these messages "
+                f"({type(error).__name__}: {error}).",
+            ) from None
+        if action != "extend":
+            reused = 0
+        return episode, action, reused
+
+    def _sampling(self, chat: ChatRequest, prompt_tokens: int) -> SamplingParams:
+        """The server's sampling params with the request's max_tokens and temperature, if within
+        the server's token limit."""
+        temperature = self.params.temperature
+        if chat.temperature is not None:
+            temperature = chat.temperature
+        max_tokens = chat.max_tokens or self.params.max_tokens
+        params = replace(self.params, max_tokens=max_tokens, temperature=temperature)
+        if prompt_tokens + params.max_tokens > self.max_total_tokens:
+            raise WireError(
+                400,
+                f"The prompt ({prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) "
+                f"exceeds this server's limit of {self.max_total_tokens} tokens: shorten the "
+                f"conversation or lower max_tokens.",
+            )
+        return params
+
+    def _ids_holding(self, ids, text: str) -> int:
+        """How many of the sampled ids it takes for their text to hold `text`."""
+        for count in range(1, len(ids) + 1):
+            if text in reply_text(self.tokenizer, ids[:count], "length"):
+                return count
+        return len(ids)
+
     def _pieces(self, ids, content: str) -> list[str]:
         """The reply's text as it was generated, one piece per token (for streaming)."""
-        pieces, previous = [], ""
+        pieces = []
+        previous = ""
         for k in range(1, len(ids) + 1):
             text = reply_text(self.tokenizer, ids[:k], "length")[: len(content)]
             pieces.append(text[len(previous) :])
@@ -375,24 +382,38 @@ class LoopbackServer:
         return pieces
 
 
-async def _route_errors(request, handler):
-    """No such route or method: still the wire's error shape (Anthropic's under /v1/messages)."""
-    from aiohttp import web
-
+async def _json_body(request) -> dict:
+    """The request's body, which must be one JSON object of at most MAX_BODY bytes."""
     try:
-        return await handler(request)
-    except web.HTTPException as error:
-        if error.status < 400:
-            raise
-        shape = wires.anthropic_error if request.path.endswith("/messages") else wires.openai_error
-        kind = "not_found_error" if error.status == 404 else "invalid_request_error"
-        return web.json_response(
-            shape(
-                wires.WireError(
-                    error.status,
-                    f"{error.reason}: {request.method} is not served at this path.",
-                    kind,
-                )
-            ),
-            status=error.status,
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise WireError(
+            413,
+            f"Request body over {MAX_BODY} bytes: send a shorter conversation.",
+            "request_too_large",
+        ) from None
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        body = None
+    if not isinstance(body, dict):
+        raise WireError(
+            400, "Malformed JSON: the body must be one JSON object (UTF-8, not nested too deep)."
         )
+    return body
+
+
+def _decode(wire: Wire, body: dict) -> ChatRequest:
+    """The wire's request; a field of the wrong type is a 400 that names the error."""
+    try:
+        return wire.decode(body)
+    except MALFORMED as error:
+        raise WireError(
+            400, f"Malformed request ({type(error).__name__}: {error}): check the fields' types."
+        ) from None
+
+
+def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """Where the earliest stop sequence in `text` starts, and which it is; None if none is there."""
+    found = [(text.index(stop), stop) for stop in stops if stop in text]
+    return min(found, default=None)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from workbench import runtime
+from workbench.model_paths import policy_path
 from workbench.rollout import Job, RolloutWorker
+from workbench.run_folder import start_run
 from workbench.store.schema import step_tables
 from workbench.store.writer import RunWriter
 
@@ -14,7 +15,7 @@ class Recorder:
     """A rollout worker's server and engine, a run folder, and `sessions` open sessions."""
 
     def __init__(self, cfg, sessions: int):
-        run_dir, row = runtime.start_run(cfg)
+        run_dir, row = start_run(cfg)
         self.run_id = cfg.run.id
         self.writer = RunWriter(
             str(run_dir),
@@ -22,7 +23,7 @@ class Recorder:
             cfg.run.flush_rows,
             cfg.run.flush_seconds,
         )
-        self.worker = RolloutWorker(cfg, runtime.policy_path(cfg))
+        self.worker = RolloutWorker(cfg, policy_path(cfg))
         server = self.worker.server()
         self.infos = [
             dict(server.open_session(rollout_id), run_id=self.run_id)

@@ -1,9 +1,13 @@
-"""Runs side by side: the rows of `molt-wb compare` and `molt-wb sweeps`, read back from the store."""
+"""Runs side by side: the rows of `molt-wb compare` and `molt-wb sweeps`, read back from the
+store."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
+
+import duckdb
 
 from workbench.store.query import list_runs, resolve_run
 
@@ -51,29 +55,32 @@ def sweeps(root: str = "runs") -> list[dict]:
 
 
 def compare_rows(selection: list[str], root: str = "runs") -> tuple[list[str], list[dict]]:
-    """(swept keys, one row per run) for a sweep id or a list of run ids (unique prefixes allowed)."""
+    """(swept keys, one row per run) for a sweep id or a list of run ids (unique prefixes
+    allowed)."""
     runs = [r for r in list_runs(root) if len(selection) == 1 and r.get("sweep_id") == selection[0]]
     if not runs:
         runs = [_run_row(resolve_run(run_id, root)) for run_id in selection]
-    import duckdb
-
     db = duckdb.connect()
     swept = sorted({key for run in runs for key in (run.get("swept") or {})})
     rows = []
     for run in sorted(runs, key=lambda r: r.get("created", 0)):
         metrics = Path(root, run["run_id"], "metrics").resolve()
         stats = db.execute(f"""
-            select arg_max(value, step) filter (where key = 'reward/mean'), max(value) filter (where key = 'reward/mean'),
-                   avg(value) filter (where key = 'gate/kept_frac'), 1 - avg(value) filter (where key = 'gate/is_filter_ratio'),
+            select arg_max(value, step) filter (where key = 'reward/mean'),
+                   max(value) filter (where key = 'reward/mean'),
+                   avg(value) filter (where key = 'gate/kept_frac'),
+                   1 - avg(value) filter (where key = 'gate/is_filter_ratio'),
                    avg(value) filter (where key = 'mismatch/kl'),
-                   avg(value) filter (where key = 'gate/stale_frac'), avg(value) filter (where key = 'perf/tokens_per_s'),
+                   avg(value) filter (where key = 'gate/stale_frac'),
+                   avg(value) filter (where key = 'perf/tokens_per_s'),
                    arg_max(value, step) filter (where key = 'eval/reward'),
-                   arg_min(value, step) filter (where key = 'distill/kl'), arg_max(value, step) filter (where key = 'distill/kl')
+                   arg_min(value, step) filter (where key = 'distill/kl'),
+                   arg_max(value, step) filter (where key = 'distill/kl')
             from read_parquet('{metrics}/*.parquet')""").fetchone()
         wall = run.get("updated", time.time()) - run.get("created", 0)
         rows.append(
             dict(
-                zip(COLUMNS, (run["run_id"], run.get("status"), *stats, wall)),
+                zip(COLUMNS, (run["run_id"], run.get("status"), *stats, wall), strict=True),
                 **{key: (run.get("swept") or {}).get(key) for key in swept},
             )
         )
@@ -81,16 +88,15 @@ def compare_rows(selection: list[str], root: str = "runs") -> tuple[list[str], l
 
 
 def reward_curves(run_ids: list[str], root: str = "runs") -> dict[str, list[tuple[int, float]]]:
-    import duckdb
-
     db = duckdb.connect()
-    return {
-        run_id: db.execute(
-            f"select step, value from read_parquet('{Path(root, run_id, 'metrics').resolve()}/*.parquet') "
-            f"where key = 'reward/mean' order by step"
+    curves = {}
+    for run_id in run_ids:
+        metrics = Path(root, run_id, "metrics").resolve()
+        curves[run_id] = db.execute(
+            f"select step, value from read_parquet('{metrics}/*.parquet') "
+            "where key = 'reward/mean' order by step"
         ).fetchall()
-        for run_id in run_ids
-    }
+    return curves
 
 
 def plot(rows: list[dict], swept: list[str], root: str, path: str):
@@ -102,10 +108,10 @@ def plot(rows: list[dict], swept: list[str], root: str, path: str):
     import matplotlib.pyplot as plt
 
     figure, (curves, tradeoff) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for row, (run_id, points) in zip(
-        rows, reward_curves([r["run_id"] for r in rows], root).items()
-    ):
-        label = ", ".join(f"{k}={row[k]}" for k in swept) or run_id
+    curves_by_run = reward_curves([r["run_id"] for r in rows], root)
+    for row in rows:
+        points = curves_by_run[row["run_id"]]
+        label = ", ".join(f"{k}={row[k]}" for k in swept) or row["run_id"]
         curves.plot([p[0] for p in points], [p[1] for p in points], label=label)
         kept = row["kept_token_frac"] if row["kept_token_frac"] is not None else 1.0
         tradeoff.scatter(kept, row["final_reward"] or 0.0)
@@ -124,6 +130,4 @@ def plot(rows: list[dict], swept: list[str], root: str, path: str):
 
 
 def _run_row(folder: Path) -> dict:
-    import json
-
     return json.loads((folder / "run.json").read_text())

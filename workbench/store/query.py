@@ -9,6 +9,7 @@ import socket
 from pathlib import Path
 
 from workbench.store.schema import TABLES
+from workbench.store.writer import write_json_atomic
 
 
 def list_runs(root: str = "runs") -> list[dict]:
@@ -19,14 +20,13 @@ def list_runs(root: str = "runs") -> list[dict]:
         try:
             row = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
-            continue  # a folder that is not (yet) a run
+            # a folder that is not (yet) a run
+            continue
         if (
             row.get("status") == "running"
             and row.get("host") == socket.gethostname()
             and not _alive(row.get("pid"))
         ):
-            from workbench.store.writer import write_json_atomic
-
             row["status"] = "crashed"
             write_json_atomic(path, row)
         rows.append(row)
@@ -35,7 +35,8 @@ def list_runs(root: str = "runs") -> list[dict]:
 
 def _alive(pid) -> bool:
     if not pid:
-        return True  # unknown: do not guess
+        # unknown: do not guess
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -55,27 +56,33 @@ def resolve_run(run_id: str, root: str = "runs") -> Path:
         return Path(root) / matches[0]
     if matches:
         raise ValueError(
-            f"Run id {run_id!r} is ambiguous under {root}/: it starts {', '.join(matches[:5])}; give more of it."
+            f"Run id {run_id!r} is ambiguous under {root}/: it starts "
+            f"{', '.join(matches[:5])}; give more of it."
         )
     close = difflib.get_close_matches(run_id, ids, n=3, cutoff=0.3)
-    hint = f" Close matches: {', '.join(close)}." if close else " `molt-wb runs` lists them."
+    hint = " `molt-wb runs` lists them."
+    if close:
+        hint = f" Close matches: {', '.join(close)}."
     raise ValueError(f"No run {run_id!r} under {root}/.{hint}")
 
 
 def open_run(run_id: str, root: str = "runs"):
-    """An in-memory DuckDB connection with the run's tables as views (`runs`, `segments`, `tokens`, ...).
+    """An in-memory DuckDB connection with the run's tables as views (`runs`, `segments`,
+    `tokens`, ...).
 
     Views read the shards present at query time, so a reader sees a live run grow.
     """
+    # duckdb is imported on first query: it would double the import time of workbench.store
     import duckdb
 
     folder = resolve_run(run_id, root).resolve()
     connection = duckdb.connect()
-    for name in (
-        name for name in TABLES if (folder / name).is_dir()
-    ):  # a run older than a table lacks it
+    # a run older than a table lacks it
+    tables = [name for name in TABLES if (folder / name).is_dir()]
+    for name in tables:
         connection.execute(
-            f"CREATE VIEW {name} AS SELECT * FROM read_parquet('{folder / name}/*.parquet', union_by_name = true)"
+            f"CREATE VIEW {name} AS SELECT * "
+            f"FROM read_parquet('{folder / name}/*.parquet', union_by_name = true)"
         )
     connection.execute(f"CREATE VIEW runs AS SELECT * FROM read_json_auto('{folder / 'run.json'}')")
     return connection

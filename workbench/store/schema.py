@@ -34,10 +34,8 @@ SEGMENTS = pa.schema(
         ("prompt_text", pa.string()),
         ("response_text", pa.string()),
         ("images", pa.list_(pa.string())),
-        (
-            "info",
-            pa.string(),
-        ),  # JSON: the episode's last `Result.info` (e.g. a judge's prompt and verdict)
+        # JSON: the episode's last `Result.info` (e.g. a judge's prompt and verdict)
+        ("info", pa.string()),
     ]
 )
 
@@ -118,8 +116,9 @@ ROUTING = pa.schema(
     ]
 )
 
+# an episode that never reached a batch: kind env_error | agent_error | worker_died | timeout
 FAILED_EPISODES = pa.schema(
-    [  # an episode that never reached a batch: kind env_error | agent_error | worker_died | timeout
+    [
         ("run_id", pa.string()),
         ("step", pa.int32()),
         ("rollout_id", pa.int64()),
@@ -162,9 +161,9 @@ def step_tables(
 ) -> dict[str, pa.Table]:
     """Segment and token rows of one consumed batch.
 
-    `train` holds from the learner: `train_logprob` and `is_weight` (float32 arrays whose concatenation
-    is every segment's tokens in order, segment after segment), `advantage` (one float per segment)
-    and, when a learner gated them, `gate` (the version gate's per-sequence columns).
+    `train` holds from the learner: `train_logprob` and `is_weight` (float32 arrays whose
+    concatenation is every segment's tokens in order, segment after segment), `advantage` (one float
+    per segment) and, when a learner gated them, `gate` (the version gate's per-sequence columns).
     """
     lengths = np.array([len(s.token_ids) for s in segments], dtype=np.int64)
     versions = [s.version_range() for s in segments]
@@ -183,17 +182,16 @@ def step_tables(
         "learner_version": [learner_version] * len(segments),
         "finish_reason": [s.finish_reason for s in segments],
         "seal_reason": [s.seal_reason for s in segments],
-        "turn_spans": [[list(span) for span in s.turn_spans] for s in segments],
+        "turn_spans": [list(map(list, s.turn_spans)) for s in segments],
         "prompt_text": [s.display.get("prompt", "") for s in segments],
         "response_text": [s.display.get("response", "") for s in segments],
-        "images": [
-            [image_name(image) for image in s.images] for s in segments
-        ],  # files under images/
+        # files under images/
+        "images": [list(map(image_name, s.images)) for s in segments],
         "info": [json.dumps(s.display.get("info") or {}, default=str) for s in segments],
     }
     total = int(lengths.sum())
     token_rows = {
-        "run_id": pa.repeat(pa.scalar(run_id), total) if total else pa.array([], pa.string()),
+        "run_id": pa.repeat(pa.scalar(run_id), total),
         "step": np.full(total, step, dtype=np.int32),
         "rollout_id": np.repeat([s.rollout_id for s in segments], lengths).astype(np.int64),
         "segment_idx": np.repeat([s.segment_idx for s in segments], lengths).astype(np.int32),
@@ -210,7 +208,8 @@ def step_tables(
         k: []
         for k in ("staleness", "seq_log_ratio", "geo_ratio", "kept", "reason", "tokens_masked")
     }
-    gated = len(gate["kept"])  # no learner (molt-wb serve): no gate decisions
+    # no learner (molt-wb serve): no gate decisions
+    gated = len(gate["kept"])
     gate_rows = {
         key: segment_rows[key][:gated]
         for key in (
@@ -241,9 +240,10 @@ def step_tables(
 
 
 def rows_table(schema: pa.Schema, run_id: str, step: int, rows: list[dict]) -> pa.Table:
-    columns = {
-        name: [row[name] for row in rows] for name in schema.names if name not in ("run_id", "step")
-    }
+    columns = {}
+    for name in schema.names:
+        if name not in ("run_id", "step"):
+            columns[name] = [row[name] for row in rows]
     return pa.table(
         dict(run_id=[run_id] * len(rows), step=[step] * len(rows), **columns), schema=schema
     )

@@ -17,6 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from workbench.segment import image_name
 from workbench.store.schema import TABLES
 
 
@@ -31,20 +32,23 @@ class RunWriter:
         self, run_dir: str, run_row: dict, flush_rows: int = 50_000, flush_seconds: float = 5.0
     ):
         self.run_dir = Path(run_dir)
-        self.flush_rows, self.flush_seconds = flush_rows, flush_seconds
+        self.flush_rows = flush_rows
+        self.flush_seconds = flush_seconds
         self.buffers: dict[str, list[pa.Table]] = {name: [] for name in TABLES}
-        self.lock, self.closed = threading.RLock(), False  # the flush timer runs on its own thread
+        # the flush timer runs on its own thread
+        self.lock = threading.RLock()
+        self.closed = False
         self.next_shard: dict[str, int] = {}
         for name, schema in TABLES.items():
             folder = self.run_dir / name
             folder.mkdir(parents=True, exist_ok=True)
             self.next_shard[name] = len(list(folder.glob("part-*.parquet")))
-            if (
-                self.next_shard[name] == 0
-            ):  # an empty shard keeps `read_parquet(folder/*)` valid from the start
+            # an empty shard keeps `read_parquet(folder/*)` valid from the start
+            if self.next_shard[name] == 0:
                 self._write_shard(name, schema.empty_table())
         self.last_flush = time.monotonic()
-        self.run_row, self.row_pending = dict(run_row, updated=time.time()), False
+        self.run_row = dict(run_row, updated=time.time())
+        self.row_pending = False
         write_json_atomic(self.run_dir / "run.json", self.run_row)
 
     def append(self, table: str, rows: pa.Table) -> None:
@@ -79,14 +83,14 @@ class RunWriter:
                 if tables:
                     self._write_shard(name, pa.concat_tables(tables))
                     tables.clear()
-            if self.row_pending:  # the row's progress, as far as the data just written
+            # the row's progress, as far as the data just written
+            if self.row_pending:
                 self.update_run()
             self.last_flush = time.monotonic()
 
     def save_images(self, images: list[bytes]) -> None:
-        """Keep each encoded image once, by content hash, under images/ (atomically, like the shards)."""
-        from workbench.segment import image_name
-
+        """Keep each encoded image once, by content hash, under images/ (atomically, like the
+        shards)."""
         for image in images:
             final = self.run_dir / "images" / image_name(image)
             if not final.exists():
@@ -95,9 +99,9 @@ class RunWriter:
                 os.replace(final.with_name(f".{final.name}.tmp"), final)
 
     def update_run(self, at_flush: bool = False, **fields) -> None:
-        """Rewrite the `runs` row (status, steps done, last reward, ...) atomically; `at_flush`: with the
-        next flush of the data (a step's progress: the row holds the whole config, too big to rewrite
-        every step)."""
+        """Rewrite the `runs` row (status, steps done, last reward, ...) atomically; `at_flush`:
+        with the next flush of the data (a step's progress: the row holds the whole config, too big
+        to rewrite every step)."""
         with self.lock:
             self.run_row.update(fields, updated=time.time())
             self.row_pending = at_flush

@@ -1,23 +1,15 @@
 """Every metric a run logs reaches each configured sink once, under its namespaced key, at its step.
 
-A sink is anything with `log(metrics, step)` and `close(status)`; `make_sinks` turns the
+A sink is anything with `log(metrics, step)` and `close(status)` (`sink.py`); `make_sinks` turns the
 `tracking` config into the list the training loop fans out to. wandb and mlflow are imported
 only inside their sink constructors, so importing this package stays cheap.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from workbench.tracking.sink import Sink
 
-STATUSES = ("finished", "failed", "interrupted")
 WANDB_MODES = ("offline", "online", "disabled")
-
-
-class Sink(Protocol):
-    def log(self, metrics: dict[str, float], step: int) -> None: ...
-
-    def close(self, status: str = "finished") -> None:
-        """End the run; `status` is one of STATUSES."""
 
 
 def make_sinks(
@@ -37,9 +29,3 @@ def make_sinks(
 
         sinks.append(MlflowSink(tracking.mlflow, run_dir, run_id, config, group))
     return sinks
-
-
-def check_status(status: str) -> str:
-    if status not in STATUSES:
-        raise ValueError(f"Sink.close status is {status!r}; use one of {', '.join(STATUSES)}.")
-    return status

@@ -1,4 +1,5 @@
-"""An mlflow run named after the workbench run id, in a sqlite store beside the run folders by default."""
+"""An mlflow sink: a run named after the workbench run id, in a sqlite store beside the run folders
+by default."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import os
 import time
 from collections.abc import Mapping
 
-from workbench.tracking import check_status
+from workbench.tracking.sink import check_status
 
 # mlflow >= 3 fetches a telemetry config over HTTP when imported; only this variable stops it.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -45,13 +46,14 @@ class MlflowSink:
         uri = mlflow_config.tracking_uri or f"sqlite:///{os.path.join(runs_root, 'mlflow.db')}"
         self.client = MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name(mlflow_config.experiment)
-        experiment_id = (
-            experiment.experiment_id
-            if experiment
-            else self.client.create_experiment(mlflow_config.experiment)
-        )
-        tags = {"workbench.run_id": run_id} | ({"workbench.group": group} if group else {})
-        if group:  # the runs of a sweep are children of one parent run named after the sweep
+        if experiment:
+            experiment_id = experiment.experiment_id
+        else:
+            experiment_id = self.client.create_experiment(mlflow_config.experiment)
+        tags = {"workbench.run_id": run_id}
+        if group:
+            tags["workbench.group"] = group
+            # the runs of a sweep are children of one parent run named after the sweep
             tags["mlflow.parentRunId"] = self._parent(experiment_id, group)
         self.run_id = self.client.create_run(experiment_id, run_name=run_id, tags=tags).info.run_id
         params = [

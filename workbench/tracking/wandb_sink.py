@@ -1,4 +1,5 @@
-"""A wandb run whose id and name are the workbench run id; offline by default, files under the run folder."""
+"""A wandb sink: a run whose id and name are the workbench run id; offline by default, its files
+under the run folder."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import os
 
 import wandb
 
-from workbench.tracking import check_status
+from workbench.tracking.sink import check_status
 
 # wandb has no "interrupted" state: any non-zero exit code shows as failed; 130 is SIGINT's.
 EXIT_CODES = {"finished": 0, "failed": 1, "interrupted": 130}
@@ -15,14 +16,16 @@ EXIT_CODES = {"finished": 0, "failed": 1, "interrupted": 130}
 class WandbSink:
     def __init__(self, wandb_config, run_dir: str, run_id: str, config: dict, group: str | None):
         offline = wandb_config.mode == "offline"
-        os.makedirs(run_dir, exist_ok=True)  # else wandb warns "git root ... does not exist"
+        # else wandb warns "git root ... does not exist"
+        os.makedirs(run_dir, exist_ok=True)
         if offline:
             # wandb-core's error reporting is switched off only by this variable, not by Settings.
             os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
         settings = wandb.Settings(
             silent=True,
             console="off",
-            x_disable_stats=offline,  # the system monitor may query a cloud metadata server
+            # the system monitor may query a cloud metadata server
+            x_disable_stats=offline,
             x_disable_machine_info=offline,
         )
         self.run = wandb.init(
@@ -34,7 +37,8 @@ class WandbSink:
             config=config,
             dir=run_dir,
             mode=wandb_config.mode,
-            reinit="create_new",  # never finish a run someone else in this process started
+            # never finish a run someone else in this process started
+            reinit="create_new",
             settings=settings,
         )
 

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import duckdb
+
 from workbench.store.query import resolve_run
 from workbench.store.schema import TABLES
 
@@ -45,7 +47,8 @@ SORT_KEYS = {
 
 
 def read_runs(root: str) -> list[dict]:
-    """Every run.json under `root`, newest first (read only: unlike list_runs, nothing is rewritten)."""
+    """Every run.json under `root`, newest first (read only: unlike list_runs, nothing is
+    rewritten)."""
     rows = []
     for path in Path(root).glob("*/run.json"):
         try:
@@ -67,13 +70,16 @@ class Filter:
 
     @classmethod
     def parse(cls, line: str) -> "Filter":
-        found, words = cls(), []
+        found = cls()
+        words = []
         for word in line.split():
             bound = re.fullmatch(r"reward(>=|<=|>|<)(-?[\d.]+(?:e-?\d+)?)", word)
             if word in ("dropped", "mismatch"):
                 setattr(found, word, True)
+            elif bound and ">" in bound[1]:
+                found.reward_min = float(bound[2])
             elif bound:
-                setattr(found, "reward_min" if ">" in bound[1] else "reward_max", float(bound[2]))
+                found.reward_max = float(bound[2])
             else:
                 words.append(word)
         found.text = " ".join(words)
@@ -81,11 +87,10 @@ class Filter:
 
 
 class RunData:
-    """A run's tables as DuckDB views (`segments`, `tokens`, ...); an empty table until its first shard lands."""
+    """A run's tables as DuckDB views (`segments`, `tokens`, ...); an empty table until its first
+    shard lands."""
 
     def __init__(self, run_id: str, root: str = "runs"):
-        import duckdb
-
         self.folder = resolve_run(run_id, root).resolve()
         self.db = duckdb.connect()
         self.db.execute("SET enable_progress_bar = false")
@@ -95,14 +100,16 @@ class RunData:
         self.refresh()
 
     def refresh(self) -> bool:
-        """Re-read run.json and (re)create views for tables whose first shard appeared; True if anything changed."""
+        """Re-read run.json and (re)create views for tables whose first shard appeared; True if
+        anything changed."""
         self.run = json.loads((self.folder / "run.json").read_text())
         state = (
             self.run.get("status"),
             self.run.get("steps_done"),
             *(len(list((self.folder / t).glob("*.parquet"))) for t in TABLES),
         )
-        changed, self.state = state != getattr(self, "state", None), state
+        changed = state != getattr(self, "state", None)
+        self.state = state
         for name, schema in TABLES.items():
             if name in self._present:
                 continue
@@ -133,8 +140,9 @@ class RunData:
         )[0]
         stats = dict(
             self.rows(
-                "select key, avg(value) from metrics where key in ('gate/kept_frac', 'mismatch/kl', "
-                "'routing/mismatch_token_frac') group by key"
+                "select key, avg(value) from metrics "
+                "where key in ('gate/kept_frac', 'mismatch/kl', 'routing/mismatch_token_frac') "
+                "group by key"
             )
         )
         rewards = [value for _, value in self.series("reward/mean")]
@@ -151,14 +159,18 @@ class RunData:
 
     # ---- segments
     _SEGMENTS = """
-        select s.step, s.rollout_id, s.segment_idx, s.reward, s.num_tokens, s.min_version || '-' || s.max_version as versions,
-               coalesce(g.decision, '-') as decision, s.seal_reason, coalesce(r.mismatched, 0) as mismatched,
+        select s.step, s.rollout_id, s.segment_idx, s.reward, s.num_tokens,
+               s.min_version || '-' || s.max_version as versions,
+               coalesce(g.decision, '-') as decision, s.seal_reason,
+               coalesce(r.mismatched, 0) as mismatched,
                array_to_string(s.images, ',') as images
         from segments s
         left join gate_decisions g using (step, rollout_id, segment_idx)
-        left join (select step, rollout_id, segment_idx, sum(mismatched) as mismatched from routing group by all) r
+        left join (select step, rollout_id, segment_idx, sum(mismatched) as mismatched
+                   from routing group by all) r
           using (step, rollout_id, segment_idx)
-        where s.reward between ? and ? and (? = false or g.decision = 'dropped') and (? = false or r.mismatched > 0)
+        where s.reward between ? and ?
+          and (? = false or g.decision = 'dropped') and (? = false or r.mismatched > 0)
           and (? = '' or s.prompt_text ilike ? or s.response_text ilike ?)"""
 
     def _where(self, found: Filter) -> list:
@@ -181,7 +193,8 @@ class RunData:
     ) -> list[tuple]:
         order = f"{SORT_KEYS.get(sort, 'step')} {'desc' if descending else 'asc'}"
         return self.rows(
-            f"{self._SEGMENTS} order by {order}, step, rollout_id, segment_idx limit {PAGE} offset {int(offset)}",
+            f"{self._SEGMENTS} order by {order}, step, rollout_id, segment_idx "
+            f"limit {PAGE} offset {int(offset)}",
             *self._where(found),
         )
 
@@ -191,18 +204,20 @@ class RunData:
             [step, rollout_id, segment_idx],
         )
         names = [d[0] for d in result.description]
-        return dict(zip(names, result.fetchone()))
+        return dict(zip(names, result.fetchone(), strict=True))
 
     def siblings(self, rollout_id: int) -> list[tuple[int, int]]:
         """(step, segment_idx) of every segment of one rollout, in order."""
         return self.rows(
-            "select step, segment_idx from segments where rollout_id = ? order by segment_idx, step",
+            "select step, segment_idx from segments "
+            "where rollout_id = ? order by segment_idx, step",
             rollout_id,
         )
 
     def tokens(self, step: int, rollout_id: int, segment_idx: int) -> list[tuple]:
         return self.rows(
-            "select position, token_id, loss_mask, behavior_logprob, train_logprob, behavior_version, is_weight "
+            "select position, token_id, loss_mask, behavior_logprob, train_logprob, "
+            "behavior_version, is_weight "
             "from tokens where step = ? and rollout_id = ? and segment_idx = ? order by position",
             step,
             rollout_id,
@@ -210,26 +225,29 @@ class RunData:
         )
 
     def routing(self, step: int, rollout_id: int, segment_idx: int) -> dict[int, dict[int, tuple]]:
-        """Layer -> {position: (rollout experts, learner experts)} where the learner's live routing disagreed."""
-        return {
-            layer: dict(zip(positions or [], zip(rollout or [], learner or [])))
-            for layer, positions, rollout, learner in self.rows(
-                "select layer, positions, rollout_experts, learner_experts from routing "
-                "where step = ? and rollout_id = ? and segment_idx = ? order by layer",
-                step,
-                rollout_id,
-                segment_idx,
-            )
-        }
+        """Layer -> {position: (rollout experts, learner experts)} where the learner's live routing
+        disagreed."""
+        layers = self.rows(
+            "select layer, positions, rollout_experts, learner_experts from routing "
+            "where step = ? and rollout_id = ? and segment_idx = ? order by layer",
+            step,
+            rollout_id,
+            segment_idx,
+        )
+        routing = {}
+        for layer, positions, rollout, learner in layers:
+            experts = zip(rollout or [], learner or [], strict=True)
+            routing[layer] = dict(zip(positions or [], experts, strict=True))
+        return routing
 
     # ---- other tables
     def page(self, table: str, offset: int = 0) -> tuple[list[str], list[tuple]]:
         order = "step, rollout_id, segment_idx" if table == "gate_decisions" else "time"
-        exclude = (
-            "run_id, traceback" if table == "failed_episodes" else "run_id"
-        )  # the traceback: below the table
+        # the traceback: below the table
+        exclude = "run_id, traceback" if table == "failed_episodes" else "run_id"
         result = self.db.execute(
-            f"select * exclude ({exclude}) from {table} order by {order} limit {PAGE} offset {int(offset)}"
+            f"select * exclude ({exclude}) from {table} "
+            f"order by {order} limit {PAGE} offset {int(offset)}"
         )
         return [d[0] for d in result.description], result.fetchall()
 
@@ -243,14 +261,14 @@ class RunData:
 
     # ---- token text
     def piece(self, token_id: int) -> str:
-        """The text of one token under the run's tokenizer (cached); `⟨id⟩` when the tokenizer cannot be found."""
+        """The text of one token under the run's tokenizer (cached); `⟨id⟩` when the tokenizer
+        cannot be found."""
         if token_id not in self.pieces:
             tokenizer = self.tokenizer()
-            self.pieces[token_id] = (
-                tokenizer.decode([token_id], skip_special_tokens=False)
-                if tokenizer
-                else f"⟨{token_id}⟩"
-            )
+            if tokenizer:
+                self.pieces[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+            else:
+                self.pieces[token_id] = f"⟨{token_id}⟩"
         return self.pieces[token_id]
 
     def tokenizer(self):
@@ -267,6 +285,7 @@ class RunData:
 
                     folder = tiny_model_path(model.get("name", "tiny"))
                 self._tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-            except Exception:  # a model folder moved or gone: ids are still shown
+            except Exception:
+                # a model folder moved or gone: ids are still shown
                 pass
         return self._tokenizer

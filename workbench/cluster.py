@@ -1,0 +1,169 @@
+"""Ray and the run's actors: how Ray starts, where the learner and the rollout workers are placed,
+and how every actor starts and stops change here.
+
+The store, the learner and the rollout workers are Ray actors; `ray.*` keys give each its
+resources, and `ray.colocate` packs them on one node in a placement group that shares its GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+from workbench.config import REPO_ROOT
+from workbench.faults import died
+from workbench.rollout import RolloutWorker
+from workbench.store.actor import StoreActor
+
+
+def init_ray(cfg) -> None:
+    """Start Ray (a local one, or join `ray.address`) unless it runs; SIGTERM then stops a run like
+    Ctrl-C."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if not ray.is_initialized():
+        _start_ray(cfg)
+    # after ray.init, which sets its own handler
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum, frame):
+    # SIGTERM stops a run like Ctrl-C: flushed, marked interrupted
+    raise KeyboardInterrupt
+
+
+def _start_ray(cfg) -> None:
+    import ray
+
+    runtime_env = {
+        "env_vars": {
+            "PYTHONPATH": str(REPO_ROOT),
+            "MOLT_WB_CACHE": os.environ.get("MOLT_WB_CACHE", ""),
+            # idle OpenMP threads sleep instead of spinning: actors share the cores
+            # (bench/README.md)
+            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+        }
+    }
+    # a cluster's nodes share the repository and the model cache at the same paths
+    if cfg.ray.address:
+        ray.init(
+            address=cfg.ray.address,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+            runtime_env=runtime_env,
+        )
+        return
+    slots = (cfg.ray.rollout_workers + 1) * cfg.sweep.parallel
+    cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, slots)
+    ray.init(
+        address="local",
+        num_cpus=cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=cfg.ray.object_store_mb * 2**20,
+        runtime_env=runtime_env,
+    )
+
+
+def placement(cfg) -> list[dict]:
+    """Ray options of the learner (first) and each rollout worker: resources by config, and with
+    `ray.colocate` one bundle each in a STRICT_PACK placement group (one node, shared GPUs)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    r = cfg.ray
+    learner = {"num_cpus": r.learner_cpus, "num_gpus": r.learner_gpus}
+    worker = {
+        "num_cpus": r.rollout_cpus,
+        "num_gpus": r.rollout_gpus,
+        "resources": dict(r.rollout_resources),
+    }
+    options = [learner] + [worker] * r.rollout_workers
+    if not r.colocate:
+        return options
+    bundles = [_bundle(o) for o in options]
+    group = ray.util.placement_group(bundles, strategy="STRICT_PACK", name=f"molt-wb-{cfg.run.id}")
+    ray.get(group.ready(), timeout=600)
+    return [
+        dict(
+            o,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=i
+            ),
+        )
+        for i, o in enumerate(options)
+    ]
+
+
+def _bundle(options: dict) -> dict:
+    """The placement-group bundle of one actor's Ray options: the resources it asks for."""
+    asked = {"CPU": options["num_cpus"], "GPU": options["num_gpus"], **options.get("resources", {})}
+    return {name: amount for name, amount in asked.items() if amount}
+
+
+def start_actors(cfg, model_path: str, run_dir: Path, run_row: dict):
+    """(store, learner, rollout workers) as Ray actors, placed by `ray.*`; the store takes no CPU
+    slot. The run row records the node of each (`placement`)."""
+    import ray
+
+    # torch: imported where the learner is started
+    from workbench.learner import Learner
+
+    store = ray.remote(num_cpus=0)(StoreActor).remote(cfg, str(run_dir), run_row)
+    learner_options, *worker_options = placement(cfg)
+    learner = ray.remote(Learner).options(**learner_options).remote(cfg, model_path)
+    # the batches in flight (at most async_depth + 1) and the weight pushes
+    worker_cls = ray.remote(
+        max_concurrency=cfg.trainer.async_depth + 2, max_restarts=cfg.rollout.max_restarts
+    )(RolloutWorker)
+    workers = [
+        worker_cls.options(**options).remote(cfg, model_path, i)
+        for i, options in enumerate(worker_options)
+    ]
+    nodes = ray.get(
+        [
+            a.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
+            for a in (learner, *workers)
+        ]
+    )
+    ray.get(
+        store.__ray_call__.remote(
+            lambda s: s.writer.update_run(
+                placement={"learner": nodes[0], "rollout_workers": nodes[1:]}
+            )
+        )
+    )
+    return store, learner, workers
+
+
+def stop_actors(run_id: str, status: str, store, learner, workers) -> None:
+    """Close the store (flush, final status), then free every actor's slot for the next run."""
+    import ray
+
+    try:
+        ray.get(store.close.remote(status), timeout=120)
+    # the store died; when the run failed already, that error stands
+    except ray.exceptions.RayActorError as error:
+        if status != "failed":
+            raise died(error, run_id, store, learner) from error
+    finally:
+        group = None
+        # a dead learner has no group to report
+        with contextlib.suppress(Exception):
+            group = ray.get(
+                learner.__ray_call__.remote(lambda _: ray.util.get_current_placement_group()),
+                timeout=60,
+            )
+        for actor in (store, learner, *workers):
+            ray.kill(actor)
+        if group is not None:  # a colocated run's
+            ray.util.remove_placement_group(group)

@@ -1,0 +1,218 @@
+"""The Anthropic messages wire: `POST /v1/messages`, whole or streamed, in Anthropic's shapes.
+
+Its content blocks become chat-template messages: a `tool_result` block is a `tool` message, a
+`tool_use` block an assistant tool call, and the system prompt a leading system message.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+from workbench.server.wires.base import (
+    ChatReply,
+    ChatRequest,
+    Wire,
+    WireError,
+    number,
+    objects,
+    refuse_top_p,
+    refuse_unknown,
+    strings,
+    text_of,
+    tool_arguments,
+    user_content,
+)
+
+FIELDS = {
+    "model",
+    "messages",
+    "max_tokens",
+    "system",
+    "temperature",
+    "top_p",
+    "stop_sequences",
+    "stream",
+    "tools",
+    "tool_choice",
+    "metadata",
+}
+STOP_REASONS = {"length": "max_tokens", "stop_sequence": "stop_sequence"}
+
+
+class AnthropicMessages(Wire):
+    name = "anthropic"
+    path = "/v1/messages"
+    base_url_key = "anthropic_base_url"
+    base_url_suffix = ""
+
+    def decode(self, body: dict) -> ChatRequest:
+        refuse_unknown(body, FIELDS)
+        refuse_top_p(body)
+        if not isinstance(body.get("max_tokens"), int):
+            raise WireError(400, "max_tokens: Field required (an integer).")
+        raw = body.get("messages")
+        if not isinstance(raw, list) or not raw:
+            raise WireError(400, "messages: must be a non-empty list.")
+        system = body.get("system")
+        messages = []
+        if system:
+            messages.append({"role": "system", "content": text_of(system, "system")})
+        for index, message in enumerate(raw):
+            messages += _messages(index, message)
+        return ChatRequest(
+            messages=messages,
+            tools=_tools(body) or None,
+            max_tokens=body["max_tokens"],
+            temperature=number(body, "temperature"),
+            stop=strings(body.get("stop_sequences"), "stop_sequences"),
+            stream=bool(body.get("stream")),
+        )
+
+    def reply(self, reply: ChatReply) -> dict:
+        content = []
+        if reply.text or not reply.tool_calls:
+            content.append({"type": "text", "text": reply.text})
+        for call in reply.tool_calls:
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": call["id"],
+                    "name": call["name"],
+                    "input": call["arguments"],
+                }
+            )
+        stop_reason = STOP_REASONS.get(reply.finish, "end_turn")
+        if reply.tool_calls:
+            stop_reason = "tool_use"
+        return {
+            "id": f"msg_{reply.id}",
+            "type": "message",
+            "role": "assistant",
+            "model": reply.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": reply.stop_sequence,
+            "usage": {
+                "input_tokens": reply.prompt_tokens,
+                "output_tokens": reply.completion_tokens,
+            },
+        }
+
+    def events(self, request: ChatRequest, reply: ChatReply, pieces: list[str]) -> Iterator[bytes]:
+        """message_start, per block start / deltas / stop, message_delta, message_stop."""
+        whole = self.reply(reply)
+        usage = {"input_tokens": reply.prompt_tokens, "output_tokens": 0}
+        start = dict(whole, content=[], stop_reason=None, usage=usage)
+        yield _event("message_start", {"message": start})
+        for index, block in enumerate(whole["content"]):
+            yield from _block_events(index, block, pieces)
+        delta = {"stop_reason": whole["stop_reason"], "stop_sequence": reply.stop_sequence}
+        yield _event(
+            "message_delta",
+            {"delta": delta, "usage": {"output_tokens": reply.completion_tokens}},
+        )
+        yield _event("message_stop", {})
+
+    def error(self, error: WireError) -> dict:
+        return {"type": "error", "error": {"type": error.kind, "message": error.message}}
+
+
+def _messages(index: int, message) -> list[dict]:
+    """One request message as chat-template messages: a `tool` message per tool result, then the
+    user's text and images (if any) or the assistant's text and tool calls."""
+    role = message.get("role") if isinstance(message, dict) else None
+    if role not in ("user", "assistant"):
+        raise WireError(400, f"messages.{index}.role: must be user or assistant.")
+    where = f"messages.{index}.content"
+    blocks = message.get("content")
+    if isinstance(blocks, str):
+        blocks = [{"type": "text", "text": blocks}]
+    if not isinstance(blocks, list):
+        raise WireError(400, f"{where}: must be a string or a list of blocks.")
+    text = []
+    calls = []
+    parts = []
+    results = []
+    for block in blocks:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            text.append(block.get("text", ""))
+            parts.append(block)
+        elif kind == "image" and role == "user":
+            parts.append(block)
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(_tool_use(block, where))
+        elif kind == "tool_result" and role == "user":
+            results.append(_tool_result(block, index))
+        else:
+            raise WireError(400, f"{where}: block type {kind!r} is not supported for role {role}.")
+    if role == "assistant":
+        assistant = {"role": "assistant", "content": "".join(text)}
+        if calls:
+            assistant["tool_calls"] = calls
+        return results + [assistant]
+    if parts:
+        return results + [{"role": "user", "content": user_content(parts, where)}]
+    return results
+
+
+def _tool_use(block: dict, where: str) -> dict:
+    return {
+        "id": str(block.get("id", "")),
+        "name": str(block.get("name", "")),
+        "arguments": tool_arguments(block.get("input") or {}, where),
+    }
+
+
+def _tool_result(block: dict, index: int) -> dict:
+    return {
+        "role": "tool",
+        "content": text_of(block.get("content"), f"messages.{index}.tool_result"),
+        "tool_call_id": str(block.get("tool_use_id", "")),
+    }
+
+
+def _tools(body: dict) -> list[dict]:
+    """The request's tools as the chat template's function tools (none for tool_choice none)."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": str(tool.get("name")),
+                "description": str(tool.get("description", "")),
+                "parameters": tool_arguments(tool.get("input_schema", {}), "tools"),
+            },
+        }
+        for tool in objects(body.get("tools"), "tools")
+    ]
+    choice = body.get("tool_choice") or {}
+    if not isinstance(choice, dict):
+        raise WireError(400, 'tool_choice: must be an object such as {"type": "auto"}.')
+    if choice.get("type", "auto") not in ("auto", "none"):
+        raise WireError(400, "tool_choice: only auto or none is supported.")
+    if choice.get("type") == "none":
+        return []
+    return tools
+
+
+def _block_events(index: int, block: dict, pieces: list[str]) -> Iterator[bytes]:
+    """A content block's start, its deltas (the text as generated, or the tool input whole), and
+    its stop."""
+    if block["type"] == "text":
+        empty = {"type": "text", "text": ""}
+        yield _event("content_block_start", {"index": index, "content_block": empty})
+        for piece in pieces:
+            if piece:
+                text_delta = {"type": "text_delta", "text": piece}
+                yield _event("content_block_delta", {"index": index, "delta": text_delta})
+    else:
+        opened = dict(block, input={})
+        yield _event("content_block_start", {"index": index, "content_block": opened})
+        json_delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        yield _event("content_block_delta", {"index": index, "delta": json_delta})
+    yield _event("content_block_stop", {"index": index})
+
+
+def _event(name: str, data: dict) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(dict(type=name, **data))}\n\n".encode()

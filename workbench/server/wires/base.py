@@ -1,0 +1,235 @@
+"""What every wire shares: the `Wire` base a wire module subclasses, the request it decodes into,
+the reply it encodes, its error, and the decoders of the fields the wires have in common.
+
+A wire decodes a request body into one `ChatRequest` (messages in the chat template's own form:
+role, content, tool_calls, tool_call_id) and encodes one `ChatReply` back, whole or as that wire's
+server-sent events. A field the server does not support is refused in the wire's own error shape.
+"""
+
+from __future__ import annotations
+
+import abc
+import base64
+import binascii
+import io
+import json
+import re
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+
+class WireError(Exception):
+    """A refused request: its HTTP status, the sentence the client reads, and the error's type."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+
+
+@dataclass
+class ChatRequest:
+    """One request, whichever wire it came by: the conversation and how to sample its reply."""
+
+    messages: list[dict]
+    tools: list[dict] | None
+    max_tokens: int | None
+    temperature: float | None
+    stop: list[str]
+    stream: bool
+    # a last streamed chunk with the token counts (OpenAI's stream_options.include_usage)
+    include_usage: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise WireError(400, "max_tokens must be at least 1.")
+        if self.temperature is not None and not 0 <= self.temperature <= 100:
+            raise WireError(400, "temperature must be a number from 0 to 100.")
+
+
+@dataclass
+class ChatReply:
+    """One generated turn, whichever wire it goes back by."""
+
+    text: str
+    tool_calls: list[dict]  # {"id", "name", "arguments": dict}
+    finish: str  # stop | length | stop_sequence
+    prompt_tokens: int
+    completion_tokens: int
+    model: str
+    stop_sequence: str | None = None
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+
+
+class Wire(abc.ABC):
+    """One API a stock SDK speaks: where it is served, how its request body decodes into a
+    `ChatRequest`, and how a `ChatReply` (whole or streamed) and a `WireError` encode back in its
+    own shapes. A new wire is one module with a subclass, listed in `workbench.server.wires.WIRES`.
+    """
+
+    # the wire's name in the `requests` rows
+    name: str
+    # served at /s/<session><path>; its last part also picks the error shape of unrouted requests
+    path: str
+    # the session info's key for this wire's SDK base URL, and what follows /s/<session> in it
+    base_url_key: str
+    base_url_suffix: str
+
+    @abc.abstractmethod
+    def decode(self, body: dict) -> ChatRequest:
+        """The request a JSON body asks for; a `WireError` for what this server does not support."""
+
+    @abc.abstractmethod
+    def reply(self, reply: ChatReply) -> dict:
+        """The whole reply's JSON body."""
+
+    @abc.abstractmethod
+    def events(self, request: ChatRequest, reply: ChatReply, pieces: list[str]) -> Iterator[bytes]:
+        """The reply as server-sent events; `pieces` is its text as generated, one per token."""
+
+    @abc.abstractmethod
+    def error(self, error: WireError) -> dict:
+        """A refusal's JSON body."""
+
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def parse_assistant(text: str) -> tuple[str, list[dict]]:
+    """Split generated text into its content and its well-formed <tool_call> blocks."""
+    calls = []
+    for match in TOOL_CALL.finditer(text):
+        try:
+            call = json.loads(match.group(1))
+            calls.append(
+                {
+                    "id": f"call_{uuid.uuid4().hex[:12]}",
+                    "name": str(call["name"]),
+                    "arguments": dict(call.get("arguments") or {}),
+                }
+            )
+        # a malformed call stays text: the agent sees exactly what was generated
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return text, []
+    if calls:
+        return text[: text.index("<tool_call>")], calls
+    return text, calls
+
+
+def text_of(content, where: str) -> str:
+    """A message's text content: a string, or a list of text parts joined."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" for p in content
+    ):
+        return "".join(p.get("text", "") for p in content)
+    raise WireError(400, f"{where}: only text content is supported here.")
+
+
+def _image(data: str, where: str) -> dict:
+    """An inline image (`data:image/png;base64,...` or bare base64) as a content part; nothing is
+    ever fetched."""
+    from PIL import Image
+
+    header = "base64"
+    payload = data
+    if data.startswith("data:"):
+        header, _, payload = data.partition(",")
+    try:
+        if "base64" not in header:
+            raise ValueError
+        raw = base64.b64decode(payload, validate=True)
+        Image.open(io.BytesIO(raw)).verify()
+    except (ValueError, binascii.Error, OSError):
+        raise WireError(
+            400,
+            f"{where}: an image must be inline base64 data of a PNG or JPEG "
+            f"(data:image/png;base64,...); URLs are not fetched.",
+        ) from None
+    return {"type": "image", "image": raw}
+
+
+def user_content(content, where: str):
+    """A user message's content: its text, or a list of text and image parts when it holds
+    images (OpenAI's image_url parts and Anthropic's image blocks alike)."""
+    if not isinstance(content, list):
+        return text_of(content, where)
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+        elif kind == "image_url":
+            parts.append(_image(str((part.get("image_url") or {}).get("url", "")), where))
+        elif kind == "image" and isinstance(part.get("source"), dict):
+            parts.append(_image(str(part["source"].get("data", "")), where))
+        else:
+            raise WireError(
+                400,
+                f"{where}: content part type {kind!r} is not supported "
+                f"(text and inline images are).",
+            )
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def number(body: dict, key: str, kind=float):
+    """The number at `key` (None when absent) as `kind`; a bool or a string is refused."""
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise WireError(400, f"'{key}' must be a number.")
+    return kind(value)
+
+
+def strings(value, key: str) -> list[str]:
+    """A string or a list of strings as a list (none when absent)."""
+    values = value or []
+    if isinstance(value, str):
+        values = [value]
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise WireError(400, f"'{key}' must be a string or a list of strings.")
+    return values
+
+
+def objects(value, key: str) -> list[dict]:
+    """A list of JSON objects (none when absent)."""
+    if value is not None and not (
+        isinstance(value, list) and all(isinstance(v, dict) for v in value)
+    ):
+        raise WireError(400, f"'{key}' must be a list of objects.")
+    return value or []
+
+
+def tool_arguments(value, where: str) -> dict:
+    """A tool call's arguments, which must be a JSON object."""
+    if not isinstance(value, dict):
+        raise WireError(400, f"{where}: tool call arguments must be a JSON object.")
+    return value
+
+
+def refuse_unknown(body: dict, allowed: set[str]) -> None:
+    """Refuse a body holding a field the wire does not list in `allowed`."""
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise WireError(
+            400,
+            f"Unsupported field(s) {', '.join(unknown)}: this server samples exact token ids and "
+            f"supports only {', '.join(sorted(allowed))}.",
+        )
+
+
+def refuse_top_p(body: dict) -> None:
+    """Refuse nucleus sampling: the learner recomputes each token's log-prob over the whole
+    vocabulary."""
+    if body.get("top_p", 1) != 1:
+        raise WireError(
+            400, "Only top_p=1 is supported: the learner must be able to recompute every log-prob."
+        )

@@ -1,0 +1,201 @@
+"""The OpenAI chat-completions wire: `POST /v1/chat/completions`, whole or streamed, in OpenAI's
+shapes."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+from workbench.server.wires.base import (
+    ChatReply,
+    ChatRequest,
+    Wire,
+    WireError,
+    number,
+    objects,
+    refuse_top_p,
+    refuse_unknown,
+    strings,
+    text_of,
+    tool_arguments,
+    user_content,
+)
+
+FIELDS = {
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "tools",
+    "tool_choice",
+    "user",
+    "seed",
+    "metadata",
+    "parallel_tool_calls",
+}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class OpenAIChat(Wire):
+    name = "openai"
+    path = "/v1/chat/completions"
+    base_url_key = "openai_base_url"
+    base_url_suffix = "/v1"
+
+    def decode(self, body: dict) -> ChatRequest:
+        refuse_unknown(body, FIELDS)
+        if body.get("n", 1) != 1:
+            raise WireError(400, "Only n=1 is supported: send one request per sample.")
+        refuse_top_p(body)
+        if body.get("tool_choice", "auto") not in ("auto", "none"):
+            raise WireError(400, "Only tool_choice 'auto' or 'none' is supported.")
+        raw = body.get("messages")
+        if not isinstance(raw, list) or not raw:
+            raise WireError(400, "'messages' must be a non-empty list.")
+        messages = [_message(index, message) for index, message in enumerate(raw)]
+        tools = None
+        if body.get("tool_choice") != "none":
+            tools = objects(body.get("tools"), "tools")
+        stream_options = body.get("stream_options") or {}
+        if not isinstance(stream_options, dict):
+            raise WireError(400, "'stream_options' must be an object.")
+        return ChatRequest(
+            messages=messages,
+            tools=tools or None,
+            max_tokens=(
+                number(body, "max_completion_tokens", int) or number(body, "max_tokens", int)
+            ),
+            temperature=number(body, "temperature"),
+            stop=strings(body.get("stop"), "stop"),
+            stream=bool(body.get("stream")),
+            include_usage=bool(stream_options.get("include_usage")),
+        )
+
+    def reply(self, reply: ChatReply) -> dict:
+        message = {"role": "assistant", "content": reply.text}
+        if reply.tool_calls:
+            message["tool_calls"] = _tool_calls(reply)
+        choice = {
+            "index": 0,
+            "message": message,
+            "finish_reason": _finish_reason(reply),
+            "logprobs": None,
+        }
+        return {
+            "id": f"chatcmpl-{reply.id}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": reply.model,
+            "choices": [choice],
+            "usage": _usage(reply),
+        }
+
+    def events(self, request: ChatRequest, reply: ChatReply, pieces: list[str]) -> Iterator[bytes]:
+        """Chunks: role, one per generated text piece, tool calls, finish, usage, [DONE]."""
+        yield _delta(reply, {"role": "assistant", "content": ""})
+        for piece in pieces:
+            if piece:
+                yield _delta(reply, {"content": piece})
+        if reply.tool_calls:
+            yield _delta(reply, {"tool_calls": _tool_calls(reply, with_index=True)})
+        yield _delta(reply, {}, finish=_finish_reason(reply))
+        if request.include_usage:
+            yield _chunk(reply, [], usage=_usage(reply))
+        yield b"data: [DONE]\n\n"
+
+    def error(self, error: WireError) -> dict:
+        return {
+            "error": {"message": error.message, "type": error.kind, "param": None, "code": None}
+        }
+
+
+def _message(index: int, message) -> dict:
+    """One request message in the chat template's form (a developer message is a system one)."""
+    role = message.get("role") if isinstance(message, dict) else None
+    if role not in ROLES:
+        raise WireError(
+            400, f"messages[{index}].role must be system, developer, user, assistant or tool."
+        )
+    read = text_of
+    if role == "user":
+        read = user_content
+    entry = {"role": role, "content": read(message.get("content"), f"messages[{index}]")}
+    if role == "developer":
+        entry["role"] = "system"
+    if role == "assistant" and message.get("tool_calls"):
+        entry["tool_calls"] = _decode_tool_calls(index, message["tool_calls"])
+    if role == "tool":
+        entry["tool_call_id"] = str(message.get("tool_call_id", ""))
+    return entry
+
+
+def _decode_tool_calls(index: int, tool_calls) -> list[dict]:
+    """An assistant message's function calls, their JSON arguments parsed."""
+    where = f"messages[{index}]"
+    try:
+        return [
+            {
+                "id": str(call["id"]),
+                "name": str(call["function"]["name"]),
+                "arguments": tool_arguments(
+                    json.loads(call["function"]["arguments"] or "{}"), where
+                ),
+            }
+            for call in tool_calls
+        ]
+    except (KeyError, TypeError, ValueError, RecursionError):
+        raise WireError(
+            400, f"messages[{index}].tool_calls must be function calls with JSON arguments."
+        ) from None
+
+
+def _tool_calls(reply: ChatReply, with_index: bool = False) -> list[dict]:
+    """The reply's tool calls as OpenAI function calls (numbered in a streamed delta)."""
+    calls = []
+    for index, call in enumerate(reply.tool_calls):
+        function = {"name": call["name"], "arguments": json.dumps(call["arguments"])}
+        encoded = {"id": call["id"], "type": "function", "function": function}
+        if with_index:
+            encoded = {"index": index, **encoded}
+        calls.append(encoded)
+    return calls
+
+
+def _finish_reason(reply: ChatReply) -> str:
+    if reply.tool_calls:
+        return "tool_calls"
+    if reply.finish == "length":
+        return "length"
+    return "stop"
+
+
+def _usage(reply: ChatReply) -> dict:
+    return {
+        "prompt_tokens": reply.prompt_tokens,
+        "completion_tokens": reply.completion_tokens,
+        "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+    }
+
+
+def _chunk(reply: ChatReply, choices: list[dict], **extra) -> bytes:
+    """One server-sent chunk of the streamed reply."""
+    body = {
+        "id": f"chatcmpl-{reply.id}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": reply.model,
+        "choices": choices,
+        **extra,
+    }
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+def _delta(reply: ChatReply, delta: dict, finish: str | None = None) -> bytes:
+    return _chunk(reply, [{"index": 0, "delta": delta, "finish_reason": finish}])

@@ -1,0 +1,91 @@
+"""The store actor: the single writer of `runs/<id>/` during training and the fan-out to W&B /
+MLflow; what a step, a failure or an evaluation writes to the store changes here.
+
+It runs as a Ray actor that takes no CPU slot; the driver sends it each step's records without
+waiting, and it runs its calls in order, so a checkpoint's shard marks follow that step's rows.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+
+from workbench.evaluate import eval_tables
+from workbench.store.schema import FAILED_EPISODES, rows_table, step_tables
+from workbench.store.writer import RunWriter
+from workbench.tracking import make_sinks
+
+
+class StoreActor:
+    """The single writer of runs/<id>/ and the fan-out to W&B / MLflow."""
+
+    def __init__(self, cfg, run_dir: str, run_row: dict):
+        self.run_id = cfg.run.id
+        self.writer = RunWriter(run_dir, run_row, cfg.run.flush_rows, cfg.run.flush_seconds)
+        if cfg.run.flush_seconds > 0:
+            self.writer.flush_every(cfg.run.flush_seconds)
+        self.sinks = make_sinks(
+            cfg.tracking, run_dir, cfg.run.id, run_row["config"], group=cfg.run.sweep_id
+        )
+        self.cpu_mark = time.process_time()
+
+    def write_step(self, step: int, metrics: dict, rows: dict, *worker_segments) -> None:
+        # perf/store_cpu_s: this process's CPU seconds (every thread) since the last step's: taking
+        # in the step's records, building rows, flushing shards, the tracking sinks. Off the
+        # step's path, but on its cores
+        cpu_mark = time.process_time()
+        metrics = dict(metrics, **{"perf/store_cpu_s": cpu_mark - self.cpu_mark})
+        self.cpu_mark = cpu_mark
+        segments = [s for batch in worker_segments for s in batch]
+        self.writer.save_images([image for s in segments for image in s.images])
+        tables = step_tables(self.run_id, step, rows["learner_version"], segments, rows)
+        for name, table in tables.items():
+            self.writer.append(name, table)
+        self.log(step, metrics)
+        self.writer.update_run(
+            at_flush=True,
+            steps_done=int(metrics["train/version"]),
+            reward_mean=metrics.get("reward/mean"),
+        )
+        self.writer.maybe_flush()
+
+    def write_failures(self, step: int, rows: list[dict]) -> None:
+        self.writer.append("failed_episodes", rows_table(FAILED_EPISODES, self.run_id, step, rows))
+        self.writer.maybe_flush()
+
+    def checkpoint(self) -> dict[str, int]:
+        """Flush, then the shards per table: a resume from this checkpoint deletes every shard past
+        them."""
+        self.writer.flush()
+        return dict(self.writer.next_shard)
+
+    def log(self, step: int, metrics: dict) -> None:
+        now = time.time()
+        self.writer.append(
+            "metrics",
+            pa.table(
+                {
+                    "run_id": [self.run_id] * len(metrics),
+                    "step": [step] * len(metrics),
+                    "key": list(metrics),
+                    "value": [float(v) for v in metrics.values()],
+                    "time": [now] * len(metrics),
+                }
+            ),
+        )
+        for sink in self.sinks:
+            sink.log(metrics, step)
+
+    def write_eval(self, step: int, row: dict) -> None:
+        """One held-out evaluation: a row of the `eval` table and the metrics eval/reward,
+        eval/accuracy."""
+        for name, table in eval_tables(self.run_id, step, row).items():
+            self.writer.append(name, table)
+        for sink in self.sinks:
+            sink.log({"eval/reward": row["mean_reward"], "eval/accuracy": row["accuracy"]}, step)
+
+    def close(self, status: str) -> None:
+        self.writer.close(status)
+        for sink in self.sinks:
+            sink.close(status)

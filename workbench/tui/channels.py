@@ -1,0 +1,53 @@
+"""The colour channels of the token view: what value of a sampled token each one shows, and how.
+
+A channel is (value of a sampled token, [(upper bound, colour, legend)]); a token takes the first
+bin its value is below. Add a channel here: the token view cycles through CHANNELS in this order.
+"""
+
+from __future__ import annotations
+
+import math
+
+CHANNELS = {
+    "behavior logprob": (
+        lambda t: t["behavior_logprob"],
+        [
+            (-2.3, "red", "p<.1"),
+            (-0.69, "dark_orange", "p<.5"),
+            (-0.105, "yellow", "p<.9"),
+            (math.inf, "green", "p≥.9"),
+        ],
+    ),
+    "δ train−behavior": (
+        lambda t: abs(t["train_logprob"] - t["behavior_logprob"]),
+        [
+            (0.01, "green", "|δ|<.01"),
+            (0.1, "yellow", "<.1"),
+            (0.5, "dark_orange", "<.5"),
+            (math.inf, "red", "≥.5"),
+        ],
+    ),
+    "IS weight": (
+        lambda t: abs(t["is_weight"] - 1),
+        [
+            (0.01, "green", "≈1"),
+            (0.1, "yellow", "±.1"),
+            (0.5, "dark_orange", "±.5"),
+            (math.inf, "red", "far/0"),
+        ],
+    ),
+    "version": (
+        lambda t: t["staleness"],
+        [(0.5, "green", "on-policy"), (1.5, "yellow", "1 behind"), (math.inf, "red", "≥2 behind")],
+    ),
+    "routing": (
+        lambda t: len(t["mismatched_layers"]),
+        [(0.5, "green", "same experts"), (math.inf, "red", "mismatch")],
+    ),
+}
+
+
+def colour(channel: str, token: dict) -> str:
+    value_of, bins = CHANNELS[channel]
+    value = value_of(token)
+    return next(c for bound, c, _ in bins if value < bound)

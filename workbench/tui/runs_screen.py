@@ -1,0 +1,70 @@
+"""The first screen of `molt-wb inspect`: every run under the root, newest first, filterable by
+sweep id; enter opens a run."""
+
+from __future__ import annotations
+
+import datetime
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Header, Input
+
+from workbench.tui.data import RunData, read_runs
+from workbench.tui.run_screen import RunScreen
+
+
+class RunsScreen(Screen):
+    BINDINGS = [
+        Binding("s", "focus('#sweep')", "Sweep filter"),
+        Binding("escape", "focus('#runs')", "Table", show=False),
+    ]
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield Input(self.app.sweep, placeholder="sweep id filter (s)", id="sweep")
+        yield DataTable(id="runs", cursor_type="row", zebra_stripes=True)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one(DataTable).add_columns(
+            "id", "recipe", "status", "steps", "reward", "created", "sweep"
+        )
+        self.load()
+        self.set_interval(self.app.poll, self.load)
+        self.query_one(DataTable).focus()
+
+    def load(self, *_) -> None:
+        table = self.query_one(DataTable)
+        sweep = self.query_one(Input).value.strip()
+        rows = [r for r in read_runs(self.app.root) if sweep in (r.get("sweep_id") or "")]
+        if rows == getattr(self, "shown", None):
+            return
+        self.shown = rows
+        cursor = table.cursor_row
+        table.clear()
+        for r in rows:
+            reward = r.get("reward_mean")
+            table.add_row(
+                r["run_id"],
+                str(r.get("recipe") or "-"),
+                r.get("status", "?"),
+                f"{r.get('steps_done', 0)}/{r.get('steps', '?')}",
+                "-" if reward is None else f"{reward:.3f}",
+                datetime.datetime.fromtimestamp(r.get("created", 0)).strftime("%m-%d %H:%M"),
+                r.get("sweep_id") or "",
+                key=r["run_id"],
+            )
+        table.move_cursor(row=cursor)
+        subtitle = f"{len(rows)} runs under {self.app.root}"
+        if sweep:
+            subtitle += f" · sweep ~ {sweep}"
+        self.sub_title = subtitle
+
+    on_input_changed = load
+
+    def on_input_submitted(self) -> None:
+        self.query_one(DataTable).focus()
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        self.app.push_screen(RunScreen(RunData(event.row_key.value, self.app.root)))

@@ -1,0 +1,216 @@
+"""The token view of one segment: every token's text, each sampled one coloured by a channel, and a
+side panel with the values of the token under the cursor.
+
+Prompt and environment tokens are dim; ▸ ◂ mark a sampled turn, ▣ an image. The channels are in
+`channels.py`.
+"""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Static
+
+from workbench.tui.channels import CHANNELS, colour
+from workbench.tui.data import RunData
+
+TOKEN_FIELDS = (
+    "position",
+    "token_id",
+    "loss_mask",
+    "behavior_logprob",
+    "train_logprob",
+    "behavior_version",
+    "is_weight",
+)
+
+
+def visible(piece: str) -> str:
+    """A token's text as it may be drawn: newlines kept (after a ↵), other control characters
+    escaped."""
+    escaped = "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in piece)
+    return escaped.replace("\n", "↵\n")
+
+
+def _experts(ids) -> str:
+    if ids is None:
+        return "?"
+    return ",".join(str(i) for i in ids)
+
+
+class TokenScreen(Screen):
+    BINDINGS = [
+        Binding("left", "move(-1)", "Token ←", show=False),
+        Binding("right", "move(1)", "Token →", show=False),
+        Binding("home", "move(-1e9)", show=False),
+        Binding("end", "move(1e9)", show=False),
+        Binding("full_stop", "next_sampled", "Next sampled", key_display="."),
+        Binding("c", "channel", "Channel"),
+        Binding("n", "segment(1)", "Next seg"),
+        Binding("p", "segment(-1)", "Prev seg"),
+        Binding("escape", "app.pop_screen", "Back"),
+    ]
+
+    def __init__(self, data: RunData, step: int, rollout_id: int, segment_idx: int):
+        super().__init__()
+        self.data = data
+        self.channel = next(iter(CHANNELS))
+        self.cursor = 0
+        self.open(step, rollout_id, segment_idx)
+
+    def open(self, step: int, rollout_id: int, segment_idx: int) -> None:
+        self.segment_key = (step, rollout_id, segment_idx)
+        self.segment = self.data.segment(step, rollout_id, segment_idx)
+        routing = self.data.routing(step, rollout_id, segment_idx)
+        self.rollout_segments = self.data.siblings(rollout_id)
+        self.route_layers = sorted(routing)
+        self.tokens = [
+            dict(zip(TOKEN_FIELDS, row, strict=True))
+            for row in self.data.tokens(step, rollout_id, segment_idx)
+        ]
+        for token in self.tokens:
+            token["text"] = self.data.piece(token["token_id"])
+            token["staleness"] = self.segment["learner_version"] - token["behavior_version"]
+            token["mismatched_layers"] = {
+                layer: routing[layer][token["position"]]
+                for layer in self.route_layers
+                if token["position"] in routing[layer]
+            }
+        self.cursor = min(self.cursor, max(len(self.tokens) - 1, 0))
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield Static(id="legend")
+        with Horizontal():
+            with VerticalScroll(id="tokens-scroll", can_focus=False):
+                yield Static(id="tokens")
+            yield Static(id="side")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.render_all()
+
+    def token_styles(self) -> list[str]:
+        """The style of every token under the current channel (the cursor's not included)."""
+        return [colour(self.channel, t) if t["loss_mask"] else "dim" for t in self.tokens]
+
+    def render_all(self) -> None:
+        s = self.segment
+        self.title = (
+            f"rollout {s['rollout_id']} · segment {s['segment_idx'] + 1}/"
+            f"{len(self.rollout_segments)} · step {s['step']}"
+        )
+        self.sub_title = (
+            f"reward {s['reward']:.3g} · seal {s['seal_reason']} · finish {s['finish_reason']}"
+        )
+        legend = Text.assemble(
+            ("channel ", "bold"),
+            (self.channel, "bold underline"),
+            "  ",
+            ("prompt/env", "dim"),
+            "  ",
+        )
+        for _, c, label in CHANNELS[self.channel][1]:
+            legend.append(f"■ {label} ", style=c)
+        if s["images"]:
+            legend.append("\nimages: " + ", ".join(s["images"]), style="italic")
+        self.query_one("#legend", Static).update(legend)
+        text = Text()
+        starts = {a for a, _ in s["turn_spans"]}
+        ends = {b for _, b in s["turn_spans"]}
+        images = iter(s["images"])
+        for i, (token, style) in enumerate(zip(self.tokens, self.token_styles(), strict=True)):
+            if i in ends:
+                text.append("◂", style="bold magenta")
+            if i in starts:
+                text.append("▸", style="bold magenta")
+            piece = token["text"]
+            if piece == "<|vision_start|>":
+                piece = f"▣{next(images, 'image')}"
+            elif piece == "<|image_pad|>":
+                piece = "▪"
+            if i == self.cursor:
+                self.cursor_offset = len(text)
+                style += " reverse"
+            text.append(visible(piece), style=style)
+        if len(self.tokens) in ends:
+            text.append("◂", style="bold magenta")
+        text.append(f" ⏹ {s['seal_reason']}", style="bold")
+        self.text = text
+        self.query_one("#tokens", Static).update(text)
+        self.render_side()
+        self.call_after_refresh(self.follow)
+
+    def follow(self) -> None:
+        """Scroll so the cursor's line is in view (lines as rich wraps them at the pane's width)."""
+        scroll = self.query_one("#tokens-scroll", VerticalScroll)
+        width = scroll.scrollable_content_region.width
+        height = scroll.scrollable_content_region.height
+        if width > 0 and self.tokens:
+            line = len(self.text[: self.cursor_offset + 1].wrap(self.app.console, width)) - 1
+            if not scroll.scroll_y <= line < scroll.scroll_y + height:
+                scroll.scroll_to(y=max(0, line - height // 2), animate=False)
+
+    def render_side(self) -> None:
+        if not self.tokens:
+            self.query_one("#side", Static).update("no tokens stored")
+            return
+        t = self.tokens[self.cursor]
+        sampled = bool(t["loss_mask"])
+        lines = [
+            f"[b]token[/b] {t['position'] + 1}/{len(self.tokens)}",
+            f"id        {t['token_id']}",
+            f"text      {t['text']!r}",
+            f"kind      {'sampled' if sampled else 'prompt/env'}",
+        ]
+        if sampled:
+            lines += [
+                f"behavior  {t['behavior_logprob']:.4f}",
+                f"train     {t['train_logprob']:.4f}",
+                f"δ         {t['train_logprob'] - t['behavior_logprob']:+.4f}",
+                f"version   {t['behavior_version']} (learner {self.segment['learner_version']})",
+                f"IS weight {t['is_weight']:.4f}",
+            ]
+        else:
+            lines.append(f"train     {t['train_logprob']:.4f}")
+        if self.route_layers:
+            lines.append(
+                "routing   "
+                + " ".join(
+                    f"L{layer}{'✗' if layer in t['mismatched_layers'] else '✓'}"
+                    for layer in self.route_layers
+                )
+            )
+            lines += [
+                f"  L{layer} rollout {_experts(rollout)} learner {_experts(learner)}"
+                for layer, (rollout, learner) in t["mismatched_layers"].items()
+            ]
+        self.query_one("#side", Static).update("\n".join(lines))
+
+    def action_move(self, delta: float) -> None:
+        self.cursor = int(min(max(self.cursor + delta, 0), max(len(self.tokens) - 1, 0)))
+        self.render_all()
+
+    def action_next_sampled(self) -> None:
+        later = range(self.cursor + 1, len(self.tokens))
+        sampled = (i for i in later if self.tokens[i]["loss_mask"])
+        # no sampled token after the cursor: stay
+        self.action_move(next(sampled, self.cursor) - self.cursor)
+
+    def action_channel(self) -> None:
+        names = list(CHANNELS)
+        self.channel = names[(names.index(self.channel) + 1) % len(names)]
+        self.render_all()
+
+    def action_segment(self, delta: int) -> None:
+        index = self.rollout_segments.index((self.segment_key[0], self.segment_key[2])) + delta
+        if 0 <= index < len(self.rollout_segments):
+            self.open(
+                self.rollout_segments[index][0],
+                self.segment_key[1],
+                self.rollout_segments[index][1],
+            )
+            self.render_all()

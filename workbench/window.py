@@ -1,0 +1,63 @@
+"""The window of rollout batches in flight: how many batches run ahead of the learner, when the next
+one is drawn and which weights it starts on change here.
+
+With `trainer.async_depth=d` the window holds up to d+1 batches. Step s trains on the oldest; its
+new weights travel with the batch drawn next (for step s+d+1), which Ray starts once they exist, so
+every batch is sampled exactly d versions behind the learner and the driver never waits on a push.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from workbench import faults
+
+
+def batches(cfg) -> int:
+    """The loop's steps: one rollout batch each, trained in `trainer.minibatches` optimizer
+    steps."""
+    return cfg.trainer.steps // cfg.trainer.minibatches
+
+
+class Window:
+    """The rollout batches in flight (`faults.Rollout`), oldest first."""
+
+    def __init__(self, cfg, workers, prompts, start: int):
+        """Draw the first batches of a run that starts (or resumes) at loop step `start`, on the
+        engines' own weights."""
+        self.cfg = cfg
+        self.workers = workers
+        self.prompts = prompts
+        self.start = start
+        self.end = batches(cfg)
+        first = min(cfg.trainer.async_depth + 1, self.end - start)
+        self.in_flight = deque(faults.submit(workers, prompts) for _ in range(first))
+        # the loop step whose batch is drawn next
+        self.next_batch = start + len(self.in_flight)
+
+    def steps(self) -> range:
+        """The loop steps still to run, one per rollout batch."""
+        return range(self.start, self.end)
+
+    def oldest(self) -> faults.Rollout:
+        """The oldest batch in flight, taken out of the window: the one this step trains on."""
+        return self.in_flight.popleft()
+
+    def sync(self, weights) -> None:
+        """A step's new `weights` (a Ray reference) reach the rollouts: with partial rollouts the
+        batches in flight take them now; the next batch, while the run has one left, starts on
+        them."""
+        import ray
+
+        if self.cfg.rollout.partial:
+            ray.get([w.load_weights.remote(weights) for w in self.workers])
+        if self.next_batch < self.end:
+            self.in_flight.append(faults.submit(self.workers, self.prompts, weights))
+            self.next_batch += 1
+
+    def data_state(self) -> dict:
+        """The data position a checkpoint saves: from before the oldest batch in flight was drawn
+        (no step has trained on it yet), else the current one."""
+        if self.in_flight:
+            return self.in_flight[0].data_state
+        return self.prompts.state()
