@@ -175,7 +175,8 @@ def _number(answer: object) -> tuple[float, int | None] | None:
             and (previous[0].isdigit() or previous[0] in ".)" or previous == "pi")
             and (number or token in ("pi", "sqrt", "("))
         ):
-            expression.append("*")  # 2\sqrt{3}, 4\pi, 2(3)
+            # 2\sqrt{3}, 4\pi, 2(3)
+            expression.append("*")
         expression.append(repr(float(token)) if number else token)
     places = len(plain.group(1)) if plain else None
     # safe: only float literals, pi, sqrt, + - * / ** and brackets reach eval; float ** overflows,

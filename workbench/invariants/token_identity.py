@@ -30,16 +30,14 @@ class SegmentTokens:
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
     seal_reason: str = ""
     prompt_text: str = ""
-    sampled_turns: list[np.ndarray] = field(
-        default_factory=list
-    )  # what the engine returned, per turn
-    finish: str = ""  # finish reason of the last sampled turn
-    images: list[bytes] = field(
-        default_factory=list
-    )  # encoded images, in the order of their placeholder runs
-    routes: np.ndarray | None = (
-        None  # int16 [t, layers, k] experts of the latest forward over positions 0..t
-    )
+    # what the engine returned, per turn
+    sampled_turns: list[np.ndarray] = field(default_factory=list)
+    # finish reason of the last sampled turn
+    finish: str = ""
+    # encoded images, in the order of their placeholder runs
+    images: list[bytes] = field(default_factory=list)
+    # int16 [t, layers, k] experts of the latest forward over positions 0..t
+    routes: np.ndarray | None = None
 
     def extend(self, ids, sampled: bool, logprobs=None, versions=None) -> None:
         self.token_ids.extend(int(i) for i in ids)
@@ -57,7 +55,8 @@ class SegmentTokens:
 
     def arrays(self) -> dict[str, np.ndarray]:
         routed = None
-        if self.routes is not None:  # positions added after the last forward are unknown (-1)
+        # positions added after the last forward are unknown (-1)
+        if self.routes is not None:
             routed = np.full((len(self.token_ids), *self.routes.shape[1:]), -1, dtype=np.int16)
             routed[: len(self.routes)] = self.routes[: len(self.token_ids)]
         return {
@@ -107,7 +106,9 @@ class TokenAccumulator:
     def __init__(
         self, tokenizer, messages: list[dict], tools: list[dict] | None = None, codec=None
     ):
-        self.tokenizer, self.tools, self.codec = tokenizer, tools or None, codec
+        self.tokenizer = tokenizer
+        self.tools = tools or None
+        self.codec = codec
         self.sealed: list[SegmentTokens] = []
         self.last_finish = "stop"
         self._open(list(messages))
@@ -154,7 +155,8 @@ class TokenAccumulator:
         self.open.extend(token_ids, sampled=True, logprobs=logprobs, versions=versions)
         self.open.turn_spans.append((start, len(self.open.token_ids)))
         self.open.sampled_turns.append(np.asarray(token_ids, dtype=np.int64).copy())
-        if routed_experts is not None:  # the rollout's experts for every position of this forward
+        # the rollout's experts for every position of this forward
+        if routed_experts is not None:
             self.open.routes = routed_experts
         self.messages.append(message)
         self.last_finish = self.open.finish = finish_reason
@@ -199,10 +201,9 @@ class TokenAccumulator:
 
     def fork(self) -> "TokenAccumulator":
         """A copy to try a turn on; the original is untouched until the copy replaces it."""
-        twin, o = (
-            copy.copy(self),
-            self.open,
-        )  # lists are copied; their items (ints, arrays, bytes, messages) are never mutated
+        # lists are copied; their items (ints, arrays, bytes, messages) are never mutated
+        twin = copy.copy(self)
+        o = self.open
         twin.open = dataclasses.replace(
             o,
             token_ids=list(o.token_ids),
@@ -213,7 +214,8 @@ class TokenAccumulator:
             sampled_turns=list(o.sampled_turns),
             images=list(o.images),
         )
-        twin.sealed, twin.messages = list(self.sealed), list(self.messages)
+        twin.sealed = list(self.sealed)
+        twin.messages = list(self.messages)
         return twin
 
     def seal(self, reason: str) -> None:

@@ -334,7 +334,8 @@ class LoopbackServer:
                 action = "open"
             else:
                 action = episode.continue_with(chat.messages, chat.tools)
-        except ValueError as error:  # e.g. an image sent to a text-only policy
+        # e.g. an image sent to a text-only policy
+        except ValueError as error:
             raise WireError(400, str(error)) from None
         # the chat template refused these messages (a role order, a tool call, ...)
         except Exception as error:

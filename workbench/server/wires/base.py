@@ -54,8 +54,10 @@ class ChatReply:
     """One generated turn, whichever wire it goes back by."""
 
     text: str
-    tool_calls: list[dict]  # {"id", "name", "arguments": dict}
-    finish: str  # stop | length | stop_sequence
+    # {"id", "name", "arguments": dict}
+    tool_calls: list[dict]
+    # stop | length | stop_sequence
+    finish: str
     prompt_tokens: int
     completion_tokens: int
     model: str
