@@ -4,6 +4,7 @@ are refused."""
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,10 +17,11 @@ import pyarrow as pa
 import pytest
 
 from workbench import loop
-from workbench.checkpoint import resume_config
+from workbench.checkpoint import resume_config, save_learner
 from workbench.config import ConfigError, compose_config
 from workbench.data import Prompts
 from workbench.faults import RunFailed
+from workbench.learner import Learner
 from workbench.progress import Progress
 from workbench.rollout import Job, RolloutWorker
 from workbench.store import list_runs, open_run
@@ -364,3 +366,21 @@ def test_the_writer_flushes_on_a_schedule_without_being_asked(tmp_path):
     wait_for(lambda: db.execute("select count(*) from metrics").fetchone()[0] == 1, seconds=60)
     writer.close("finished")
     assert db.execute("select count(*) from metrics").fetchone()[0] == 1  # once, not again at close
+
+
+def test_a_checkpoint_saves_after_the_folder_the_policy_was_loaded_from_is_gone(
+    tmp_path, tiny_path
+):
+    # a resumed run loads its policy from a checkpoint that keep_checkpoints later deletes
+    loaded_from = tmp_path / "step-000002" / "policy"
+    shutil.copytree(tiny_path, loaded_from)
+    cfg = compose_config(["+recipe=arith", "tracking=none"])
+    learner = Learner(cfg, str(loaded_from))
+    shutil.rmtree(loaded_from.parent)
+    out = tmp_path / "step-000006"
+    out.mkdir()
+    save_learner(learner, str(out), {"step": 6})
+    side = sorted(f.name for f in Path(tiny_path).iterdir() if "tokenizer" in f.name)
+    assert side, "the tiny model has tokenizer files"
+    for name in side:
+        assert (out / "policy" / name).read_bytes() == (Path(tiny_path) / name).read_bytes()

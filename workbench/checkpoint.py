@@ -43,6 +43,16 @@ def latest(run_dir) -> Path | None:
 # ---- save: the learner writes the policy and trainer.pt; the driver names, publishes and prunes
 
 
+def side_files(model_path: str) -> dict[str, bytes]:
+    """The tokenizer, chat template and image processor files beside a policy's weights, read
+    once: a resumed run's `model_path` is a checkpoint that `keep_checkpoints` later deletes."""
+    return {
+        file.name: file.read_bytes()
+        for file in Path(model_path).iterdir()
+        if file.is_file() and not file.name.endswith(WEIGHT_SUFFIXES + (".index.json",))
+    }
+
+
 def save_learner(learner, folder: str, driver_state: dict) -> int:
     """Runs in the learner actor: the policy (with its tokenizer files) and trainer.pt into
     `folder`."""
@@ -50,14 +60,9 @@ def save_learner(learner, folder: str, driver_state: dict) -> int:
 
     policy = Path(folder, "policy")
     learner.model.save_pretrained(policy)
-    # tokenizer, chat template, image processor
-    for file in Path(learner.model_path).iterdir():
-        if (
-            file.is_file()
-            and not (policy / file.name).exists()
-            and not file.name.endswith(WEIGHT_SUFFIXES + (".index.json",))
-        ):
-            shutil.copy2(file, policy / file.name)
+    for name, content in learner.side_files.items():
+        if not (policy / name).exists():
+            (policy / name).write_bytes(content)
     torch.save(
         dict(
             driver_state,

@@ -16,7 +16,7 @@ import torch
 
 from workbench.algo.advantages import ADVANTAGES, uniform_groups
 from workbench.algo.losses import POLICY_LOSSES, approx_kl, masked_mean, token_logprobs
-from workbench.checkpoint import load_learner, save_learner
+from workbench.checkpoint import load_learner, save_learner, side_files
 from workbench.engines.base import to_wire
 from workbench.engines.torch_engine import load_causal_lm, set_threads
 from workbench.invariants.routing_replay import find_routers, replay_routes
@@ -210,6 +210,7 @@ class Learner:
         self.moe = bool(find_routers(self.model))
         self.replay = cfg.algo.routing_replay
         self.model_path = model_path
+        self.side_files = side_files(model_path)
         self.estimator = ADVANTAGES[cfg.algo.advantage]
         self.policy_loss = POLICY_LOSSES[cfg.algo.policy_loss]
         # frozen models: the KL reference (a copy of the starting policy) and the distillation
