@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from workbench.cluster import placement
+from workbench.cluster import actor_env, placement
 from workbench.config import compose_config
+from workbench.models.tiny import cache_root
 
 
 def free_port() -> int:
@@ -159,3 +160,22 @@ def test_colocated_placement_packs_learner_and_workers_onto_one_node(cluster):
         ray.util.remove_placement_group(group)
     finally:
         ray.shutdown()
+
+
+@pytest.mark.parametrize("value", [None, ""])
+def test_an_unset_or_empty_model_cache_is_the_home_cache_never_the_working_directory(
+    monkeypatch, tmp_path, value
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MOLT_WB_CACHE", raising=False)
+    if value is not None:
+        monkeypatch.setenv("MOLT_WB_CACHE", value)
+    home_cache = Path.home() / ".cache" / "molt-wb"
+    assert cache_root() == home_cache
+    assert actor_env()["MOLT_WB_CACHE"] == str(home_cache)
+
+
+def test_actors_get_the_drivers_model_cache_as_an_absolute_path(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MOLT_WB_CACHE", "relative-cache")
+    assert actor_env()["MOLT_WB_CACHE"] == str(tmp_path / "relative-cache")

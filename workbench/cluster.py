@@ -16,6 +16,7 @@ from pathlib import Path
 
 from workbench.config import REPO_ROOT
 from workbench.faults import died
+from workbench.models.tiny import cache_root
 from workbench.rollout import RolloutWorker
 from workbench.store.actor import StoreActor
 
@@ -39,18 +40,20 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def actor_env() -> dict[str, str]:
+    """The environment every actor starts with: the driver's repository and model cache."""
+    return {
+        "PYTHONPATH": str(REPO_ROOT),
+        "MOLT_WB_CACHE": str(cache_root()),
+        # idle OpenMP threads sleep instead of spinning: actors share the cores (bench/README.md)
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+    }
+
+
 def _start_ray(cfg) -> None:
     import ray
 
-    runtime_env = {
-        "env_vars": {
-            "PYTHONPATH": str(REPO_ROOT),
-            "MOLT_WB_CACHE": os.environ.get("MOLT_WB_CACHE", ""),
-            # idle OpenMP threads sleep instead of spinning: actors share the cores
-            # (bench/README.md)
-            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
-        }
-    }
+    runtime_env = {"env_vars": actor_env()}
     # a cluster's nodes share the repository and the model cache at the same paths
     if cfg.ray.address:
         ray.init(

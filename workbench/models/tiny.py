@@ -130,8 +130,9 @@ triangle circle angle line length area radius degrees parallel perpendicular fin
 
 
 def cache_root() -> Path:
-    """Where built models live: $MOLT_WB_CACHE, else ~/.cache/molt-wb."""
-    return Path(os.environ.get("MOLT_WB_CACHE", Path.home() / ".cache" / "molt-wb"))
+    """Where built models live: $MOLT_WB_CACHE, else ~/.cache/molt-wb (an empty value is unset:
+    `Path("")` would be the working directory)."""
+    return Path(os.environ.get("MOLT_WB_CACHE") or Path.home() / ".cache" / "molt-wb").absolute()
 
 
 def spec_hash(spec: dict) -> str:
