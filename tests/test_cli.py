@@ -2,6 +2,7 @@
 input."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -269,3 +270,38 @@ def test_a_run_killed_with_sigkill_is_marked_crashed_by_the_next_command(tmp_pat
     listing = molt_wb("runs", "--root", str(tmp_path))
     assert "crashed" in listing.stdout
     assert json.loads((tmp_path / "killed" / "run.json").read_text())["status"] == "crashed"
+
+
+@pytest.fixture
+def broken_torchcodec(tmp_path) -> dict:
+    """An installed torchcodec that fails to load, as the CUDA build pip pulls in with vLLM does on
+    a CPU torch."""
+    site = tmp_path / "site"
+    (site / "torchcodec").mkdir(parents=True)
+    (site / "torchcodec" / "__init__.py").write_text(
+        "raise OSError('libnvrtc.so.12: cannot open shared object file')\n"
+    )
+    (site / "torchcodec-0.9.0.dist-info").mkdir()
+    (site / "torchcodec-0.9.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torchcodec\nVersion: 0.9.0\n"
+    )
+    return dict(os.environ, PYTHONPATH=str(site))
+
+
+def test_doctor_and_engine_vllm_name_the_command_that_removes_a_broken_companion(
+    broken_torchcodec, tmp_path
+):
+    doctor = molt_wb("doctor", env=broken_torchcodec)
+    assert doctor.returncode == 0
+    assert "torchcodec" in doctor.stdout
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in doctor.stdout
+    train = molt_wb("train", *FAST, f"run.root={tmp_path}", "engine=vllm", env=broken_torchcodec)
+    assert train.returncode == 2
+    assert "torchcodec do not import" in train.stderr
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in train.stderr
+    assert "Traceback" not in train.stderr
+
+
+def test_doctor_names_nothing_broken_where_nothing_is():
+    doctor = molt_wb("doctor")
+    assert "broken" not in doctor.stdout

@@ -17,7 +17,13 @@ from rich.console import Console
 from rich.table import Table
 
 from workbench.api import load_plugin
-from workbench.config import ConfigError, compose_config, expand_sweep
+from workbench.config import (
+    TORCH_COMPANIONS,
+    ConfigError,
+    broken_companions,
+    compose_config,
+    expand_sweep,
+)
 from workbench.faults import RunFailed
 from workbench.models.tiny import cache_root
 
@@ -369,6 +375,12 @@ def doctor(root: str = typer.Option("runs", help="Folder of run folders (run.roo
     typer.echo(f"cpu cores    {os.cpu_count()}")
     typer.echo(f"runs         {os.path.abspath(root)}")
     typer.echo(f"model cache  {cache_root()}")
+    broken = broken_companions()
+    if broken:
+        typer.echo(
+            f"broken       {', '.join(broken)} do not import with this torch (CUDA builds pip "
+            f"pulls in with vLLM); fix: pip uninstall -y {' '.join(TORCH_COMPANIONS)}"
+        )
 
 
 prepare_app = typer.Typer(

