@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from workbench.cluster import actor_env, placement
-from workbench.config import compose_config
+from workbench.cluster import actor_env, init_ray, placement, ray_cpus
+from workbench.config import ConfigError, compose_config
 from workbench.models.tiny import cache_root
 
 
@@ -179,3 +179,25 @@ def test_actors_get_the_drivers_model_cache_as_an_absolute_path(monkeypatch, tmp
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MOLT_WB_CACHE", "relative-cache")
     assert actor_env()["MOLT_WB_CACHE"] == str(tmp_path / "relative-cache")
+
+
+def test_a_sweep_sizes_ray_for_its_largest_job_times_its_parallel_runs():
+    small = compose_config(["ray.rollout_workers=1", "sweep.parallel=2"])
+    large = compose_config(["ray.rollout_workers=40", "sweep.parallel=2"])
+    assert ray_cpus([small, large]) == max(os.cpu_count(), (1 + 40) * 2)
+    assert ray_cpus([small]) == max(os.cpu_count(), 4)
+
+
+def test_a_run_larger_than_the_running_ray_is_refused_in_one_sentence():
+    import ray
+
+    init_ray(compose_config(["ray.num_cpus=2"]))
+    try:
+        with pytest.raises(ConfigError) as error:
+            init_ray(compose_config(["ray.rollout_workers=3"]))
+        message = str(error.value)
+        assert "4 CPUs" in message and "has 2" in message and "\n" not in message
+        # one that fits still starts
+        init_ray(compose_config(["ray.rollout_workers=1"]))
+    finally:
+        ray.shutdown()

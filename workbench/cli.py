@@ -85,9 +85,13 @@ def train(ctx: typer.Context):
     from workbench import cluster, loop, run_folder
 
     parallel = configs[0].sweep.parallel if multirun else 1
+    if multirun:
+        # once, sized for the largest job (times sweep.parallel)
+        try:
+            cluster.init_ray(configs[0], sized_for=configs)
+        except ConfigError as error:
+            fail(str(error))
     if parallel > 1:
-        # once, sized for the parallel jobs
-        cluster.init_ray(configs[0])
         for cfg in configs:
             OmegaConf.update(cfg, "run.progress", False)
 

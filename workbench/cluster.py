@@ -9,30 +9,60 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import threading
 from pathlib import Path
 
-from workbench.config import REPO_ROOT
+from workbench.config import REPO_ROOT, ConfigError
 from workbench.faults import died
 from workbench.models.tiny import cache_root
 from workbench.rollout import RolloutWorker
 from workbench.store.actor import StoreActor
 
 
-def init_ray(cfg) -> None:
-    """Start Ray (a local one, or join `ray.address`) unless it runs; SIGTERM then stops a run like
-    Ctrl-C."""
+def init_ray(cfg, sized_for: list | None = None) -> None:
+    """Start Ray (a local one sized for the largest of `sized_for`, or join `ray.address`) unless it
+    runs, and refuse a run it cannot hold; SIGTERM then stops a run like Ctrl-C."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if not ray.is_initialized():
-        _start_ray(cfg)
+        _start_ray(cfg, ray_cpus(sized_for or [cfg]))
+    _refuse_too_big(cfg, ray.cluster_resources())
     # after ray.init, which sets its own handler
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
+
+
+def asked(cfg) -> dict[str, float]:
+    """The CPUs and GPUs one run's learner and rollout workers ask Ray for."""
+    r = cfg.ray
+    return {
+        "CPU": r.learner_cpus + r.rollout_cpus * r.rollout_workers,
+        "GPU": r.learner_gpus + r.rollout_gpus * r.rollout_workers,
+    }
+
+
+def ray_cpus(configs: list) -> int:
+    """CPUs for a local Ray: the machine's, or enough for `sweep.parallel` of the largest run."""
+    largest = max(asked(cfg)["CPU"] for cfg in configs)
+    return configs[0].ray.num_cpus or max(
+        os.cpu_count() or 1, math.ceil(largest * configs[0].sweep.parallel)
+    )
+
+
+def _refuse_too_big(cfg, resources: dict) -> None:
+    # Ray queues an actor it has no room for forever: a run larger than the running Ray never starts
+    for name, amount in asked(cfg).items():
+        if amount > resources.get(name, 0):
+            raise ConfigError(
+                f"This run asks Ray for {amount:g} {name}s (ray.learner_* + ray.rollout_* x "
+                f"ray.rollout_workers) but the Ray it joined has {resources.get(name, 0):g}: start "
+                f"it in a new process, or lower ray.rollout_workers."
+            )
 
 
 def _interrupt(signum, frame):
@@ -50,7 +80,7 @@ def actor_env() -> dict[str, str]:
     }
 
 
-def _start_ray(cfg) -> None:
+def _start_ray(cfg, cpus: int) -> None:
     import ray
 
     runtime_env = {"env_vars": actor_env()}
@@ -63,8 +93,6 @@ def _start_ray(cfg) -> None:
             runtime_env=runtime_env,
         )
         return
-    slots = (cfg.ray.rollout_workers + 1) * cfg.sweep.parallel
-    cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, slots)
     ray.init(
         address="local",
         num_cpus=cpus,

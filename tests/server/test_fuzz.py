@@ -314,6 +314,18 @@ def test_hostile_requests_get_wire_shaped_4xx_and_change_nothing(fuzz_server):
     ]
 
 
+@pytest.mark.slow
+def test_ten_thousand_hostile_requests_break_no_promise(fuzz_server):
+    # a fresh draw of the same fuzzer at volume (seeded: a failure replays); every wire
+    victim, target = victim_and_target(fuzz_server)
+    statuses = Counter()
+    problems = []
+    fuzz(fuzz_server, victim, target, 10_000, statuses, problems, seed=13)
+    assert not problems, "\n".join(problems[:10])
+    assert sum(statuses.values()) == 10_000 and all(status < 500 for status in statuses)
+    assert {200, 400, 401, 404, 405, 413} <= set(statuses)
+
+
 def test_token_limit_and_body_limit_are_enforced(fuzz_server):
     session = fuzz_server.open_session(1)
     client = openai.OpenAI(

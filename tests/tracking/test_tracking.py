@@ -170,3 +170,49 @@ def test_mlflow_runs_of_one_sweep_share_a_parent_run(tmp_path, mlflow_uri):
     parents = {client.get_run(s.run_id).data.tags["mlflow.parentRunId"] for s in sinks}
     assert len(parents) == 1
     assert client.get_run(parents.pop()).info.run_name == "sweep-x"
+
+
+def test_a_resumed_run_continues_its_mlflow_run(tmp_path, mlflow_uri):
+    from mlflow.tracking import MlflowClient
+
+    [first] = make_sinks(tracking(mlflow_uri=mlflow_uri), str(tmp_path / "run-r"), "run-r", CONFIG)
+    first.log({"train/loss": 1.0}, step=0)
+    first.close("interrupted")
+    # the resume: same run id, a changed config value (mlflow never changes a param)
+    changed = dict(CONFIG, lr=1.0)
+    [again] = make_sinks(tracking(mlflow_uri=mlflow_uri), str(tmp_path / "run-r"), "run-r", changed)
+    again.log({"train/loss": 0.5}, step=1)
+    again.close()
+    client = MlflowClient(mlflow_uri)
+    assert again.run_id == first.run_id
+    history = client.get_metric_history(again.run_id, "train/loss")
+    assert [(point.step, point.value) for point in history] == [(0, 1.0), (1, 0.5)]
+    assert client.get_run(again.run_id).info.status == "FINISHED"
+    named = client.search_runs(
+        [client.get_run(again.run_id).info.experiment_id], "attributes.run_name = 'run-r'"
+    )
+    assert len(named) == 1
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path):
+    run_dir = tmp_path / "runs" / "run-w"
+    for step in range(2):
+        [sink] = make_sinks(tracking("offline"), str(run_dir), "run-w", CONFIG)
+        sink.log({"train/loss": 1.0 - step}, step=step)
+        sink.close("interrupted" if step == 0 else "finished")
+    # one folder per start (`...-run-w-1` for a second start within the same second)
+    files = sorted(run_dir.glob("wandb/offline-run-*-run-w*/run-run-w.wandb"))
+    env = os.environ | {"WANDB_MODE": "offline", "WANDB_ERROR_REPORTING": "false"}
+    runs = []
+    for run_file in files:
+        inspect = subprocess.run(
+            ["wandb", "leet", "inspect", "--json", str(run_file)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        records = [json.loads(line) for line in inspect.stdout.splitlines()]
+        runs += [record["run"] for record in records if record["type"] == "run"]
+    # both halves are the one wandb run `run-w`, opened to resume (what `wandb sync` merges)
+    assert [(run["run_id"], run.get("resume")) for run in runs] == [("run-w", True)] * 2

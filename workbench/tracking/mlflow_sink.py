@@ -55,6 +55,14 @@ class MlflowSink:
             tags["workbench.group"] = group
             # the runs of a sweep are children of one parent run named after the sweep
             tags["mlflow.parentRunId"] = self._parent(experiment_id, group)
+        # a resumed run continues its mlflow run; its params stand (mlflow never changes a param)
+        found = self.client.search_runs(
+            [experiment_id], f"tags.`workbench.run_id` = '{run_id}'", max_results=1
+        )
+        if found:
+            self.run_id = found[0].info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
         self.run_id = self.client.create_run(experiment_id, run_name=run_id, tags=tags).info.run_id
         params = [
             Param(key[: limits.MAX_ENTITY_KEY_LENGTH], str(value)[: limits.MAX_PARAM_VAL_LENGTH])

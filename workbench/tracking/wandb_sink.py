@@ -33,6 +33,8 @@ class WandbSink:
             entity=wandb_config.entity,
             id=run_id,
             name=run_id,
+            # a resumed run (same id) continues its wandb run
+            resume="allow",
             group=group,
             config=config,
             dir=run_dir,
