@@ -1,6 +1,6 @@
 """Fuzz the loopback server for longer than CI does.
 
-    python bench/fuzz_server.py [--quick] [--requests 3000] [--seed 1]
+    python bench/fuzz_server.py [--quick] [--requests 10000] [--seed 13]
 
 The same hostile requests as tests/server/test_fuzz.py (malformed and deeply nested JSON, invalid
 UTF-8, wrong types, unknown roles, broken tool calls, huge bodies, other sessions' ids and keys,
@@ -28,8 +28,8 @@ from workbench.server.loopback import LoopbackServer
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="100 requests, for a CI smoke run")
-    parser.add_argument("--requests", type=int, default=3000)
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--seed", type=int, default=13)
     args = parser.parse_args()
     budget = 100 if args.quick else args.requests
     spec = importlib.util.spec_from_file_location(

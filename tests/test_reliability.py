@@ -151,13 +151,16 @@ def test_a_run_killed_with_sigkill_resumes_into_the_uninterrupted_run(tmp_path, 
         assert db.execute(
             "select list(value order by step) from metrics where key = 'train/version'"
         ).fetchone()[0] == [1, 2, 3, 4]
-    # same data and ids step by step; and the checkpointed prefix is the very same rows
+    # same data and ids step by step; and every row, past the checkpoint too, token for token
     ids = "select step, rollout_id, group_id, prompt_text from segments order by all"
     assert killed.execute(ids).fetchall() == whole.execute(ids).fetchall()
-    prefix = (
-        "select step, rollout_id, response_text, reward from segments where step < 2 order by all"
+    sampled = (
+        "select step, rollout_id, response_text, reward, advantage, min_version from segments "
+        "order by all"
     )
-    assert killed.execute(prefix).fetchall() == whole.execute(prefix).fetchall()
+    assert killed.execute(sampled).fetchall() == whole.execute(sampled).fetchall()
+    tokens = "select * exclude (run_id) from tokens order by all"
+    assert killed.execute(tokens).fetchall() == whole.execute(tokens).fetchall()
     assert run_json(tmp_path, "killed")["resumes"] == 1
 
 
@@ -384,3 +387,21 @@ def test_a_checkpoint_saves_after_the_folder_the_policy_was_loaded_from_is_gone(
     assert side, "the tiny model has tokenizer files"
     for name in side:
         assert (out / "policy" / name).read_bytes() == (Path(tiny_path) / name).read_bytes()
+
+
+@pytest.mark.slow
+def test_a_chat_agent_run_resumed_from_its_checkpoint_samples_as_the_uninterrupted_run(
+    tmp_path, in_process
+):
+    # the agents' requests reach the engine in whatever batches their timing makes
+    chat = ["agent.plugin=chat_minimal", "trainer.checkpoint_every=2", "engine.max_tokens=6"]
+    in_process(tmp_path, *chat, "trainer.steps=4", "run.id=whole")
+    in_process(tmp_path, *chat, "trainer.steps=2", "run.id=halted")
+    loop.train(resume_config("halted", [f"run.root={tmp_path}", "trainer.steps=4"]))
+    whole = open_run("whole", str(tmp_path))
+    halted = open_run("halted", str(tmp_path))
+    sampled = "select step, rollout_id, response_text, reward from segments order by all"
+    assert halted.execute(sampled).fetchall() == whole.execute(sampled).fetchall()
+    assert halted.execute("select max(step) from segments").fetchone()[0] == 3
+    ids = "select rollout_id, position, token_id from tokens order by all"
+    assert halted.execute(ids).fetchall() == whole.execute(ids).fetchall()

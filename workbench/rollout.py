@@ -140,7 +140,7 @@ class RolloutWorker:
     def server(self):
         """This worker's loopback server, started on first use."""
         if self._server is None:
-            self._server = LoopbackServer(self.engine, self.tokenizer, self.params)
+            self._server = LoopbackServer(self.engine, self.tokenizer, self.params, seed=self.seed)
         return self._server
 
     def _chat_rollout(self, jobs: list[Job], failures: dict) -> list[Segment]:
@@ -148,7 +148,7 @@ class RolloutWorker:
         server = self.server()
         sessions = [server.open_session(job.rollout_id) for job in jobs]
         # judge calls: same engine, never trained
-        judges = [server.open_session(job.rollout_id) for job in jobs]
+        judges = [server.open_session(job.rollout_id, stream=1) for job in jobs]
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
             results = list(
                 pool.map(lambda *args: _caught(self._run_agent, *args), jobs, sessions, judges)

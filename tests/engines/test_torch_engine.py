@@ -1,6 +1,7 @@
 """The CPU engine samples from exact ids and reports the sampling distribution's log-probs."""
 
 import pickle
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -125,3 +126,16 @@ def test_a_tensor_off_the_wire_pickles_as_its_own_bytes():
     assert len(pickle.dumps(back["w3"])) < 41_000
     assert torch.equal(back["w3"], state["w3"])
     assert from_wire(to_wire({"empty": torch.zeros(0, 3)}))["empty"].shape == (0, 3)
+
+
+def test_a_row_seeded_prompt_samples_the_same_whatever_it_shares_the_call_with(engine):
+    rng = np.random.default_rng(5)
+    mine, other, third = (rng.integers(5, 400, size=n).astype(np.int32) for n in (7, 4, 10))
+    params = SamplingParams(max_tokens=10, temperature=1.0)
+    [alone] = engine.generate([mine], replace(params, row_seeds=(11,)))
+    shared = engine.generate([other, mine, third], replace(params, row_seeds=(3, 11, 4)))
+    np.testing.assert_array_equal(shared[1].token_ids, alone.token_ids)
+    np.testing.assert_allclose(shared[1].logprobs, alone.logprobs, atol=2e-4)
+    # another seed, another sample
+    [reseeded] = engine.generate([mine], replace(params, row_seeds=(12,)))
+    assert reseeded.token_ids.tobytes() != alone.token_ids.tobytes()

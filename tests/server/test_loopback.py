@@ -462,3 +462,35 @@ def test_stop_sequences_cut_the_reply_on_both_wires(server):
         sampled = server.tokenizer.decode(segment.sampled_turns[0])
         # the ids up to the stop, kept
         assert sampled.endswith("arguments") or "arguments" in sampled[-12:]
+
+
+def test_a_seeded_server_samples_each_turn_from_its_rollout_and_turn_not_its_batch(
+    tiny_path, tokenizer
+):
+    # what makes a resumed chat-agent run sample as the uninterrupted one did
+    params = SamplingParams(max_tokens=8, temperature=1.0, stop_token_ids=(tokenizer.eos_token_id,))
+    conversation = [{"role": "user", "content": "Count with me."}]
+
+    def reply(server, session):
+        client = openai.OpenAI(
+            base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0
+        )
+        answer = client.chat.completions.create(model="policy", messages=conversation)
+        return answer.choices[0].message.content
+
+    engine = TorchEngine(tiny_path)
+    first = LoopbackServer(engine, tokenizer, params, seed=7)
+    second = LoopbackServer(engine, tokenizer, params, seed=7)
+    try:
+        alone = reply(first, first.open_session(42))
+        # the same rollout's first turn, sent among eight other sessions' requests
+        sessions = [second.open_session(rollout) for rollout in (40, 41, 42, 43, 44, 45, 46, 47)]
+        with ThreadPoolExecutor(8) as pool:
+            crowd = list(pool.map(lambda session: reply(second, session), sessions))
+        assert crowd[2] == alone
+        # other rollouts and the judge's stream of rollout 42 draw other seeds
+        assert len(set(crowd)) > 1
+        assert reply(first, first.open_session(42, stream=1)) != alone
+    finally:
+        first.stop()
+        second.stop()

@@ -31,6 +31,9 @@ class SamplingParams:
     distribution."""
     seed: int | None = None
     """Seed of this call's sampler; None draws from the engine's own generator."""
+    row_seeds: tuple[int, ...] = ()
+    """One seed per prompt, instead of `seed`: a row's draws then depend on its own seed alone,
+    not on the prompts it shares the call with (the loopback server batches sessions' requests)."""
 
 
 @dataclass

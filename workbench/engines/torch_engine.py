@@ -56,6 +56,14 @@ def nucleus(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.log_softmax(truncated, dim=-1)
 
 
+def uniform_noise(shape, generator, row_generators: list) -> torch.Tensor:
+    """One sampling step's uniform draws: from the call's generator, or row by row from each
+    row's own."""
+    if not row_generators:
+        return torch.rand(shape, generator=generator)
+    return torch.stack([torch.rand(shape[-1:], generator=row) for row in row_generators])
+
+
 class TorchEngine:
     # seconds spent generating, all calls (bench/step_cost.py: model compute vs overhead)
     compute_s = 0.0
@@ -176,6 +184,7 @@ class TorchEngine:
         generator = self.generator
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
+        row_generators = [torch.Generator().manual_seed(seed) for seed in params.row_seeds]
         stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long)
 
         out = self.model(**inputs, use_cache=True, logits_to_keep=1)
@@ -203,7 +212,7 @@ class TorchEngine:
             if params.temperature > 0:
                 dist = nucleus(torch.log_softmax(logits / params.temperature, dim=-1), params.top_p)
                 # Gumbel-max: an exact draw, far cheaper than multinomial
-                noise = torch.rand(dist.shape, generator=generator)
+                noise = uniform_noise(dist.shape, generator, row_generators)
                 token = (dist - (-noise.log()).log()).argmax(-1)
             else:
                 dist = torch.log_softmax(logits, dim=-1)

@@ -191,7 +191,9 @@ class VllmEngine(TorchEngine):
         for row, prompt in enumerate(prompts):
             # a seed per request: the engine's own stream, or the call's seed and the row
             sampling = sampling.clone()
-            if params.seed is None:
+            if params.row_seeds:
+                sampling.seed = params.row_seeds[row] % 2**63
+            elif params.seed is None:
                 sampling.seed = self.seed * 1_000_003 + next(self.ids)
             else:
                 sampling.seed = (params.seed * 1_000_003 + row) % 2**63

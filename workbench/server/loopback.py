@@ -45,6 +45,8 @@ class Session:
     session_id: str
     api_key: str
     rollout_id: int
+    # which of its rollout's sessions this is (the episode's 0, its judge's 1): seeds its requests
+    stream: int = 0
     accumulator: TokenAccumulator | None = None
     last_request: str | None = None
     # the last request's (ChatRequest, ChatReply, sampled ids), handed again to its retry
@@ -92,11 +94,16 @@ class Batcher:
 
     async def _generate(self, items: list[Waiting]) -> None:
         """One engine call for requests of the same sampling params; each gets its output."""
+        params = items[0].params
+        seeds = [item.params.seed for item in items]
+        if None not in seeds:
+            # each request samples from its own seed, whichever requests it shares the call with
+            params = replace(params, seed=None, row_seeds=tuple(seeds))
         try:
             outputs = await asyncio.to_thread(
                 self.engine.generate,
                 [item.prompt_ids for item in items],
-                items[0].params,
+                params,
                 [item.images for item in items],
             )
             for item, output in zip(items, outputs, strict=True):
@@ -119,8 +126,12 @@ class LoopbackServer:
         model_name: str = "policy",
         max_total_tokens: int | None = None,
         wires: tuple[Wire, ...] = WIRES,
+        seed: int | None = None,
     ):
+        """`seed`: each request samples from a seed of (seed, rollout id, session stream, turn), so
+        a run's chat episodes sample the same after a resume; None: the engine's own stream."""
         self.engine = engine
+        self.seed = seed
         self.tokenizer = tokenizer
         self.params = params
         self.model_name = model_name
@@ -153,11 +164,12 @@ class LoopbackServer:
 
     # ---- sessions (called from the worker's thread)
 
-    def open_session(self, rollout_id: int) -> dict:
+    def open_session(self, rollout_id: int, stream: int = 0) -> dict:
         session = Session(
             session_id=secrets.token_hex(8),
             api_key="sk-" + secrets.token_hex(16),
             rollout_id=rollout_id,
+            stream=stream,
         )
         asyncio.run_coroutine_threadsafe(self._add(session), self.loop).result()
         base = f"{self.url}/s/{session.session_id}"
@@ -267,6 +279,11 @@ class LoopbackServer:
         episode, action, reused = self._episode(session, chat)
         prompt = episode.token_ids
         params = self._sampling(chat, len(prompt))
+        if self.seed is not None:
+            # committed turns so far: a refused or failed request draws the same seed again
+            entropy = [self.seed, session.rollout_id, session.stream, len(session.requests)]
+            seed = np.random.SeedSequence([v % 2**64 for v in entropy]).generate_state(1)[0]
+            params = replace(params, seed=int(seed))
         generation = await self.batcher.generate(prompt, params, episode.open.images)
         ids = generation.token_ids
         logprobs = generation.logprobs
