@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pyarrow as pa
 import pytest
 
@@ -224,8 +225,6 @@ def test_dead_hung_and_raising_episodes_are_recorded_and_the_run_goes_on(tmp_pat
 def test_a_dead_learner_fails_the_run_with_one_sentence_and_keeps_what_was_written(
     tmp_path, in_process, monkeypatch
 ):
-    import psutil
-
     update = Progress.update
 
     def kill_the_learner_after_step_2(self, metrics):
@@ -405,3 +404,72 @@ def test_a_chat_agent_run_resumed_from_its_checkpoint_samples_as_the_uninterrupt
     assert halted.execute("select max(step) from segments").fetchone()[0] == 3
     ids = "select rollout_id, position, token_id from tokens order by all"
     assert halted.execute(ids).fetchall() == whole.execute(ids).fetchall()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("role", "title"), [("learner", "ray::Learner"), ("store", "ray::Store")])
+def test_a_run_whose_learner_or_store_dies_recovers_from_its_checkpoint_by_itself(
+    tmp_path, in_process, monkeypatch, capfd, role, title
+):
+    update = Progress.update
+    killed = []
+
+    def kill_once_after_step_3(self, metrics):
+        update(self, metrics)
+        if self.done == 3 and not killed:
+            for process in psutil.Process().children(recursive=True):
+                if " ".join(process.cmdline()).startswith(title):
+                    process.kill()
+                    killed.append(process.pid)
+
+    common = ["trainer.steps=4", "trainer.checkpoint_every=2"]
+    monkeypatch.setattr(Progress, "update", kill_once_after_step_3)
+    in_process(tmp_path, *common, "run.id=recovered")
+    monkeypatch.undo()
+    assert len(killed) == 1
+    assert f"The {role} process died" in capfd.readouterr().err
+    in_process(tmp_path, *common, "run.id=whole")
+    recovered = open_run("recovered", str(tmp_path))
+    whole = open_run("whole", str(tmp_path))
+    assert recovered.execute("select status, steps_done from runs").fetchone() == ("finished", 4)
+    assert recovered.execute("select died, checkpoint from recoveries").fetchall() == [
+        (role, "step-000002")
+    ]
+    assert whole.execute("select count(*) from recoveries").fetchone()[0] == 0
+    # every row once, and the very rows of the run nothing happened to
+    for table, key in (("segments", "rollout_id, segment_idx"), ("metrics", "step, key")):
+        duplicates = f"select count(*) - count(distinct ({key})) from {table}"
+        assert recovered.execute(duplicates).fetchone()[0] == 0
+    sampled = "select step, rollout_id, response_text, reward, advantage from segments order by all"
+    assert recovered.execute(sampled).fetchall() == whole.execute(sampled).fetchall()
+    ids = "select rollout_id, position, token_id, behavior_version from tokens order by all"
+    assert recovered.execute(ids).fetchall() == whole.execute(ids).fetchall()
+
+
+@pytest.mark.slow
+def test_a_run_whose_learner_dies_again_with_no_restarts_left_stops_failed(
+    tmp_path, in_process, monkeypatch
+):
+    update = Progress.update
+
+    def kill_the_learner_every_step_3(self, metrics):
+        update(self, metrics)
+        if self.done == 3:
+            for process in psutil.Process().children(recursive=True):
+                if " ".join(process.cmdline()).startswith("ray::Learner"):
+                    process.kill()
+
+    monkeypatch.setattr(Progress, "update", kill_the_learner_every_step_3)
+    with pytest.raises(RunFailed, match="^The learner process died"):
+        in_process(
+            tmp_path,
+            "trainer.steps=5",
+            "trainer.checkpoint_every=2",
+            "trainer.max_restarts=1",
+            "run.id=twice",
+        )
+    db = open_run("twice", str(tmp_path))
+    assert db.execute("select status from runs").fetchone()[0] == "failed"
+    assert db.execute("select died, checkpoint from recoveries").fetchall() == [
+        ("learner", "step-000002")
+    ]

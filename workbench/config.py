@@ -185,6 +185,9 @@ class TrainerConfig:
     timeout_s: float = 3600.0
     """Seconds the loop waits on one learner step before it stops the run as hung (failed,
     resumable)."""
+    max_restarts: int = 3
+    """Times a run whose learner or store process died starts again from its latest checkpoint
+    by itself (each one a row of the `recoveries` view); 0: it stops, failed and resumable."""
 
 
 @dataclass
@@ -548,6 +551,7 @@ def _refuse_out_of_range(cfg) -> None:
         cfg.trainer.checkpoint_every >= 0 and cfg.trainer.keep_checkpoints >= 1,
         "trainer.checkpoint_every must be 0 (off) or more and trainer.keep_checkpoints at least 1.",
     )
+    _need(cfg.trainer.max_restarts >= 0, "trainer.max_restarts must be 0 (never) or more.")
     _need(cfg.rollout.timeout_s > 0, "rollout.timeout_s must be a positive number of seconds.")
     _need(cfg.trainer.timeout_s > 0, "trainer.timeout_s must be a positive number of seconds.")
     _need(

@@ -28,14 +28,24 @@ def run_failed(cause: str, run_id: str, fix: str = "") -> RunFailed:
     )
 
 
-def died(error, run_id: str, store, learner) -> RunFailed:
+class ActorDied(RunFailed):
+    """The learner's or the store's process died: a run with a checkpoint restarts from it
+    (recovery.py) before this stops it."""
+
+    def __init__(self, message: str, role: str):
+        super().__init__(message)
+        self.role = role
+
+
+def died(error, run_id: str, store, learner) -> ActorDied:
     """The `RunFailed` of an actor's death (`error`, a RayActorError) the loop cannot ride out."""
-    roles = {store._actor_id.hex(): "The store", learner._actor_id.hex(): "The learner"}
-    role = roles.get(error.actor_id, "A rollout worker")
-    return run_failed(
-        f"{role} process died (killed, out of memory or crashed; Ray's worker logs say which)",
+    roles = {store._actor_id.hex(): "store", learner._actor_id.hex(): "learner"}
+    role = roles.get(error.actor_id, "rollout worker")
+    failed = run_failed(
+        f"The {role} process died (killed, out of memory or crashed; Ray's worker logs say which)",
         run_id,
     )
+    return ActorDied(str(failed), role)
 
 
 def learner_timeout(step: int, cfg) -> RunFailed:

@@ -1,25 +1,26 @@
-"""The RL loop: generate, score, gate, train, sync, log — one rollout batch per iteration.
-
-Data flows one way (rollout -> learner -> store); only weights and their version flow back, to
-rollouts up to `trainer.async_depth` versions behind (window.py; the version gate corrects for it).
-"""
+"""The RL loop: generate, score, gate, train, sync, log — one rollout batch per iteration. Data
+flows one way (rollout -> learner -> store); only weights and their version flow back, to rollouts
+up to `trainer.async_depth` versions behind (window.py; the version gate corrects for it)."""
 
 from __future__ import annotations
 
-from workbench import checkpoint, cluster, evaluate, faults, model_paths, run_folder
+from workbench import checkpoint, cluster, evaluate, faults, model_paths, recovery, run_folder
 from workbench.data import Prompts
 from workbench.progress import Progress, StepClock
 from workbench.window import Window
 
 
 def train(cfg) -> str:
-    """Run one training run to the end; return its run id."""
+    """Run one training run to the end, restarted if its learner or store dies; its run id."""
+    return recovery.supervise(cfg, _run)
+
+
+def _run(cfg) -> str:
     import ray
 
     prompts = Prompts(cfg)  # bad data fails first
     run_dir, run_row = run_folder.start_run(cfg)  # resuming: cut back to its checkpoint
-    # final from here on, and read every step by every process
-    cfg = run_folder.plain(cfg)
+    cfg = run_folder.plain(cfg)  # final from here on
     model_path = model_paths.policy_path(cfg)
     cluster.init_ray(cfg)
     store, learner, workers = cluster.start_actors(cfg, model_path, run_dir, run_row)
@@ -33,8 +34,7 @@ def train(cfg) -> str:
             # ---- generate and score: the oldest batch, sampled up to async_depth versions ago
             segments = faults.collect(window.oldest(), step, cfg, store, learner, workers, prompts)
             clock.lap("rollout")
-            # ---- gate and train: log-probs, version gate, advantages, PPO (version += minibatches)
-            # ---- sync: the new weights go with the next batch drawn, and mid-batch to partial ones
+            # ---- gate, train (version += minibatches), sync the new weights to the next batch
             metrics, rows, weights = learner.step.options(num_returns=3).remote(*segments)
             window.sync(weights)
             metrics = ray.get(metrics, timeout=cfg.trainer.timeout_s)
@@ -44,8 +44,7 @@ def train(cfg) -> str:
             store.write_step.remote(step, metrics, rows, *segments)
             checkpoint.maybe_save(cfg, run_dir, step, learner, store, window.data_state())
             progress.update(metrics)
-            # ---- evaluate: every eval.every steps, the held-out split, its own sampling settings
-            evaluate.at_step(cfg, workers, store, step, weights)
+            evaluate.at_step(cfg, workers, store, step, weights)  # ---- every eval.every steps
         status = "finished"
     except KeyboardInterrupt:
         status = "interrupted"

@@ -11,6 +11,11 @@ from pathlib import Path
 from workbench.store.schema import TABLES
 from workbench.store.writer import write_json_atomic
 
+NO_RECOVERIES = (
+    "SELECT NULL::VARCHAR AS died, NULL::BIGINT AS steps_done, NULL::VARCHAR AS checkpoint, "
+    "NULL::DOUBLE AS time WHERE false"
+)
+
 
 def list_runs(root: str = "runs") -> list[dict]:
     """The `runs` rows of every run under `root`, newest first. A run still marked `running` whose
@@ -85,4 +90,9 @@ def open_run(run_id: str, root: str = "runs"):
             f"FROM read_parquet('{folder / name}/*.parquet', union_by_name = true)"
         )
     connection.execute(f"CREATE VIEW runs AS SELECT * FROM read_json_auto('{folder / 'run.json'}')")
+    # one row per recovery from a dead learner or store (recovery.py)
+    recoveries = "SELECT unnest(recoveries, recursive := true) FROM runs"
+    if not json.loads((folder / "run.json").read_text()).get("recoveries"):
+        recoveries = NO_RECOVERIES
+    connection.execute(f"CREATE VIEW recoveries AS {recoveries}")
     return connection
