@@ -422,7 +422,7 @@ def test_a_run_whose_learner_or_store_dies_recovers_from_its_checkpoint_by_itsel
                     process.kill()
                     killed.append(process.pid)
 
-    common = ["trainer.steps=4", "trainer.checkpoint_every=2"]
+    common = ["trainer.steps=4", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=1"]
     monkeypatch.setattr(Progress, "update", kill_once_after_step_3)
     in_process(tmp_path, *common, "run.id=recovered")
     monkeypatch.undo()
@@ -436,6 +436,9 @@ def test_a_run_whose_learner_or_store_dies_recovers_from_its_checkpoint_by_itsel
         (role, "step-000002")
     ]
     assert whole.execute("select count(*) from recoveries").fetchone()[0] == 0
+    # the checkpoint it started again from stays: a rollout worker Ray restarts loads it
+    kept = sorted(p.name for p in (tmp_path / "recovered" / "checkpoints").iterdir())
+    assert kept == ["step-000002", "step-000004"]
     # every row once, and the very rows of the run nothing happened to
     for table, key in (("segments", "rollout_id, segment_idx"), ("metrics", "step, key")):
         duplicates = f"select count(*) - count(distinct ({key})) from {table}"

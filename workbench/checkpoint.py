@@ -114,8 +114,12 @@ def maybe_save(cfg, run_dir: Path, step: int, learner, store, data_state: dict) 
     if final.exists():
         shutil.rmtree(final)
     os.replace(temporary, final)
+    # a resumed run keeps the checkpoint it started from: a rollout worker Ray restarts loads it
+    row = Path(run_dir, "run.json")
+    started_from = row.exists() and json.loads(row.read_text()).get("resumed_from")
     for old in sorted(folder.glob("step-" + "[0-9]" * 6))[: -cfg.trainer.keep_checkpoints]:
-        shutil.rmtree(old)
+        if old.name != started_from:
+            shutil.rmtree(old)
     return final
 
 
@@ -189,6 +193,7 @@ def reopen(cfg) -> tuple[Path, dict]:
         steps=cfg.trainer.steps,
         steps_done=int(checkpoint.name.split("-")[1]),
         resumes=row.get("resumes", 0) + 1,
+        resumed_from=checkpoint.name,
         config=OmegaConf.to_container(cfg, resolve=True),
     )
     return run_dir, row

@@ -161,7 +161,8 @@ def _push_when_back(worker, weights, seconds: float = 300.0) -> None:
         try:
             ray.get(worker.load_weights.remote(weights))
             return
-        except ray.exceptions.ActorUnavailableError:
+        # restarting, or killed again while it restarted: Ray starts it again
+        except ray.exceptions.RayActorError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)

@@ -24,17 +24,21 @@ from workbench.store.writer import write_json_atomic
 def supervise(cfg, run_once) -> str:
     """`run_once(cfg)`, started again from the latest checkpoint each time its learner or store
     dies, until it returns (the run id) or `trainer.max_restarts` recoveries are spent."""
+    import ray
+
     restarts = 0
     while True:
         try:
             return run_once(cfg)
-        except ActorDied as error:
+        # an actor dead in the loop (ActorDied), or while the actors start and load the checkpoint
+        except (ActorDied, ray.exceptions.RayActorError) as error:
             run_dir = Path(cfg.run.root) / cfg.run.id
             checkpoint = latest(run_dir)
             if checkpoint is None or restarts == cfg.trainer.max_restarts:
                 raise
             restarts += 1
-            _record(run_dir, error.role, checkpoint, restarts, cfg.trainer.max_restarts)
+            role = getattr(error, "role", "starting actor")
+            _record(run_dir, role, checkpoint, restarts, cfg.trainer.max_restarts)
             with open_dict(cfg):
                 cfg.run.resume = True
 

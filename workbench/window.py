@@ -8,6 +8,7 @@ every batch is sampled exactly d versions behind the learner and the driver neve
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 
 from workbench import faults
@@ -50,7 +51,11 @@ class Window:
         import ray
 
         if self.cfg.rollout.partial:
-            ray.get([w.load_weights.remote(weights) for w in self.workers])
+            for worker in self.workers:
+                # a worker that died is restarted by Ray; its batch's episodes fail in
+                # faults.collect, and its next batch brings the weights
+                with contextlib.suppress(ray.exceptions.RayActorError):
+                    ray.get(worker.load_weights.remote(weights))
         if self.next_batch < self.end:
             self.in_flight.append(faults.submit(self.workers, self.prompts, weights))
             self.next_batch += 1
