@@ -1,6 +1,6 @@
 """A chaos soak: a long asynchronous run with partial rollouts while a random actor is SIGKILLed.
 
-    python bench/chaos.py [--quick] [--steps 300] [--every 20] [--kills 10] [--seed 0]
+    python bench/chaos.py [--quick] [--steps 300] [--every 3] [--kills 10] [--seed 0]
 
 The arith recipe (tiny model, 2 rollout workers, async_depth 1, partial rollouts, a checkpoint
 every 10 steps) runs in this process; from its first checkpoint on, a thread SIGKILLs a random
@@ -134,7 +134,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="60 steps, 3 kills: a smoke run")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--every", type=float, default=20.0)
+    parser.add_argument("--every", type=float, default=3.0)
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -226,3 +226,52 @@ def test_misaligned_logprobs_are_a_hard_error(tokenizer):
             "stop",
         )
     assert sum(episode.open.loss_mask) == 0  # nothing was appended
+
+
+def byte_fallback_tokenizer():
+    """A Llama-style tokenizer (Metaspace pieces, bytes as <0xNN> tokens), unlike the byte-level
+    tiny one: a character outside its vocabulary is several byte tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    bpe.normalizer = normalizers.Sequence([normalizers.Replace(" ", "▁")])
+    bpe.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", *byte_tokens], initial_alphabet=["▁"]
+    )
+    bpe.train_from_iterator(["Hi there, how are you today?", "the cat sat on the mat"], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>")
+
+
+@pytest.mark.parametrize("which", ["tiny", "byte_fallback"])
+def test_streamed_pieces_are_exactly_the_reply_for_any_ids(tokenizer, which):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from workbench.invariants.token_identity import reply_text, stream_pieces
+
+    vocab = tokenizer if which == "tiny" else byte_fallback_tokenizer()
+    # multi-byte characters split across tokens, and ids drawn at random
+    texts = ["Hi é!", "数学 ≥ 3 🙂", "naïve café ✓"]
+    split = [vocab(text, add_special_tokens=False)["input_ids"] for text in texts]
+    assert any(len(ids) > len(text) for ids, text in zip(split, texts, strict=True))
+    ids = st.lists(st.integers(0, len(vocab) - 1), max_size=24)
+
+    @settings(max_examples=300, deadline=None, derandomize=True)
+    @given(st.one_of(ids, st.sampled_from(split)), st.integers(0, 30))
+    def check(token_ids, cut):
+        content = reply_text(vocab, token_ids, "length")
+        for shown in (content, content[:cut]):
+            pieces = stream_pieces(vocab, token_ids, shown)
+            assert "".join(pieces) == shown
+            assert all(piece for piece in pieces)
+
+    check()
+    # a character split across tokens goes out whole, never as U+FFFD and an empty piece
+    for text, token_ids in zip(texts, split, strict=True):
+        pieces = stream_pieces(vocab, token_ids, text)
+        assert "".join(pieces) == text and not any("\ufffd" in piece for piece in pieces)

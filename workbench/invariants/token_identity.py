@@ -102,6 +102,23 @@ def reply_text(tokenizer, token_ids, finish_reason: str) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
+def stream_pieces(tokenizer, token_ids, content: str) -> list[str]:
+    """`content` in the pieces it was generated in (for streaming): their concatenation is exactly
+    `content`. A character whose bytes span several tokens goes out whole with its last token: the
+    decoded prefix ends in U+FFFD until then."""
+    pieces = []
+    sent = 0
+    for k in range(1, len(token_ids) + 1):
+        stable = reply_text(tokenizer, token_ids[:k], "length").rstrip("\ufffd")
+        if len(stable) > sent and content.startswith(stable[: len(content)]):
+            end = min(len(stable), len(content))
+            pieces.append(content[sent:end])
+            sent = end
+    if sent < len(content):
+        pieces.append(content[sent:])
+    return [piece for piece in pieces if piece]
+
+
 class TokenAccumulator:
     def __init__(
         self, tokenizer, messages: list[dict], tools: list[dict] | None = None, codec=None

@@ -31,7 +31,7 @@ import numpy as np
 from aiohttp import web
 
 from workbench.engines.base import SamplingParams
-from workbench.invariants.token_identity import TokenAccumulator, reply_text
+from workbench.invariants.token_identity import TokenAccumulator, reply_text, stream_pieces
 from workbench.server.wires import WIRES, wire_at
 from workbench.server.wires.base import ChatReply, ChatRequest, Wire, WireError, parse_assistant
 
@@ -390,14 +390,7 @@ class LoopbackServer:
         return len(ids)
 
     def _pieces(self, ids, content: str) -> list[str]:
-        """The reply's text as it was generated, one piece per token (for streaming)."""
-        pieces = []
-        previous = ""
-        for k in range(1, len(ids) + 1):
-            text = reply_text(self.tokenizer, ids[:k], "length")[: len(content)]
-            pieces.append(text[len(previous) :])
-            previous = text
-        return pieces
+        return stream_pieces(self.tokenizer, ids, content)
 
 
 async def _json_body(request) -> dict:
