@@ -494,3 +494,87 @@ def test_a_seeded_server_samples_each_turn_from_its_rollout_and_turn_not_its_bat
     finally:
         first.stop()
         second.stop()
+
+
+def test_values_that_change_nothing_are_accepted_and_those_that_would_are_refused(server):
+    session = server.open_session(70)
+    openai_client, anthropic_client = clients(session)
+    hello = [{"role": "user", "content": "Hi."}]
+    no_ops = dict(
+        frequency_penalty=0,
+        presence_penalty=0,
+        logprobs=False,
+        top_logprobs=0,
+        response_format={"type": "text"},
+        store=False,
+        reasoning_effort="low",
+        service_tier="auto",
+        verbosity="medium",
+    )
+    openai_client.chat.completions.create(model="policy", messages=hello, max_tokens=2, **no_ops)
+    anthropic_client.messages.create(
+        model="policy", messages=hello, max_tokens=2, thinking={"type": "disabled"}
+    )
+    refused = [
+        dict(frequency_penalty=0.5),
+        dict(top_logprobs=2),
+        dict(response_format={"type": "json_object"}),
+    ]
+    for change in refused:
+        with pytest.raises(openai.BadRequestError, match="is not supported") as error:
+            openai_client.chat.completions.create(
+                model="policy", messages=hello, max_tokens=2, **change
+            )
+        assert next(iter(change)) in str(error.value)
+    with pytest.raises(anthropic.BadRequestError, match="thinking="):
+        anthropic_client.messages.create(
+            model="policy",
+            messages=hello,
+            max_tokens=2,
+            thinking={"type": "enabled", "budget_tokens": 1024},
+        )
+    # two accepted turns, both on the one conversation; nothing refused was recorded
+    _, requests = server.close_session(session["session"])
+    assert len(requests) == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_are_the_behavior_log_probs_the_session_stored(server, stream):
+    session = server.open_session(71)
+    client, _ = clients(session)
+    hello = [{"role": "user", "content": "Count."}]
+    if stream:
+        chunks = list(
+            client.chat.completions.create(
+                model="policy", messages=hello, max_tokens=6, logprobs=True, stream=True
+            )
+        )
+        [content] = [c.choices[0].logprobs.content for c in chunks if c.choices[0].logprobs]
+    else:
+        reply = client.chat.completions.create(
+            model="policy", messages=hello, max_tokens=6, logprobs=True
+        )
+        content = reply.choices[0].logprobs.content
+    (segment,), _ = server.close_session(session["session"])
+    start, end = segment.turn_spans[0]
+    stored = segment.behavior_logprob[start:end]
+    assert [entry.logprob for entry in content] == pytest.approx(stored[: len(content)], abs=1e-6)
+    assert len(content) == end - start
+    ids = segment.token_ids[start:end]
+    assert [entry.token for entry in content] == [server.tokenizer.decode([i]) for i in ids]
+
+
+def test_a_model_is_retrieved_by_id_and_count_tokens_counts_the_rendered_prompt(server):
+    session = server.open_session(72)
+    openai_client, anthropic_client = clients(session)
+    assert openai_client.models.retrieve("policy").id == "policy"
+    with pytest.raises(openai.NotFoundError, match="No model 'gpt-9'"):
+        openai_client.models.retrieve("gpt-9")
+    messages = [{"role": "user", "content": "How many tokens is this?"}]
+    counted = anthropic_client.messages.count_tokens(
+        model="policy", messages=messages, system="Be brief."
+    )
+    reply = anthropic_client.messages.create(
+        model="policy", messages=messages, system="Be brief.", max_tokens=2
+    )
+    assert counted.input_tokens == reply.usage.input_tokens > 5

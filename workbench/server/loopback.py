@@ -152,6 +152,9 @@ class LoopbackServer:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._route_errors])
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/s/{session}/v1/models", self._models)
+        app.router.add_get("/v1/models/{model}", self._model)
+        app.router.add_get("/s/{session}/v1/models/{model}", self._model)
+        app.router.add_post("/s/{session}/v1/messages/count_tokens", self._count_tokens)
         for wire in self.wires:
             handler = functools.partial(self._handle, wire=wire)
             app.router.add_post(f"/s/{{session}}{wire.path}", handler)
@@ -201,8 +204,37 @@ class LoopbackServer:
     # ---- HTTP
 
     async def _models(self, request):
-        model = {"id": self.model_name, "object": "model", "owned_by": "molt-wb", "created": 0}
-        return web.json_response({"object": "list", "data": [model]})
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def _model(self, request):
+        if request.match_info["model"] != self.model_name:
+            missing = WireError(
+                404,
+                f"No model {request.match_info['model']!r}: this server serves "
+                f"{self.model_name!r}.",
+                "not_found_error",
+            )
+            return web.json_response(self.wires[0].error(missing), status=404)
+        return web.json_response(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "owned_by": "molt-wb", "created": 0}
+
+    async def _count_tokens(self, request):
+        """Anthropic's count_tokens: the prompt's tokens as the chat template renders them."""
+        wire = next(wire for wire in self.wires if wire.name == "anthropic")
+        try:
+            self._session(request)
+            body = await _json_body(request)
+            # count_tokens takes no max_tokens
+            chat = _decode(wire, dict(body, max_tokens=1))
+            episode = TokenAccumulator(self.tokenizer, chat.messages, chat.tools, self.codec)
+        except WireError as error:
+            return web.json_response(wire.error(error), status=error.status)
+        except Exception as error:
+            refused = WireError(400, f"The chat template refused these messages ({error}).")
+            return web.json_response(wire.error(refused), status=400)
+        return web.json_response({"input_tokens": len(episode.token_ids)})
 
     async def _handle(self, request, wire: Wire):
         started = time.perf_counter()
@@ -334,6 +366,9 @@ class LoopbackServer:
             model=self.model_name,
             stop_sequence=stop_sequence,
         )
+        if chat.logprobs:
+            tokens = [self.tokenizer.decode([token]) for token in ids]
+            reply.token_logprobs = list(zip(tokens, map(float, logprobs), strict=True))
         return reply, ids
 
     def _episode(self, session: Session, chat: ChatRequest) -> tuple[TokenAccumulator, str, int]:

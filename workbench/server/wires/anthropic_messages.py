@@ -14,8 +14,10 @@ from workbench.server.wires.base import (
     ChatRequest,
     Wire,
     WireError,
+    is_text,
     number,
     objects,
+    refuse_changes,
     refuse_top_p,
     refuse_unknown,
     strings,
@@ -36,6 +38,13 @@ FIELDS = {
     "tools",
     "tool_choice",
     "metadata",
+    "thinking",
+    "service_tier",
+}
+# fields accepted at the values that change nothing: (whether a value does, the values accepted)
+NO_OPS = {
+    "thinking": (lambda value: value == {"type": "disabled"}, '{"type": "disabled"}'),
+    "service_tier": (is_text, "a string"),
 }
 STOP_REASONS = {"length": "max_tokens", "stop_sequence": "stop_sequence"}
 
@@ -48,6 +57,7 @@ class AnthropicMessages(Wire):
 
     def decode(self, body: dict) -> ChatRequest:
         refuse_unknown(body, FIELDS)
+        refuse_changes(body, NO_OPS)
         refuse_top_p(body)
         if not isinstance(body.get("max_tokens"), int):
             raise WireError(400, "max_tokens: Field required (an integer).")

@@ -41,6 +41,8 @@ class ChatRequest:
     stream: bool
     # a last streamed chunk with the token counts (OpenAI's stream_options.include_usage)
     include_usage: bool = False
+    # return each sampled token's behavior log-prob (OpenAI's logprobs)
+    logprobs: bool = False
 
     def __post_init__(self):
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -63,6 +65,8 @@ class ChatReply:
     model: str
     stop_sequence: str | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    # (token text, behavior log-prob) of each sampled token the reply holds
+    token_logprobs: list[tuple[str, float]] = field(default_factory=list)
 
 
 class Wire(abc.ABC):
@@ -226,6 +230,27 @@ def refuse_unknown(body: dict, allowed: set[str]) -> None:
             f"Unsupported field(s) {', '.join(unknown)}: this server samples exact token ids and "
             f"supports only {', '.join(sorted(allowed))}.",
         )
+
+
+def refuse_changes(body: dict, no_ops: dict) -> None:
+    """Accept a field of `no_ops` only at a value that changes nothing here: `no_ops` maps it to
+    (whether a value changes nothing, the values accepted)."""
+    for key, (changes_nothing, accepted) in no_ops.items():
+        if body.get(key) is not None and not changes_nothing(body[key]):
+            shown = json.dumps(body[key])[:60]
+            raise WireError(
+                400,
+                f"{key}={shown} is not supported: this server samples the policy as it is, so "
+                f"only {accepted} (which changes nothing) is accepted.",
+            )
+
+
+def is_zero(value) -> bool:
+    return not isinstance(value, bool) and value == 0
+
+
+def is_text(value) -> bool:
+    return isinstance(value, str)
 
 
 def refuse_top_p(body: dict) -> None:

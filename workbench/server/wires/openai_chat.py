@@ -12,8 +12,11 @@ from workbench.server.wires.base import (
     ChatRequest,
     Wire,
     WireError,
+    is_text,
+    is_zero,
     number,
     objects,
+    refuse_changes,
     refuse_top_p,
     refuse_unknown,
     strings,
@@ -22,6 +25,18 @@ from workbench.server.wires.base import (
     user_content,
 )
 
+# fields accepted at the values that change nothing: (whether a value does, the values accepted);
+# reasoning_effort, verbosity and service_tier are hints the policy's template does not read
+NO_OPS = {
+    "frequency_penalty": (is_zero, "0"),
+    "presence_penalty": (is_zero, "0"),
+    "top_logprobs": (is_zero, "0 (the engine returns the sampled token's log-prob only)"),
+    "response_format": (lambda value: value == {"type": "text"}, '{"type": "text"}'),
+    "store": (lambda value: isinstance(value, bool), "true or false"),
+    "reasoning_effort": (is_text, "a string"),
+    "verbosity": (is_text, "a string"),
+    "service_tier": (is_text, "a string"),
+}
 FIELDS = {
     "model",
     "messages",
@@ -39,6 +54,8 @@ FIELDS = {
     "seed",
     "metadata",
     "parallel_tool_calls",
+    "logprobs",
+    *NO_OPS,
 }
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -51,6 +68,9 @@ class OpenAIChat(Wire):
 
     def decode(self, body: dict) -> ChatRequest:
         refuse_unknown(body, FIELDS)
+        refuse_changes(body, NO_OPS)
+        if not isinstance(body.get("logprobs", False), bool):
+            raise WireError(400, "'logprobs' must be true or false.")
         if body.get("n", 1) != 1:
             raise WireError(400, "Only n=1 is supported: send one request per sample.")
         refuse_top_p(body)
@@ -76,6 +96,7 @@ class OpenAIChat(Wire):
             stop=strings(body.get("stop"), "stop"),
             stream=bool(body.get("stream")),
             include_usage=bool(stream_options.get("include_usage")),
+            logprobs=body.get("logprobs", False),
         )
 
     def reply(self, reply: ChatReply) -> dict:
@@ -86,7 +107,7 @@ class OpenAIChat(Wire):
             "index": 0,
             "message": message,
             "finish_reason": _finish_reason(reply),
-            "logprobs": None,
+            "logprobs": _logprobs(reply),
         }
         return {
             "id": f"chatcmpl-{reply.id}",
@@ -105,7 +126,11 @@ class OpenAIChat(Wire):
                 yield _delta(reply, {"content": piece})
         if reply.tool_calls:
             yield _delta(reply, {"tool_calls": _tool_calls(reply, with_index=True)})
-        yield _delta(reply, {}, finish=_finish_reason(reply))
+        finish = {"index": 0, "delta": {}, "finish_reason": _finish_reason(reply)}
+        if request.logprobs:
+            # every sampled token's log-prob, with the last chunk (pieces are not tokens)
+            finish["logprobs"] = _logprobs(reply)
+        yield _chunk(reply, [finish])
         if request.include_usage:
             yield _chunk(reply, [], usage=_usage(reply))
         yield b"data: [DONE]\n\n"
@@ -166,6 +191,17 @@ def _tool_calls(reply: ChatReply, with_index: bool = False) -> list[dict]:
             encoded = {"index": index, **encoded}
         calls.append(encoded)
     return calls
+
+
+def _logprobs(reply: ChatReply) -> dict | None:
+    """The behavior log-prob of each sampled token (None unless the request asked for them)."""
+    if not reply.token_logprobs:
+        return None
+    content = [
+        {"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []}
+        for token, logprob in reply.token_logprobs
+    ]
+    return {"content": content, "refusal": None}
 
 
 def _finish_reason(reply: ChatReply) -> str:
