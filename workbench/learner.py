@@ -20,6 +20,7 @@ from workbench.checkpoint import load_learner, save_learner, side_files
 from workbench.engines.base import to_wire
 from workbench.engines.torch_engine import load_causal_lm, set_threads
 from workbench.invariants.routing_replay import find_routers, replay_routes
+from workbench.invariants.token_identity import SEAL_REASONS
 from workbench.invariants.version_gate import GateResult, gate_metrics, version_gate
 from workbench.model_paths import teacher_path
 from workbench.models.multimodal import ImageCodec, forward_inputs, is_vision_language
@@ -79,10 +80,14 @@ def audit_identity(segments: list[Segment], batch: dict) -> dict[str, float]:
             f"folder."
         )
     drift = [s.audit["retokenize_drift"] for s in segments if "retokenize_drift" in s.audit]
-    return {
+    metrics = {
         "identity/violations": 0.0,
         "identity/retokenize_drift": float(np.mean(drift)) if drift else 0.0,
     }
+    # seals by reason: each starts a segment that prefills the whole history again
+    for reason in SEAL_REASONS:
+        metrics[f"identity/seals_{reason}"] = float(sum(s.seal_reason == reason for s in segments))
+    return metrics
 
 
 def routing_table_rows(segments: list[Segment], routing: dict) -> list[dict]:

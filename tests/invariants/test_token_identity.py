@@ -1,6 +1,7 @@
 """Token identity: the sampled ids are the trajectory; trainer input cannot come from text."""
 
 import copy
+import dataclasses
 import pickle
 from pathlib import Path
 
@@ -207,9 +208,13 @@ def test_an_identity_violation_stops_training(tiny_path):
         np.zeros(3, np.int32),
         audit={"identity": False, "retokenize_drift": False},
     )
-    assert audit_identity([good, good], collate([good, good])) == {
+    resealed = dataclasses.replace(good, seal_reason="template_rewrite")
+    assert audit_identity([good, resealed], collate([good, resealed])) == {
         "identity/violations": 0.0,
         "identity/retokenize_drift": 1.0,
+        "identity/seals_compaction": 0.0,
+        "identity/seals_tools_changed": 0.0,
+        "identity/seals_template_rewrite": 1.0,
     }
     with pytest.raises(RuntimeError, match="Token identity violated in 1 segment"):
         audit_identity([good, bad], collate([good, bad]))
@@ -275,3 +280,54 @@ def test_streamed_pieces_are_exactly_the_reply_for_any_ids(tokenizer, which):
     for text, token_ids in zip(texts, split, strict=True):
         pieces = stream_pieces(vocab, token_ids, text)
         assert "".join(pieces) == text and not any("\ufffd" in piece for piece in pieces)
+
+
+def sampled_turn(tokenizer, episode, text, message, stop_sequence=None, finish="stop"):
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    zeros = np.zeros(len(ids), np.float32)
+    episode.add_sampled(np.array(ids, np.int32), zeros, 0, message, finish, None, stop_sequence)
+
+
+def test_faithful_echoes_extend_and_a_rewrite_still_seals(tokenizer):
+    user = {"role": "user", "content": "Write code."}
+    more = {"role": "user", "content": "More."}
+    # (what was sampled, the message stored, the stop string, what the client echoes)
+    cases = [
+        ("print(1)</code>", "print(1)", "</code>", "print(1)</code>"),
+        ("  print(2)\n", "  print(2)\n", None, "print(2)"),
+        ("print(3)", "print(3)", None, "print(3)"),
+    ]
+    for sampled, content, stop, echoed in cases:
+        episode = TokenAccumulator(tokenizer, [user])
+        stored = {"role": "assistant", "content": content}
+        sampled_turn(tokenizer, episode, sampled, stored, stop)
+        echo = {"role": "assistant", "content": echoed}
+        assert episode.continue_with([user, echo, more]) == "extend", echoed
+        # the turn stays as sampled: the echo's spelling is not rendered in its place
+        assert episode.messages[1] == stored
+        assert len(episode.finish()) == 1
+    # tool calls equal by name and arguments, whatever ids the client gives them
+    episode = TokenAccumulator(tokenizer, [user])
+    call = {"id": "call_1", "name": "add", "arguments": {"a": 1}}
+    stored = {"role": "assistant", "content": "", "tool_calls": [call]}
+    sampled_turn(tokenizer, episode, '<tool_call>{"name": "add"}</tool_call>', stored)
+    renumbered = dict(stored, tool_calls=[dict(call, id="call_x")])
+    result = {"role": "tool", "tool_call_id": "call_x", "content": "2"}
+    assert episode.continue_with([user, renumbered, result]) == "extend"
+    # anything else is a rewritten history: sealed, and counted by reason
+    for rewritten in ("print(9)", "print(1)</code>!", " print(3) x"):
+        episode = TokenAccumulator(tokenizer, [user])
+        sampled_turn(
+            tokenizer,
+            episode,
+            "print(1)</code>",
+            {"role": "assistant", "content": "print(1)"},
+            "</code>",
+        )
+        echo = {"role": "assistant", "content": rewritten}
+        assert episode.continue_with([user, echo, more]) == "seal"
+        assert [s.seal_reason for s in episode.finish()] == ["compaction", "end"]
+    wrong_call = dict(stored, tool_calls=[dict(call, arguments={"a": 2})])
+    episode = TokenAccumulator(tokenizer, [user])
+    sampled_turn(tokenizer, episode, '<tool_call>{"name": "add"}</tool_call>', stored)
+    assert episode.continue_with([user, wrong_call, result]) == "seal"

@@ -578,3 +578,30 @@ def test_a_model_is_retrieved_by_id_and_count_tokens_counts_the_rendered_prompt(
         model="policy", messages=messages, system="Be brief.", max_tokens=2
     )
     assert counted.input_tokens == reply.usage.input_tokens > 5
+
+
+def test_a_client_that_echoes_the_stop_string_back_or_strips_the_reply_stays_in_one_segment(server):
+    # smolagents' CodeAgent adds back the stop string it asked for; other clients strip replies
+    session = server.open_session(73)
+    client, _ = clients(session)
+    messages = [{"role": "user", "content": TOOL_PROMPT}]
+    reply = client.chat.completions.create(
+        model="policy", messages=messages, tools=OPENAI_TOOLS, stop=["</tool_call>"], max_tokens=40
+    )
+    content = reply.choices[0].message.content
+    assert content == TOOL_REPLY.removesuffix("</tool_call>")
+    messages += [
+        {"role": "assistant", "content": content + "</tool_call>"},
+        {"role": "user", "content": "Again."},
+    ]
+    second = client.chat.completions.create(model="policy", messages=messages, tools=OPENAI_TOOLS)
+    messages += [
+        {"role": "assistant", "content": (second.choices[0].message.content or "").strip()},
+        {"role": "user", "content": "Once more."},
+    ]
+    if second.choices[0].message.tool_calls:
+        messages[-2]["tool_calls"] = [c.model_dump() for c in second.choices[0].message.tool_calls]
+    client.chat.completions.create(model="policy", messages=messages, tools=OPENAI_TOOLS)
+    segments, requests = server.close_session(session["session"])
+    assert [r["action"] for r in requests] == ["open", "extend", "extend"]
+    assert len(segments) == 1

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# why a segment ended before its episode did (a new segment started)
+SEAL_REASONS = ("compaction", "tools_changed", "template_rewrite")
+
 
 @dataclass
 class SegmentTokens:
@@ -119,6 +122,11 @@ def stream_pieces(tokenizer, token_ids, content: str) -> list[str]:
     return [piece for piece in pieces if piece]
 
 
+def _calls(message: dict) -> list[tuple]:
+    """A message's tool calls by name and arguments."""
+    return [(call.get("name"), call.get("arguments")) for call in message.get("tool_calls") or []]
+
+
 class TokenAccumulator:
     def __init__(
         self, tokenizer, messages: list[dict], tools: list[dict] | None = None, codec=None
@@ -157,6 +165,7 @@ class TokenAccumulator:
         message: dict,
         finish_reason: str,
         routed_experts: np.ndarray | None = None,
+        stop_sequence: str | None = None,
     ) -> None:
         """Append what the engine sampled, untouched, with each token's log-prob and weight version
         (`versions`: one int for the whole turn or int [n]). `message` is the assistant message
@@ -172,6 +181,8 @@ class TokenAccumulator:
         self.open.extend(token_ids, sampled=True, logprobs=logprobs, versions=versions)
         self.open.turn_spans.append((start, len(self.open.token_ids)))
         self.open.sampled_turns.append(np.asarray(token_ids, dtype=np.int64).copy())
+        # a sampled turn, and the stop string it was cut at: what its echo may carry
+        self.stops[len(self.messages)] = stop_sequence
         # the rollout's experts for every position of this forward
         if routed_experts is not None:
             self.open.routes = routed_experts
@@ -187,13 +198,26 @@ class TokenAccumulator:
         if (
             (tools or None) == self.tools
             and len(messages) > known
-            and messages[:known] == self.messages
+            and all(map(self._echoes, range(known), messages[:known]))
         ):
             return "extend" if self.add_messages(messages[known:]) else "seal"
         self.seal("compaction" if (tools or None) == self.tools else "tools_changed")
         self.tools = tools or None
         self._open(list(messages))
         return "seal"
+
+    def _echoes(self, index: int, echo: dict) -> bool:
+        """Whether a client's `echo` of our message `index` says what it said: equal, or for a
+        sampled turn its content plus the stop string it was cut at, or stripped of surrounding
+        whitespace, with tool calls equal by name and arguments (a client may renumber them)."""
+        ours = self.messages[index]
+        if echo == ours:
+            return True
+        if index not in self.stops or echo.get("role") != "assistant":
+            return False
+        content = ours.get("content") or ""
+        said = {content, content + (self.stops[index] or ""), content.strip()}
+        return (echo.get("content") or "") in said and _calls(echo) == _calls(ours)
 
     def add_messages(self, new_messages: list[dict]) -> bool:
         """Extend the open segment with the rendered delta of `new_messages`.
@@ -233,6 +257,7 @@ class TokenAccumulator:
         )
         twin.sealed = list(self.sealed)
         twin.messages = list(self.messages)
+        twin.stops = dict(self.stops)
         return twin
 
     def seal(self, reason: str) -> None:
@@ -246,6 +271,8 @@ class TokenAccumulator:
 
     def _open(self, messages: list[dict]) -> None:
         self.messages = messages
+        # message index -> the stop string its sampled turn was cut at (None: none)
+        self.stops: dict[int, str | None] = {}
         prompt = self.render(messages, generation_prompt=True)
         self.open = SegmentTokens(prompt_text=prompt, images=message_images(messages))
         self.open.extend(self.encode(prompt, self.open.images), sampled=False)

@@ -53,6 +53,9 @@ class Session:
     last_response: tuple | None = None
     requests: list[dict] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # by reply id, the conversation a reply ended, for a request that continues it by naming the
+    # reply (the Responses wire's previous_response_id)
+    conversations: dict[str, list[dict]] = field(default_factory=dict)
 
 
 @dataclass
@@ -246,7 +249,15 @@ class LoopbackServer:
             fingerprint = hashlib.sha256(request_bytes).hexdigest()
             async with session.lock:
                 if fingerprint != session.last_request:
+                    # a request that can name an earlier reply (a Responses request) continues the
+                    # conversation that reply ended, and keeps the one it ends
+                    continued = getattr(chat, "continued", None)
+                    if continued:
+                        chat = continued(session.conversations)
                     reply, ids = await self._turn(session, chat, wire, started)
+                    if continued:
+                        ended = chat.history(session.accumulator.messages)
+                        session.conversations[reply.id] = ended
                     session.last_request = fingerprint
                     session.last_response = (chat, reply, ids)
                 # a retry gets the committed reply, nothing new
@@ -340,7 +351,7 @@ class LoopbackServer:
         routes = generation.extras.get("routed_experts")
         if routes is not None:
             routes = routes[: len(prompt) + len(ids)]
-        episode.add_sampled(ids, logprobs, versions, message, finish, routes)
+        episode.add_sampled(ids, logprobs, versions, message, finish, routes, stop_sequence)
         # committed: generation succeeded
         session.accumulator = episode
         session.requests.append(
