@@ -605,3 +605,27 @@ def test_a_client_that_echoes_the_stop_string_back_or_strips_the_reply_stays_in_
     segments, requests = server.close_session(session["session"])
     assert [r["action"] for r in requests] == ["open", "extend", "extend"]
     assert len(segments) == 1
+
+
+def test_thirty_two_concurrent_streaming_sessions_each_stay_in_one_segment(server):
+    def episode(rollout: int) -> tuple[list, list]:
+        session = server.open_session(rollout)
+        client, _ = clients(session)
+        # multi-byte characters the tiny tokenizer splits across tokens
+        messages = [{"role": "user", "content": f"Café naïve ✓ {rollout}"}]
+        for turn in range(3):
+            chunks = client.chat.completions.create(
+                model="policy", messages=messages, stream=True, max_tokens=10
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            messages += [
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": f"And é {turn}?"},
+            ]
+        return server.close_session(session["session"])
+
+    with ThreadPoolExecutor(32) as pool:
+        episodes = list(pool.map(episode, range(100, 132)))
+    assert [len(segments) for segments, _ in episodes] == [1] * 32
+    for _, requests in episodes:
+        assert [r["action"] for r in requests] == ["open", "extend", "extend"]
