@@ -15,6 +15,7 @@ import torch
 
 from workbench.engines.base import SamplingParams
 from workbench.engines.torch_engine import TorchEngine
+from workbench.invariants.token_identity import FORCED_VERSION
 from workbench.server.loopback import MAX_BODY, LoopbackServer
 from workbench.server.wires import WIRES
 from workbench.server.wires.openai_chat import OpenAIChat
@@ -629,3 +630,96 @@ def test_thirty_two_concurrent_streaming_sessions_each_stay_in_one_segment(serve
     assert [len(segments) for segments, _ in episodes] == [1] * 32
     for _, requests in episodes:
         assert [r["action"] for r in requests] == ["open", "extend", "extend"]
+
+
+def forced_span(server, segment, forced: str) -> tuple[int, int]:
+    """Where `forced`'s ids sit in the segment: right after the first prompt, before the sample."""
+    ids = server.tokenizer(forced, add_special_tokens=False)["input_ids"]
+    start = segment.turn_spans[0][0] - len(ids)
+    assert segment.token_ids[start : start + len(ids)] == ids
+    assert segment.loss_mask[start : start + len(ids)] == [0] * len(ids)
+    assert segment.behavior_logprob[start : start + len(ids)] == [0.0] * len(ids)
+    assert segment.behavior_version[start : start + len(ids)] == [FORCED_VERSION] * len(ids)
+    # the prompt before them is the prompt's, not forced
+    assert segment.behavior_version[start - 1] == -1
+    return start, start + len(ids)
+
+
+@pytest.mark.parametrize(
+    ("choice", "forced"),
+    [("required", "<tool_call>"), ({"type": "function", "function": {"name": "add"}}, None)],
+)
+def test_a_forced_tool_choice_is_forced_tokens_and_the_policy_samples_the_rest(
+    server, choice, forced
+):
+    session = server.open_session(80)
+    client, _ = clients(session)
+    reply = client.chat.completions.create(
+        model="policy",
+        messages=[{"role": "user", "content": TOOL_PROMPT}],
+        tools=OPENAI_TOOLS,
+        tool_choice=choice,
+        max_tokens=40,
+    )
+    [call] = reply.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("add", {"a": 2, "b": 3})
+    (segment,), _ = server.close_session(session["session"])
+    forced = forced or '<tool_call>{"name": "add", "arguments":'
+    forced_span(server, segment, forced)
+    start, end = segment.turn_spans[0]
+    sampled = server.tokenizer.decode(segment.token_ids[start:end])
+    assert forced + sampled.removesuffix(server.tokenizer.eos_token) == TOOL_REPLY
+
+
+def test_anthropic_any_tool_and_an_assistant_prefill_are_forced_too(server):
+    session = server.open_session(81)
+    _, client = clients(session)
+    reply = client.messages.create(
+        model="policy",
+        messages=[{"role": "user", "content": TOOL_PROMPT}],
+        tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "tool", "name": "add"},
+        max_tokens=40,
+    )
+    assert [(b.name, b.input) for b in reply.content if b.type == "tool_use"] == [
+        ("add", {"a": 2, "b": 3})
+    ]
+    (segment,), _ = server.close_session(session["session"])
+    forced_span(server, segment, '<tool_call>{"name": "add", "arguments":')
+    # a prefill: the reply continues it, and the prefill is forced, not sampled
+    session = server.open_session(82)
+    _, client = clients(session)
+    prefill = '<tool_call>{"name": "add",'
+    reply = client.messages.create(
+        model="policy",
+        messages=[
+            {"role": "user", "content": TOOL_PROMPT},
+            {"role": "assistant", "content": prefill},
+        ],
+        max_tokens=40,
+    )
+    (segment,), _ = server.close_session(session["session"])
+    forced_span(server, segment, prefill)
+    start, end = segment.turn_spans[0]
+    assert reply.content[0].text.startswith(
+        server.tokenizer.decode(segment.token_ids[start:end])[:5]
+    )
+    assert not reply.content[0].text.startswith(prefill)
+
+
+def test_a_forced_tool_the_request_does_not_offer_is_refused(server):
+    session = server.open_session(83)
+    openai_client, anthropic_client = clients(session)
+    hello = [{"role": "user", "content": "Hi."}]
+    with pytest.raises(openai.BadRequestError, match=r"name one of the request's tools \(add\)"):
+        openai_client.chat.completions.create(
+            model="policy",
+            messages=hello,
+            tools=OPENAI_TOOLS,
+            tool_choice={"type": "function", "function": {"name": "mul"}},
+        )
+    with pytest.raises(anthropic.BadRequestError, match="needs the tools"):
+        anthropic_client.messages.create(
+            model="policy", messages=hello, max_tokens=2, tool_choice={"type": "any"}
+        )
+    assert not server.sessions[session["session"]].requests

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# the behavior version of a forced token: inserted by the server (a forced tool call's opening, a
+# prefill), never sampled (mask 0, no behavior log-prob)
+FORCED_VERSION = -2
 # why a segment ended before its episode did (a new segment started)
 SEAL_REASONS = ("compaction", "tools_changed", "template_rewrite")
 
@@ -156,6 +159,13 @@ class TokenAccumulator:
     def token_ids(self) -> np.ndarray:
         """The exact ids generation continues from (int32 [t])."""
         return np.asarray(self.open.token_ids, dtype=np.int32)
+
+    def add_forced(self, token_ids) -> None:
+        """Start the next turn with ids the policy did not sample (mask 0, marked forced)."""
+        self.open.extend(token_ids, sampled=False)
+        forced = len(token_ids)
+        if forced:
+            self.open.behavior_version[-forced:] = [FORCED_VERSION] * forced
 
     def add_sampled(
         self,

@@ -33,7 +33,14 @@ from aiohttp import web
 from workbench.engines.base import SamplingParams
 from workbench.invariants.token_identity import TokenAccumulator, reply_text, stream_pieces
 from workbench.server.wires import WIRES, wire_at
-from workbench.server.wires.base import ChatReply, ChatRequest, Wire, WireError, parse_assistant
+from workbench.server.wires.base import (
+    ChatReply,
+    ChatRequest,
+    Wire,
+    WireError,
+    forced_text,
+    parse_assistant,
+)
 
 MAX_BODY = 4 * 2**20
 # what a wire's decoder raises on a field of the wrong type (a list where a string belongs, ...)
@@ -320,7 +327,9 @@ class LoopbackServer:
     async def _turn(self, session: Session, chat: ChatRequest, wire: Wire, started: float):
         """Extend or seal, generate, and only then commit the turn to the session."""
         episode, action, reused = self._episode(session, chat)
-        prompt = episode.token_ids
+        forced = forced_text(chat)
+        forced_ids = self.tokenizer(forced, add_special_tokens=False)["input_ids"]
+        prompt = np.concatenate([episode.token_ids, np.asarray(forced_ids, dtype=np.int32)])
         params = self._sampling(chat, len(prompt))
         if self.seed is not None:
             # committed turns so far: a refused or failed request draws the same seed again
@@ -344,13 +353,14 @@ class LoopbackServer:
             versions = versions[:end]
             finish = "stop_sequence"
             text = text[:start]
-        content, calls = parse_assistant(text)
+        content, calls = parse_assistant(forced + text)
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
         routes = generation.extras.get("routed_experts")
         if routes is not None:
             routes = routes[: len(prompt) + len(ids)]
+        episode.add_forced(forced_ids)
         episode.add_sampled(ids, logprobs, versions, message, finish, routes, stop_sequence)
         # committed: generation succeeded
         session.accumulator = episode
@@ -369,7 +379,8 @@ class LoopbackServer:
             }
         )
         reply = ChatReply(
-            text=content,
+            # a prefilled turn's reply continues the prefill
+            text=content.removeprefix(chat.prefill),
             tool_calls=calls,
             finish=finish,
             prompt_tokens=len(prompt),

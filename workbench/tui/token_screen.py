@@ -14,6 +14,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
+from workbench.invariants.token_identity import FORCED_VERSION
 from workbench.tui.channels import CHANNELS, colour
 from workbench.tui.data import RunData
 
@@ -95,7 +96,7 @@ class TokenScreen(Screen):
 
     def token_styles(self) -> list[str]:
         """The style of every token under the current channel (the cursor's not included)."""
-        return [colour(self.channel, t) if t["loss_mask"] else "dim" for t in self.tokens]
+        return [_style(self.channel, t) for t in self.tokens]
 
     def render_all(self) -> None:
         s = self.segment
@@ -164,7 +165,7 @@ class TokenScreen(Screen):
             f"[b]token[/b] {t['position'] + 1}/{len(self.tokens)}",
             f"id        {t['token_id']}",
             f"text      {t['text']!r}",
-            f"kind      {'sampled' if sampled else 'prompt/env'}",
+            f"kind      {_kind(t)}",
         ]
         if sampled:
             lines += [
@@ -214,3 +215,20 @@ class TokenScreen(Screen):
                 self.rollout_segments[index][1],
             )
             self.render_all()
+
+
+def _kind(token: dict) -> str:
+    if token["loss_mask"]:
+        return "sampled"
+    if token["behavior_version"] == FORCED_VERSION:
+        return "forced (inserted by the server, not sampled)"
+    return "prompt/env"
+
+
+def _style(channel: str, token: dict) -> str:
+    """A sampled token in the channel's colour; a forced one underlined; the rest dim."""
+    if token["loss_mask"]:
+        return colour(channel, token)
+    if token["behavior_version"] == FORCED_VERSION:
+        return "underline"
+    return "dim"

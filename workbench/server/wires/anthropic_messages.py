@@ -14,6 +14,7 @@ from workbench.server.wires.base import (
     ChatRequest,
     Wire,
     WireError,
+    forced_tool,
     is_text,
     number,
     objects,
@@ -70,9 +71,18 @@ class AnthropicMessages(Wire):
             messages.append({"role": "system", "content": text_of(system, "system")})
         for index, message in enumerate(raw):
             messages += _messages(index, message)
+        prefill = ""
+        # a last assistant message is a prefill: the reply continues it
+        if messages and messages[-1]["role"] == "assistant":
+            if messages[-1].get("tool_calls"):
+                raise WireError(400, "messages: a prefilled assistant turn holds text only.")
+            prefill = messages.pop()["content"]
+        tools = _tools(body)
         return ChatRequest(
             messages=messages,
-            tools=_tools(body) or None,
+            tools=tools or None,
+            forced_tool=_forced_tool(body.get("tool_choice") or {}, tools),
+            prefill=prefill,
             max_tokens=body["max_tokens"],
             temperature=number(body, "temperature"),
             stop=strings(body.get("stop_sequences"), "stop_sequences"),
@@ -199,11 +209,22 @@ def _tools(body: dict) -> list[dict]:
     choice = body.get("tool_choice") or {}
     if not isinstance(choice, dict):
         raise WireError(400, 'tool_choice: must be an object such as {"type": "auto"}.')
-    if choice.get("type", "auto") not in ("auto", "none"):
-        raise WireError(400, "tool_choice: only auto or none is supported.")
+    if choice.get("type", "auto") not in ("auto", "none", "any", "tool"):
+        raise WireError(400, "tool_choice: type must be auto, none, any or tool.")
     if choice.get("type") == "none":
         return []
     return tools
+
+
+def _forced_tool(choice: dict, tools: list[dict]) -> str | None:
+    """tool_choice as a forced call: None (auto, none), "" (any) or the named tool."""
+    if choice.get("type", "auto") in ("auto", "none"):
+        return None
+    if not tools:
+        raise WireError(400, "tool_choice: forcing a tool call needs the tools it may call.")
+    if choice["type"] == "any":
+        return ""
+    return forced_tool(choice.get("name"), tools, "tool_choice.name")
 
 
 def _block_events(index: int, block: dict, pieces: list[str]) -> Iterator[bytes]:

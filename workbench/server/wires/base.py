@@ -43,6 +43,12 @@ class ChatRequest:
     include_usage: bool = False
     # return each sampled token's behavior log-prob (OpenAI's logprobs)
     logprobs: bool = False
+    # a forced tool call (tool_choice required/any: "", or a tool's name): its opening is inserted
+    # as forced tokens and the policy samples the rest
+    forced_tool: str | None = None
+    # Anthropic's assistant prefill: the turn starts with this text, forced, and the reply
+    # continues it
+    prefill: str = ""
 
     def __post_init__(self):
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -101,6 +107,27 @@ class Wire(abc.ABC):
 
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def forced_text(chat: ChatRequest) -> str:
+    """The text a turn is forced to start with: the prefill, or the opening of a (named) tool
+    call in the policy's tool-call format; the policy samples what follows."""
+    if chat.prefill or chat.forced_tool is None:
+        return chat.prefill
+    if not chat.forced_tool:
+        return "<tool_call>"
+    return f'<tool_call>{{"name": {json.dumps(chat.forced_tool)}, "arguments":'
+
+
+def forced_tool(name, tools: list[dict] | None, where: str) -> str:
+    """A tool_choice's named tool, which must be one of the request's tools."""
+    functions = [tool.get("function") for tool in tools or []]
+    names = [function.get("name") for function in functions if isinstance(function, dict)]
+    if not isinstance(name, str) or name not in names:
+        raise WireError(
+            400, f"{where}: name one of the request's tools ({', '.join(map(str, names))})."
+        )
+    return name
 
 
 def parse_assistant(text: str) -> tuple[str, list[dict]]:

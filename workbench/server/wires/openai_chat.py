@@ -12,6 +12,7 @@ from workbench.server.wires.base import (
     ChatRequest,
     Wire,
     WireError,
+    forced_tool,
     is_text,
     is_zero,
     number,
@@ -74,8 +75,6 @@ class OpenAIChat(Wire):
         if body.get("n", 1) != 1:
             raise WireError(400, "Only n=1 is supported: send one request per sample.")
         refuse_top_p(body)
-        if body.get("tool_choice", "auto") not in ("auto", "none"):
-            raise WireError(400, "Only tool_choice 'auto' or 'none' is supported.")
         raw = body.get("messages")
         if not isinstance(raw, list) or not raw:
             raise WireError(400, "'messages' must be a non-empty list.")
@@ -83,6 +82,7 @@ class OpenAIChat(Wire):
         tools = None
         if body.get("tool_choice") != "none":
             tools = objects(body.get("tools"), "tools")
+        forced = _forced_tool(body.get("tool_choice", "auto"), tools)
         stream_options = body.get("stream_options") or {}
         if not isinstance(stream_options, dict):
             raise WireError(400, "'stream_options' must be an object.")
@@ -97,6 +97,7 @@ class OpenAIChat(Wire):
             stream=bool(body.get("stream")),
             include_usage=bool(stream_options.get("include_usage")),
             logprobs=body.get("logprobs", False),
+            forced_tool=forced,
         )
 
     def reply(self, reply: ChatReply) -> dict:
@@ -139,6 +140,19 @@ class OpenAIChat(Wire):
         return {
             "error": {"message": error.message, "type": error.kind, "param": None, "code": None}
         }
+
+
+def _forced_tool(choice, tools: list[dict]) -> str | None:
+    """tool_choice as a forced call: None (auto, none), "" (required) or the named function."""
+    if choice in ("auto", "none"):
+        return None
+    if not tools:
+        raise WireError(400, "tool_choice forces a tool call: give the tools it may call.")
+    if choice == "required":
+        return ""
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return forced_tool((choice.get("function") or {}).get("name"), tools, "tool_choice")
+    raise WireError(400, 'tool_choice must be auto, none, required or {"type": "function", ...}.')
 
 
 def _message(index: int, message) -> dict:
