@@ -31,7 +31,9 @@ def init_ray(cfg, sized_for: list | None = None) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if not ray.is_initialized():
         _start_ray(cfg, ray_cpus(sized_for or [cfg]))
-    _refuse_too_big(cfg, ray.cluster_resources())
+    # a cluster (ray.address) may grow: nodes join, an autoscaler adds them
+    if not cfg.ray.address:
+        _refuse_too_big(cfg, ray.cluster_resources())
     # after ray.init, which sets its own handler
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
@@ -55,12 +57,12 @@ def ray_cpus(configs: list) -> int:
 
 
 def _refuse_too_big(cfg, resources: dict) -> None:
-    # Ray queues an actor it has no room for forever: a run larger than the running Ray never starts
+    # a local Ray queues an actor it has no room for forever: a run larger than it never starts
     for name, amount in asked(cfg).items():
         if amount > resources.get(name, 0):
             raise ConfigError(
                 f"This run asks Ray for {amount:g} {name}s (ray.learner_* + ray.rollout_* x "
-                f"ray.rollout_workers) but the Ray it joined has {resources.get(name, 0):g}: start "
+                f"ray.rollout_workers) but the Ray this process started has {resources.get(name, 0):g}: start "
                 f"it in a new process, or lower ray.rollout_workers."
             )
 
