@@ -59,11 +59,12 @@ def ray_cpus(configs: list) -> int:
 def _refuse_too_big(cfg, resources: dict) -> None:
     # a local Ray queues an actor it has no room for forever: a run larger than it never starts
     for name, amount in asked(cfg).items():
-        if amount > resources.get(name, 0):
+        has = resources.get(name, 0)
+        if amount > has:
             raise ConfigError(
                 f"This run asks Ray for {amount:g} {name}s (ray.learner_* + ray.rollout_* x "
-                f"ray.rollout_workers) but the Ray this process started has {resources.get(name, 0):g}: start "
-                f"it in a new process, or lower ray.rollout_workers."
+                f"ray.rollout_workers) but the Ray this process started has {has:g}: start it in "
+                f"a new process, or lower ray.rollout_workers."
             )
 
 
