@@ -18,6 +18,8 @@ STEPS = [
     {"reward/mean": 0.5, "loss/policy": -1.0},
     {"reward/mean": 0.75, "loss/policy": -0.5},
 ]
+# the wandb command of this environment, whether or not its bin folder is on PATH
+WANDB = str(Path(sys.executable).parent / "wandb")
 CONFIG = {"lr": 3e-6, "model": {"name": "tiny-qwen", "layers": 2}, "notes": "x" * 10_000}
 
 
@@ -74,7 +76,7 @@ def test_wandb_offline_run_records_every_step(tmp_path):
     # `wandb leet inspect --json` is wandb's own reader of the binary transaction log.
     env = os.environ | {"WANDB_MODE": "offline", "WANDB_ERROR_REPORTING": "false"}
     inspect = subprocess.run(
-        ["wandb", "leet", "inspect", "--json", str(run_file)],
+        [WANDB, "leet", "inspect", "--json", str(run_file)],
         env=env,
         capture_output=True,
         text=True,
@@ -206,7 +208,7 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path):
     runs = []
     for run_file in files:
         inspect = subprocess.run(
-            ["wandb", "leet", "inspect", "--json", str(run_file)],
+            [WANDB, "leet", "inspect", "--json", str(run_file)],
             env=env,
             capture_output=True,
             text=True,
