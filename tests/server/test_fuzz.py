@@ -93,6 +93,59 @@ ANTHROPIC = st.fixed_dictionaries(
         {k: v for k, v in COMMON.items() if k != "max_tokens"}, system=JSON, stop_sequences=JSON
     ),
 )
+RESPONSES_PART = st.fixed_dictionaries(
+    {"type": st.sampled_from(["input_text", "output_text", "input_image", "refusal", "text"])},
+    optional={
+        "text": JSON,
+        "image_url": st.sampled_from(["file:///etc/passwd", "data:image/png;base64,xyz"]) | JSON,
+    },
+)
+RESPONSES_CONTENT = st.text(max_size=30) | st.lists(RESPONSES_PART, max_size=2) | JSON
+ITEM = st.fixed_dictionaries(
+    {
+        "type": st.sampled_from(
+            ["message", "function_call", "function_call_output", "reasoning", "item_reference"]
+        )
+        | JSON
+    },
+    optional={
+        "role": ROLES,
+        "content": RESPONSES_CONTENT,
+        "call_id": JSON,
+        "name": JSON,
+        "arguments": ARGUMENTS,
+        "output": RESPONSES_CONTENT,
+        "summary": JSON,
+    },
+)
+RESPONSES_FIELDS = {
+    "model": JSON,
+    "instructions": JSON,
+    "max_output_tokens": st.integers(-2, 300) | WEIRD_NUMBERS,
+    "temperature": WEIRD_NUMBERS,
+    "top_p": WEIRD_NUMBERS,
+    "stream": JSON,
+    "tools": JSON
+    | st.lists(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["function", "web_search"])},
+            optional={"name": JSON, "parameters": JSON, "strict": JSON},
+        ),
+        max_size=2,
+    ),
+    "tool_choice": st.sampled_from(["required", {"type": "function", "name": "add"}]) | JSON,
+    "previous_response_id": JSON,
+    "store": JSON,
+    "truncation": JSON,
+    "include": JSON,
+    "text": JSON,
+    "reasoning": JSON,
+    "metadata": JSON,
+}
+RESPONSES = st.fixed_dictionaries(
+    {"input": st.text(max_size=30) | st.lists(ITEM | MESSAGE, max_size=3) | JSON},
+    optional=RESPONSES_FIELDS,
+)
 MUTATIONS = {
     **COMMON,
     "stop": JSON,
@@ -113,6 +166,17 @@ TOOL_TURN = [
     },
     {"role": "tool", "tool_call_id": "c1", "content": "3"},
 ]
+# the same turn as Responses input items
+TOOL_ITEMS = [
+    {"role": "user", "content": "Add."},
+    {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 1}'},
+    {"type": "function_call_output", "call_id": "c1", "output": "3"},
+]
+WIRES = {
+    "openai": "/v1/chat/completions",
+    "anthropic": "/v1/messages",
+    "responses": "/v1/responses",
+}
 TARGETS = ["own"] * 6 + [
     "other_key",
     "other_path",
@@ -127,25 +191,26 @@ BODIES = ["wire"] * 4 + ["mutant"] * 6 + ["json", "bytes", "nested", "huge"]
 
 
 def victim_and_target(server):
-    """A victim session with one real turn (MARKER in its prompt), and the session the fuzzer
+    """A victim session with one real turn (MARKER in its prompt; by the Responses wire, so the
+    fuzzer can name the victim's response as a previous_response_id), and the session the fuzzer
     talks to."""
     victim = server.open_session(900)
     reply = openai.OpenAI(
         base_url=victim["openai_base_url"], api_key=victim["api_key"], max_retries=0
-    ).chat.completions.create(
-        model="policy", messages=[{"role": "user", "content": f"Remember {MARKER}."}], max_tokens=2
-    )
-    return dict(victim, reply=reply.choices[0].message.content), server.open_session(901)
+    ).responses.create(model="policy", input=f"Remember {MARKER}.", max_output_tokens=2)
+    victim = dict(victim, reply=reply.output_text, response_id=reply.id)
+    return victim, server.open_session(901)
 
 
 def snapshot(server, session_id):
     session = server.sessions[session_id]
-    return id(session.accumulator), len(session.requests), session.last_request
+    conversations = len(session.conversations)
+    return id(session.accumulator), len(session.requests), session.last_request, conversations
 
 
 def draw_route(data, wire: str, target_kind: str, victim: dict, target: dict) -> tuple[str, dict]:
     """The path and headers of a request aimed where `target_kind` says."""
-    endpoint = "/v1/chat/completions" if wire == "openai" else "/v1/messages"
+    endpoint = WIRES[wire]
     session = target["session"]
     key = target["api_key"]
     if target_kind == "other_key":
@@ -167,8 +232,11 @@ def draw_route(data, wire: str, target_kind: str, victim: dict, target: dict) ->
     return path, {"Authorization": f"Bearer {key}"}
 
 
-def draw_body(data, wire: str, body_kind: str) -> bytes:
-    """A hostile body of the kind `body_kind` names."""
+def draw_body(data, wire: str, body_kind: str, response_ids: list[str]) -> bytes:
+    """A hostile body of the kind `body_kind` names; a Responses request may name one of
+    `response_ids` (the victim's response, the target's latest, an unknown one)."""
+    if wire == "responses" and body_kind in ("wire", "mutant"):
+        return draw_responses_body(data, body_kind, response_ids)
     if body_kind == "wire":
         return json.dumps(data.draw(OPENAI if wire == "openai" else ANTHROPIC)).encode()
     if body_kind == "mutant":
@@ -188,21 +256,48 @@ def draw_body(data, wire: str, body_kind: str) -> bytes:
         return json.dumps(data.draw(JSON)).encode()
     if body_kind == "bytes":
         return data.draw(st.binary(max_size=64))
+    # the wire's conversation field: deep or huge there reaches its decoder
+    conversation = b'{"messages": '
+    if wire == "responses":
+        conversation = b'{"input": '
     if body_kind == "nested":
         depth = data.draw(st.integers(100, 200_000))
-        return b'{"messages": ' + b"[" * depth + b"]" * depth + b"}"
-    return b'{"messages": [{"role": "user", "content": "' + b"x" * (MAX_BODY + 1024) + b'"}]}'
+        return conversation + b"[" * depth + b"]" * depth + b"}"
+    return conversation + b'[{"role": "user", "content": "' + b"x" * (MAX_BODY + 1024) + b'"}]}'
+
+
+def draw_responses_body(data, body_kind: str, response_ids: list[str]) -> bytes:
+    """A hostile Responses body: drawn whole, or a valid request with one or two fields made
+    hostile (its previous_response_id another session's response, its own, or none)."""
+    if body_kind == "wire":
+        return json.dumps(data.draw(RESPONSES)).encode()
+    mutations = dict(
+        RESPONSES_FIELDS,
+        input=st.lists(ITEM | MESSAGE, min_size=1, max_size=3),
+        previous_response_id=st.sampled_from(response_ids) | JSON,
+    )
+    base = {
+        "model": "policy",
+        "max_output_tokens": 2,
+        "input": data.draw(st.sampled_from(["Hi.", TOOL_ITEMS])),
+    }
+    # naming a response reaches the continuation (and another session's must not): drawn often
+    fields = sorted(mutations) + ["previous_response_id"] * 4
+    keys = data.draw(st.lists(st.sampled_from(fields), min_size=1, max_size=2, unique=True))
+    return json.dumps(dict(base, **{key: data.draw(mutations[key]) for key in keys})).encode()
 
 
 def in_error_shape(path: str, reply: bytes) -> bool:
     """Is this refusal in the error shape of the wire the path names?"""
     try:
         error = json.loads(reply)
-        return (
-            error["type"] == "error" and isinstance(error["error"]["message"], str)
-            if path.endswith("/messages")
-            else isinstance(error["error"]["message"], str)
-        )
+        if path.endswith("/messages"):
+            return error["type"] == "error" and isinstance(error["error"]["message"], str)
+        if path.endswith("/responses"):
+            # OpenAI's shape with every field the SDK reads
+            fields = {"message", "type", "param", "code"}
+            return set(error["error"]) == fields and isinstance(error["error"]["message"], str)
+        return isinstance(error["error"]["message"], str)
     except (ValueError, KeyError, TypeError):
         return False
 
@@ -243,11 +338,15 @@ def fuzz(
     @with_seed(seed or 0)
     @given(st.data())
     def one_request(data):
-        wire = data.draw(st.sampled_from(["openai", "anthropic"]))
+        wire = data.draw(st.sampled_from(list(WIRES)))
         target_kind = data.draw(st.sampled_from(TARGETS))
         body_kind = data.draw(st.sampled_from(BODIES))
         path, headers = draw_route(data, wire, target_kind, victim, target)
-        body = draw_body(data, wire, body_kind)
+        # the victim's response, the target's latest and an unknown one (a fixed-length list:
+        # hypothesis replays draws, so their choices must not depend on the server's state)
+        latest = next(reversed(server.sessions[target["session"]].conversations), "unknown")
+        response_ids = [victim["response_id"], f"resp_{latest}", "resp_unknown"]
+        body = draw_body(data, wire, body_kind, response_ids)
         before = {s: snapshot(server, s) for s in (victim["session"], target["session"])}
         status, reply = send(
             "GET" if target_kind == "get" else "POST",

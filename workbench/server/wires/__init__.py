@@ -7,9 +7,10 @@ events, and shapes its errors. A new wire is one module with a `Wire` subclass, 
 from workbench.server.wires.anthropic_messages import AnthropicMessages
 from workbench.server.wires.base import Wire
 from workbench.server.wires.openai_chat import OpenAIChat
+from workbench.server.wires.openai_responses import OpenAIResponses
 
 # the first also answers, in its error shape, a request for a path no wire serves
-WIRES: tuple[Wire, ...] = (OpenAIChat(), AnthropicMessages())
+WIRES: tuple[Wire, ...] = (OpenAIChat(), AnthropicMessages(), OpenAIResponses())
 
 
 def wire_at(wires: tuple[Wire, ...], path: str) -> Wire:

@@ -1,0 +1,359 @@
+"""The OpenAI Responses wire: `POST /v1/responses`, whole or streamed, in OpenAI's shapes.
+
+Its input items become chat-template messages: `instructions` a leading system message, a
+`function_call` item an assistant tool call (joined to the assistant message before it), a
+`function_call_output` item a `tool` message; reasoning items carry nothing the template renders.
+`previous_response_id` continues the conversation an earlier response of the same session ended
+(the session keeps it), so a client that sends only its new items extends the episode's segment
+exactly as one that echoes every item back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+from workbench.server.wires.base import (
+    ChatReply,
+    ChatRequest,
+    Wire,
+    WireError,
+    forced_tool,
+    is_text,
+    is_zero,
+    number,
+    objects,
+    refuse_changes,
+    refuse_top_p,
+    refuse_unknown,
+    text_of,
+    tool_arguments,
+    user_content,
+)
+
+
+def _plain_text(value) -> bool:
+    """`text` asking for plain text (its verbosity a hint the policy's template does not read)."""
+    return (
+        isinstance(value, dict)
+        and set(value) <= {"format", "verbosity"}
+        and value.get("format", {"type": "text"}) == {"type": "text"}
+    )
+
+
+# fields accepted at the values that change nothing: (whether a value does, the values accepted);
+# reasoning effort, service tier and the cache key are hints the policy's template does not read
+NO_OPS = {
+    "store": (lambda value: isinstance(value, bool), "true or false"),
+    "truncation": (lambda value: value == "disabled", '"disabled"'),
+    # this server returns no reasoning items, so none lacks its encrypted content
+    "include": (
+        lambda value: value in ([], ["reasoning.encrypted_content"]),
+        '[] or ["reasoning.encrypted_content"]',
+    ),
+    "text": (_plain_text, '{"format": {"type": "text"}}'),
+    "reasoning": (
+        lambda value: isinstance(value, dict) and set(value) <= {"effort"},
+        '{"effort": ...}',
+    ),
+    "top_logprobs": (is_zero, "0"),
+    "service_tier": (is_text, "a string"),
+    "prompt_cache_key": (is_text, "a string"),
+}
+FIELDS = {
+    *NO_OPS,
+    *"model input instructions max_output_tokens temperature top_p stream".split(),
+    *"tools tool_choice previous_response_id metadata parallel_tool_calls user".split(),
+}
+ROLES = ("user", "assistant", "system", "developer")
+
+
+@dataclass
+class ResponsesRequest(ChatRequest):
+    """A Responses request: it may continue a conversation an earlier response of the session
+    ended; the loopback server hands it the session's conversations (`continued`) and keeps the
+    one it ends (`history`)."""
+
+    # the system message `instructions` put first (none or one); a later response does not
+    # inherit it (OpenAI's rule), so it is kept out of the conversation a response ends
+    instructions: list[dict] = field(default_factory=list)
+    previous_response_id: str | None = None
+
+    def continued(self, conversations: dict[str, list[dict]]) -> ResponsesRequest:
+        """This request with the conversation its previous response ended before its input."""
+        if self.previous_response_id is None:
+            return self
+        history = conversations.get(self.previous_response_id.removeprefix("resp_"))
+        if history is None:
+            raise WireError(
+                400,
+                f"Unknown previous_response_id {self.previous_response_id!r}: only a response "
+                f"of this session can be continued.",
+            )
+        given = self.messages[len(self.instructions) :]
+        return replace(self, messages=self.instructions + history + given)
+
+    def history(self, messages: list[dict]) -> list[dict]:
+        """What a later response continues: the conversation `messages` without the
+        instructions."""
+        return messages[len(self.instructions) :]
+
+
+class OpenAIResponses(Wire):
+    name = "responses"
+    path = "/v1/responses"
+    # the OpenAI SDK's base URL serves both of its wires
+    base_url_key = "openai_base_url"
+    base_url_suffix = "/v1"
+
+    def decode(self, body: dict) -> ChatRequest:
+        refuse_unknown(body, FIELDS)
+        refuse_changes(body, NO_OPS)
+        refuse_top_p(body)
+        previous = body.get("previous_response_id")
+        if previous is not None and not isinstance(previous, str):
+            raise WireError(400, "'previous_response_id' must be a string.")
+        instructions = []
+        if body.get("instructions"):
+            system = text_of(body["instructions"], "instructions")
+            instructions = [{"role": "system", "content": system}]
+        items = body.get("input")
+        if isinstance(items, str):
+            items = [{"role": "user", "content": items}]
+        if not isinstance(items, list):
+            raise WireError(400, "'input' must be a string or a list of items.")
+        messages = _messages(items)
+        # a turn follows something new; without it the episode would seal (an empty input names
+        # no new user turn or function output to answer)
+        if not messages:
+            raise WireError(400, "'input' must hold a message or a function_call_output item.")
+        tools = _tools(body)
+        return ResponsesRequest(
+            messages=instructions + messages,
+            tools=tools,
+            max_tokens=number(body, "max_output_tokens", int),
+            temperature=number(body, "temperature"),
+            stop=[],
+            stream=bool(body.get("stream")),
+            forced_tool=_forced_tool(body.get("tool_choice"), tools),
+            instructions=instructions,
+            previous_response_id=previous,
+        )
+
+    def reply(self, reply: ChatReply) -> dict:
+        status = "completed"
+        incomplete = None
+        if reply.finish == "length":
+            status = "incomplete"
+            incomplete = {"reason": "max_output_tokens"}
+        output = []
+        if reply.text or not reply.tool_calls:
+            text = {"type": "output_text", "text": reply.text, "annotations": [], "logprobs": []}
+            output.append(
+                {
+                    "type": "message",
+                    "id": f"msg_{reply.id}",
+                    "role": "assistant",
+                    "status": status,
+                    "content": [text],
+                }
+            )
+        for call in reply.tool_calls:
+            output.append(
+                {
+                    "type": "function_call",
+                    "id": f"fc_{call['id']}",
+                    "call_id": call["id"],
+                    "name": call["name"],
+                    "arguments": json.dumps(call["arguments"]),
+                    "status": "completed",
+                }
+            )
+        return {
+            "id": f"resp_{reply.id}",
+            "object": "response",
+            "created_at": int(time.time()),
+            "status": status,
+            "error": None,
+            "incomplete_details": incomplete,
+            "model": reply.model,
+            "output": output,
+            # the request's tool settings are not echoed: a reply knows only what was generated
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+            "usage": {
+                "input_tokens": reply.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": reply.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+            },
+        }
+
+    def events(self, request: ChatRequest, reply: ChatReply, pieces: list[str]) -> Iterator[bytes]:
+        """response.created and .in_progress; per output item its added event, its text deltas
+        (one per generated piece) or its arguments, and its done events; response.completed (or
+        .incomplete when max_output_tokens cut it)."""
+        whole = self.reply(reply)
+        numbers = itertools.count()
+
+        def event(kind: str, **data) -> bytes:
+            body = {"type": kind, "sequence_number": next(numbers), **data}
+            return f"event: {kind}\ndata: {json.dumps(body)}\n\n".encode()
+
+        opened = dict(whole, status="in_progress", incomplete_details=None, output=[], usage=None)
+        yield event("response.created", response=opened)
+        yield event("response.in_progress", response=opened)
+        for index, item in enumerate(whole["output"]):
+            yield event("response.output_item.added", output_index=index, item=_started(item))
+            at = {"output_index": index, "item_id": item["id"]}
+            if item["type"] == "message":
+                part = item["content"][0]
+                in_part = dict(at, content_index=0)
+                yield event("response.content_part.added", **in_part, part=_started(part))
+                for piece in pieces:
+                    yield event("response.output_text.delta", **in_part, delta=piece, logprobs=[])
+                yield event("response.output_text.done", **in_part, text=part["text"], logprobs=[])
+                yield event("response.content_part.done", **in_part, part=part)
+            else:
+                arguments = item["arguments"]
+                yield event("response.function_call_arguments.delta", **at, delta=arguments)
+                done = dict(at, name=item["name"], arguments=arguments)
+                yield event("response.function_call_arguments.done", **done)
+            yield event("response.output_item.done", output_index=index, item=item)
+        yield event(f"response.{whole['status']}", response=whole)
+
+    def error(self, error: WireError) -> dict:
+        return {
+            "error": {"message": error.message, "type": error.kind, "param": None, "code": None}
+        }
+
+
+def _started(part: dict) -> dict:
+    """An output item or content part as it opens: in progress, nothing generated yet."""
+    if part["type"] == "message":
+        return dict(part, status="in_progress", content=[])
+    if part["type"] == "function_call":
+        return dict(part, status="in_progress", arguments="")
+    return dict(part, text="")
+
+
+def _messages(items: list) -> list[dict]:
+    """Input items as chat-template messages."""
+    messages = []
+    for index, item in enumerate(items):
+        where = f"input[{index}]"
+        kind = None
+        if isinstance(item, dict):
+            kind = item.get("type", "message")
+        if kind == "message":
+            messages.append(_message(item, where))
+        elif kind == "function_call":
+            # a call joins the assistant message it came with (the same response's output)
+            if not messages or messages[-1]["role"] != "assistant":
+                messages.append({"role": "assistant", "content": ""})
+            messages[-1].setdefault("tool_calls", []).append(_call(item, where))
+        elif kind == "function_call_output":
+            content = text_of(_parts(item.get("output"), where), where)
+            call_id = str(item.get("call_id", ""))
+            messages.append({"role": "tool", "content": content, "tool_call_id": call_id})
+        elif kind == "reasoning" and not item.get("content"):
+            # the policy's reasoning is in its sampled ids; the chat template renders none
+            continue
+        else:
+            raise WireError(
+                400,
+                f"{where}: item type {kind!r} is not supported (message, function_call, "
+                f"function_call_output and reasoning without content are).",
+            )
+    return messages
+
+
+def _message(item: dict, where: str) -> dict:
+    """A message item (a developer message is a system one)."""
+    role = item.get("role")
+    if role not in ROLES:
+        raise WireError(400, f"{where}.role must be user, assistant, system or developer.")
+    content = _parts(item.get("content"), where)
+    if role == "user":
+        return {"role": "user", "content": user_content(content, where)}
+    if role == "developer":
+        role = "system"
+    return {"role": role, "content": text_of(content, where)}
+
+
+def _parts(content, where: str):
+    """Content as the shared decoders read it: a string, or its parts as text and image parts."""
+    if isinstance(content, list):
+        return [_part(part, where) for part in content]
+    return content
+
+
+def _part(part, where: str) -> dict:
+    """A content part in the form the shared decoders read (text, or an inline image)."""
+    kind = None
+    if isinstance(part, dict):
+        kind = part.get("type")
+    if kind in ("input_text", "output_text"):
+        return {"type": "text", "text": str(part.get("text", ""))}
+    if kind == "input_image":
+        return {"type": "image_url", "image_url": {"url": str(part.get("image_url") or "")}}
+    raise WireError(
+        400,
+        f"{where}: content part type {kind!r} is not supported "
+        f"(input_text, output_text and inline input_image are).",
+    )
+
+
+def _call(item: dict, where: str) -> dict:
+    """A function_call item as the chat template's tool call, its JSON arguments parsed."""
+    try:
+        arguments = json.loads(item.get("arguments") or "{}")
+    except (TypeError, ValueError, RecursionError):
+        raise WireError(400, f"{where}: arguments must be a JSON object as a string.") from None
+    return {
+        "id": str(item.get("call_id", "")),
+        "name": str(item.get("name", "")),
+        "arguments": tool_arguments(arguments, where),
+    }
+
+
+def _tools(body: dict) -> list[dict] | None:
+    """The request's function tools as the chat template's (none for tool_choice none)."""
+    tools = []
+    for index, tool in enumerate(objects(body.get("tools"), "tools")):
+        if tool.get("type") != "function":
+            raise WireError(
+                400, f"tools[{index}]: only function tools are supported, not {tool.get('type')!r}."
+            )
+        parameters = tool.get("parameters") or {}
+        if not isinstance(parameters, dict):
+            raise WireError(400, f"tools[{index}].parameters must be a JSON schema object.")
+        # `strict` is accepted but not enforced: a call is what the policy samples, and a
+        # malformed one stays text
+        function = {
+            "name": str(tool.get("name")),
+            "description": str(tool.get("description") or ""),
+            "parameters": parameters,
+        }
+        tools.append({"type": "function", "function": function})
+    if body.get("tool_choice") == "none":
+        return None
+    return tools or None
+
+
+def _forced_tool(choice, tools: list[dict] | None) -> str | None:
+    """tool_choice as a forced call: None (auto, none), "" (required) or the named function."""
+    if choice in (None, "auto", "none"):
+        return None
+    if not tools:
+        raise WireError(400, "tool_choice forces a tool call: give the tools it may call.")
+    if choice == "required":
+        return ""
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return forced_tool(choice.get("name"), tools, "tool_choice")
+    raise WireError(400, 'tool_choice must be auto, none, required or {"type": "function", ...}.')
