@@ -52,6 +52,7 @@ def test_group_options_select_presets():
         ("trainer.timeout_s=0", "trainer.timeout_s"),
         ("gate.level=tokens", "gate.level=tokens is unknown"),
         ("engine.name=sglang", "engine=sglang is unknown"),
+        ("agent.history_rewrite=merge", "agent.history_rewrite=merge is unknown: use seal or"),
         # not installed, or no image prompts: one sentence either way
         ("engine=vllm +recipe=geo3k", "engine=vllm"),
         (

@@ -87,6 +87,10 @@ class AgentConfig:
     """plugins/NAME.py, a dotted module path, or a .py file path; it must export AgentRunner."""
     max_turns: int = 1
     """Turn budget of one episode; an episode still open after it is truncated."""
+    history_rewrite: str = "seal"
+    """When the chat template rewrites the history (Qwen3 drops old reasoning): seal (a new segment
+    from the template's render) | bridge (keep the sampled ids, append the new turn as the template
+    renders it: one segment)."""
 
 
 @dataclass
@@ -563,6 +567,10 @@ def _refuse_out_of_range(cfg) -> None:
         "or more.",
     )
     _need(cfg.trainer.async_depth >= 0, "trainer.async_depth must be 0 (synchronous) or more.")
+    _need(
+        cfg.agent.history_rewrite in ("seal", "bridge"),
+        f"agent.history_rewrite={cfg.agent.history_rewrite} is unknown: use seal or bridge.",
+    )
 
 
 def _refuse_missing_files(cfg) -> None:

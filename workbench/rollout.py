@@ -51,6 +51,7 @@ class RolloutWorker:
 
         self.run_id = cfg.run.id
         self.max_turns = cfg.agent.max_turns
+        self.history_rewrite = cfg.agent.history_rewrite
         self.worker_index = worker_index
         self.seed = cfg.seed * 1000 + worker_index
         self.engine = make_engine(cfg, model_path, seed=self.seed)
@@ -140,7 +141,13 @@ class RolloutWorker:
     def server(self):
         """This worker's loopback server, started on first use."""
         if self._server is None:
-            self._server = LoopbackServer(self.engine, self.tokenizer, self.params, seed=self.seed)
+            self._server = LoopbackServer(
+                self.engine,
+                self.tokenizer,
+                self.params,
+                seed=self.seed,
+                history_rewrite=self.history_rewrite,
+            )
         return self._server
 
     def _chat_rollout(self, jobs: list[Job], failures: dict) -> list[Segment]:
@@ -202,6 +209,7 @@ class RolloutWorker:
                 copy.deepcopy(messages),
                 tools=copy.deepcopy(env.tools),
                 codec=self.engine.codec,
+                rewrite=self.history_rewrite,
             )
             if len(self.openings) > 4096:
                 self.openings.popitem(last=False)

@@ -4,7 +4,9 @@
 they came out of the engine (mask 1, with their log-prob and version). A new message is added by
 rendering the conversation with the chat template and tokenising only the *delta* the new message
 adds (mask 0); when the old render is not a prefix of the new one (a template that rewrites
-history, a compacted context) the open segment is sealed and a new one starts from a fresh render.
+history, a compacted context) the open segment is sealed and a new one starts from a fresh render
+(with `rewrite="bridge"`, a template's rewrite keeps the sampled ids and appends the new messages as
+the template renders a trailing turn).
 Decoded text exists for the environment and for display, never as trainer input. An image in a
 message renders as one placeholder that the model's image codec expands to that image's run of
 placeholder ids (mask 0); the segment keeps the image bytes in the order of their runs.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -132,11 +135,20 @@ def _calls(message: dict) -> list[tuple]:
 
 class TokenAccumulator:
     def __init__(
-        self, tokenizer, messages: list[dict], tools: list[dict] | None = None, codec=None
+        self,
+        tokenizer,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        codec=None,
+        rewrite: str = "seal",
     ):
+        """`rewrite`: what a template that rewrites the history does to the episode: `seal` (a new
+        segment from the template's fresh render) or `bridge` (the sampled ids stay; the new
+        messages are appended as the template renders a trailing turn)."""
         self.tokenizer = tokenizer
         self.tools = tools or None
         self.codec = codec
+        self.rewrite = rewrite
         self.sealed: list[SegmentTokens] = []
         self.last_finish = "stop"
         self._open(list(messages))
@@ -236,9 +248,14 @@ class TokenAccumulator:
         previous = self.render(self.messages, generation_prompt=False)
         full = self.render(self.messages + new_messages, generation_prompt=True)
         if not full.startswith(previous):
-            self.seal("template_rewrite")
-            self._open(self.messages + new_messages)
-            return False
+            if self.rewrite == "seal":
+                self.seal("template_rewrite")
+                self._open(self.messages + new_messages)
+                return False
+            # bridge: the sampled ids stay; cut `full` where the first new message's content
+            # begins, so the delta below is the trailing turn: the close after the last stop
+            # token, then the new messages as the template renders them after the history
+            previous = full[: self._content_start(new_messages, full)]
         # The template closes the assistant turn after its stop token (e.g. a newline); a turn that
         # ran out of tokens never sampled the stop token, so it is added here, untrainable.
         eos = self.tokenizer.eos_token
@@ -249,6 +266,21 @@ class TokenAccumulator:
         self.open.images += images
         self.messages.extend(new_messages)
         return True
+
+    def _content_start(self, new_messages: list[dict], full: str) -> int:
+        """Where the first new message's content begins in `full`, the render of the conversation
+        and `new_messages`: the longest prefix `full` shares with both renders whose first new
+        message says "a" or "b" instead (one of them differs at its first character).
+
+        Limit: the template must render the old messages the same whatever that content says
+        (Qwen3's keys on roles and positions, except a user message that is a `<tool_response>`),
+        and no stop token may stand between the new message's start and its content."""
+        starts = []
+        for probe in ("a", "b"):
+            probed = [dict(new_messages[0], content=probe), *new_messages[1:]]
+            render = self.render(self.messages + probed, generation_prompt=True)
+            starts.append(len(os.path.commonprefix([full, render])))
+        return min(starts)
 
     def fork(self) -> "TokenAccumulator":
         """A copy to try a turn on; the original is untouched until the copy replaces it."""

@@ -137,11 +137,15 @@ class LoopbackServer:
         max_total_tokens: int | None = None,
         wires: tuple[Wire, ...] = WIRES,
         seed: int | None = None,
+        history_rewrite: str = "seal",
     ):
         """`seed`: each request samples from a seed of (seed, rollout id, session stream, turn), so
-        a run's chat episodes sample the same after a resume; None: the engine's own stream."""
+        a run's chat episodes sample the same after a resume; None: the engine's own stream.
+        `history_rewrite`: seal | bridge, when the chat template rewrites an episode's history
+        (`TokenAccumulator`'s `rewrite`)."""
         self.engine = engine
         self.seed = seed
+        self.history_rewrite = history_rewrite
         self.tokenizer = tokenizer
         self.params = params
         self.model_name = model_name
@@ -404,7 +408,9 @@ class LoopbackServer:
             reused = len(episode.open.token_ids)
         try:
             if episode is None:
-                episode = TokenAccumulator(self.tokenizer, chat.messages, chat.tools, self.codec)
+                episode = TokenAccumulator(
+                    self.tokenizer, chat.messages, chat.tools, self.codec, self.history_rewrite
+                )
                 action = "open"
             else:
                 action = episode.continue_with(chat.messages, chat.tools)
