@@ -67,6 +67,17 @@ def in_process():
     ray.shutdown()
 
 
+def kill_actors(title: str) -> list[int]:
+    """SIGKILL this process's Ray actor processes whose title starts with `title` (e.g.
+    "ray::Learner"), as the OOM killer would; their pids."""
+    killed = []
+    for process in psutil.Process().children(recursive=True):
+        if " ".join(process.cmdline()).startswith(title):
+            process.kill()
+            killed.append(process.pid)
+    return killed
+
+
 def wait_for(condition, seconds=300):
     deadline = time.time() + seconds
     while not condition():
@@ -230,9 +241,7 @@ def test_a_dead_learner_fails_the_run_with_one_sentence_and_keeps_what_was_writt
     def kill_the_learner_after_step_2(self, metrics):
         update(self, metrics)
         if self.done == 2:
-            for process in psutil.Process().children(recursive=True):
-                if " ".join(process.cmdline()).startswith("ray::Learner"):
-                    process.kill()
+            kill_actors("ray::Learner")
 
     monkeypatch.setattr(Progress, "update", kill_the_learner_after_step_2)
     with pytest.raises(
@@ -417,10 +426,7 @@ def test_a_run_whose_learner_or_store_dies_recovers_from_its_checkpoint_by_itsel
     def kill_once_after_step_3(self, metrics):
         update(self, metrics)
         if self.done == 3 and not killed:
-            for process in psutil.Process().children(recursive=True):
-                if " ".join(process.cmdline()).startswith(title):
-                    process.kill()
-                    killed.append(process.pid)
+            killed.extend(kill_actors(title))
 
     common = ["trainer.steps=4", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=1"]
     monkeypatch.setattr(Progress, "update", kill_once_after_step_3)
@@ -458,9 +464,7 @@ def test_a_run_whose_learner_dies_again_with_no_restarts_left_stops_failed(
     def kill_the_learner_every_step_3(self, metrics):
         update(self, metrics)
         if self.done == 3:
-            for process in psutil.Process().children(recursive=True):
-                if " ".join(process.cmdline()).startswith("ray::Learner"):
-                    process.kill()
+            kill_actors("ray::Learner")
 
     monkeypatch.setattr(Progress, "update", kill_the_learner_every_step_3)
     with pytest.raises(RunFailed, match="^The learner process died"):

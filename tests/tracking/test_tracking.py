@@ -67,13 +67,9 @@ def test_disabled_wandb_and_mlflow_give_no_sinks(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_wandb_offline_run_records_every_step(tmp_path):
-    run_dir = tmp_path / "runs" / "run-7"
-    [sink] = make_sinks(tracking("offline"), str(run_dir), "run-7", CONFIG, group="sweep-a")
-    log_steps([sink])
-
-    [run_file] = run_dir.glob("wandb/offline-run-*-run-7/run-run-7.wandb")
-    # `wandb leet inspect --json` is wandb's own reader of the binary transaction log.
+def wandb_records(run_file) -> list[dict]:
+    """The records of an offline run's transaction log, read by `wandb leet inspect --json` (wandb's
+    own reader of the binary log)."""
     env = os.environ | {"WANDB_MODE": "offline", "WANDB_ERROR_REPORTING": "false"}
     inspect = subprocess.run(
         [WANDB, "leet", "inspect", "--json", str(run_file)],
@@ -82,7 +78,16 @@ def test_wandb_offline_run_records_every_step(tmp_path):
         text=True,
         timeout=60,
     )
-    records = [json.loads(line) for line in inspect.stdout.splitlines()]
+    return [json.loads(line) for line in inspect.stdout.splitlines()]
+
+
+def test_wandb_offline_run_records_every_step(tmp_path):
+    run_dir = tmp_path / "runs" / "run-7"
+    [sink] = make_sinks(tracking("offline"), str(run_dir), "run-7", CONFIG, group="sweep-a")
+    log_steps([sink])
+
+    [run_file] = run_dir.glob("wandb/offline-run-*-run-7/run-run-7.wandb")
+    records = wandb_records(run_file)
     history = [record["history"] for record in records if record["type"] == "history"]
     assert [entry["step"].get("num", 0) for entry in history] == [0, 1, 2]
     for entry, metrics in zip(history, STEPS, strict=True):
@@ -204,17 +209,8 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path):
         sink.close("interrupted" if step == 0 else "finished")
     # one folder per start (`...-run-w-1` for a second start within the same second)
     files = sorted(run_dir.glob("wandb/offline-run-*-run-w*/run-run-w.wandb"))
-    env = os.environ | {"WANDB_MODE": "offline", "WANDB_ERROR_REPORTING": "false"}
     runs = []
     for run_file in files:
-        inspect = subprocess.run(
-            [WANDB, "leet", "inspect", "--json", str(run_file)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        records = [json.loads(line) for line in inspect.stdout.splitlines()]
-        runs += [record["run"] for record in records if record["type"] == "run"]
+        runs += [record["run"] for record in wandb_records(run_file) if record["type"] == "run"]
     # both halves are the one wandb run `run-w`, opened to resume (what `wandb sync` merges)
     assert [(run["run_id"], run.get("resume")) for run in runs] == [("run-w", True)] * 2
