@@ -8,9 +8,10 @@ steps, with the same data, rollout ids and weight versions.
 
     runs/<id>/checkpoints/step-NNNNNN/  NNNNNN = optimizer steps done (the learner version)
       policy/      save_pretrained of the policy + its tokenizer / processor files
-                   (loads like model.path)
-      trainer.pt   optimizer state, learner version, loop step, data position,
-                   RNG states (python, numpy, torch)
+                   (loads like model.path; `molt-wb export` copies it)
+      state/       model and optimizer state, torch.distributed.checkpoint: each learner rank
+                   writes its shards; it loads into any number of ranks
+      trainer.pt   learner version, loop step, data position, RNG states (python, numpy, torch)
       writer.json  Parquet shards per table at the checkpoint
 """
 
@@ -54,34 +55,46 @@ def side_files(model_path: str) -> dict[str, bytes]:
 
 
 def save_learner(learner, folder: str, driver_state: dict) -> int:
-    """Runs in the learner actor: the policy (with its tokenizer files) and trainer.pt into
-    `folder`."""
+    """Runs in every learner rank: its shards of the model and optimizer into `state/`; rank 0
+    the whole policy (with its tokenizer files) and trainer.pt."""
     import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    model, optimizer = get_state_dict(learner.model, learner.optimizer)
+    dcp.save({"model": model, "optimizer": optimizer}, checkpoint_id=Path(folder, "state"))
+    full = learner.ranks.full_state_dict(learner.model)
+    if learner.ranks.rank:
+        return learner.version
     policy = Path(folder, "policy")
-    learner.model.save_pretrained(policy)
+    learner.model.save_pretrained(policy, state_dict=full)
     for name, content in learner.side_files.items():
         if not (policy / name).exists():
             (policy / name).write_bytes(content)
     torch.save(
-        dict(
-            driver_state,
-            version=learner.version,
-            optimizer=learner.optimizer.state_dict(),
-            torch_rng=torch.get_rng_state(),
-        ),
+        dict(driver_state, version=learner.version, torch_rng=torch.get_rng_state()),
         Path(folder, "trainer.pt"),
     )
     return learner.version
 
 
 def load_learner(learner, folder: str) -> int:
-    """Runs in the learner actor (built from the checkpoint's policy/): optimizer, version, torch
-    RNG."""
+    """Runs in every learner rank (built from the checkpoint's policy/): model and optimizer
+    state resharded to this run's ranks, version, torch RNG."""
     import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     state = torch.load(Path(folder, "trainer.pt"), weights_only=False)
-    learner.optimizer.load_state_dict(state["optimizer"])
+    model, optimizer = get_state_dict(learner.model, learner.optimizer)
+    loaded = {"model": model, "optimizer": optimizer}
+    dcp.load(loaded, checkpoint_id=Path(folder, "state"))
+    set_state_dict(
+        learner.model,
+        learner.optimizer,
+        model_state_dict=loaded["model"],
+        optim_state_dict=loaded["optimizer"],
+    )
     learner.version = state["version"]
     torch.set_rng_state(state["torch_rng"])
     return learner.version

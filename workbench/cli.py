@@ -1,4 +1,4 @@
-"""The `molt-wb` command line: train, runs, doctor, prepare."""
+"""The `molt-wb` command line: train, runs, export, doctor, prepare."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import csv as csv_module
 import datetime
 import json
 import os
+import shutil
 import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -319,6 +320,37 @@ def eval_command(
         f"eval {row['split']} step {row['step']}: n={row['n']} "
         f"mean_reward={row['mean_reward']:.4f} accuracy={row['accuracy']:.4f} ({row['checkpoint']})"
     )
+
+
+@app.command()
+def export(
+    run_id: Annotated[str, typer.Argument(help="Run id (a unique prefix is enough).")],
+    where: Annotated[
+        list[str],
+        typer.Argument(
+            help="[CHECKPOINT] OUT: a checkpoint folder or step number (default the latest), "
+            "and the folder to write."
+        ),
+    ],
+    root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
+):
+    """Write a checkpoint's policy as a Hugging Face folder (weights, config, tokenizer and
+    processor files) that transformers and vLLM load."""
+    from workbench.evaluate import resolve_checkpoint
+    from workbench.store.query import resolve_run
+
+    *checkpoint, out = where
+    try:
+        run_dir = resolve_run(run_id, root)
+        policy, version = resolve_checkpoint(run_dir, checkpoint[0] if checkpoint else None)
+    except ValueError as error:
+        fail(str(error))
+    if policy is None or len(checkpoint) > 1:
+        fail(f"Run {run_dir.name} has no checkpoint to export: give RUN [CHECKPOINT] OUT.")
+    if os.path.exists(out) and os.listdir(out):
+        fail(f"{out} exists and is not empty: give a new folder to export into.")
+    shutil.copytree(policy, out, dirs_exist_ok=True)
+    typer.echo(f"exported {run_dir.name} at version {version} to {out}")
 
 
 @app.command()

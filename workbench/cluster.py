@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -43,8 +44,8 @@ def asked(cfg) -> dict[str, float]:
     """The CPUs and GPUs one run's learner and rollout workers ask Ray for."""
     r = cfg.ray
     return {
-        "CPU": r.learner_cpus + r.rollout_cpus * r.rollout_workers,
-        "GPU": r.learner_gpus + r.rollout_gpus * r.rollout_workers,
+        "CPU": r.learner_cpus * r.learner_workers + r.rollout_cpus * r.rollout_workers,
+        "GPU": r.learner_gpus * r.learner_workers + r.rollout_gpus * r.rollout_workers,
     }
 
 
@@ -62,9 +63,9 @@ def _refuse_too_big(cfg, resources: dict) -> None:
         has = resources.get(name, 0)
         if amount > has:
             raise ConfigError(
-                f"This run asks Ray for {amount:g} {name}s (ray.learner_* + ray.rollout_* x "
-                f"ray.rollout_workers) but the Ray this process started has {has:g}: start it in "
-                f"a new process, or lower ray.rollout_workers."
+                f"This run asks Ray for {amount:g} {name}s (ray.learner_* x ray.learner_workers "
+                f"+ ray.rollout_* x ray.rollout_workers) but the Ray this process started has "
+                f"{has:g}: start it in a new process, or lower ray.rollout_workers."
             )
 
 
@@ -109,8 +110,9 @@ def _start_ray(cfg, cpus: int) -> None:
 
 
 def placement(cfg) -> list[dict]:
-    """Ray options of the learner (first) and each rollout worker: resources by config, and with
-    `ray.colocate` one bundle each in a STRICT_PACK placement group (one node, shared GPUs)."""
+    """Ray options of each learner rank (first) and each rollout worker: resources by config; with
+    `ray.colocate` one bundle each in a STRICT_PACK placement group (one node, shared GPUs), else
+    several learner ranks one bundle each in a PACK group (as few nodes as they fit)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -121,11 +123,16 @@ def placement(cfg) -> list[dict]:
         "num_gpus": r.rollout_gpus,
         "resources": dict(r.rollout_resources),
     }
-    options = [learner] + [worker] * r.rollout_workers
+    options = [learner] * r.learner_workers + [worker] * r.rollout_workers
+    grouped = len(options)
+    strategy = "STRICT_PACK"
     if not r.colocate:
+        grouped = r.learner_workers if r.learner_workers > 1 else 0
+        strategy = "PACK"
+    if not grouped:
         return options
-    bundles = [_bundle(o) for o in options]
-    group = ray.util.placement_group(bundles, strategy="STRICT_PACK", name=f"molt-wb-{cfg.run.id}")
+    bundles = [_bundle(o) for o in options[:grouped]]
+    group = ray.util.placement_group(bundles, strategy=strategy, name=f"molt-wb-{cfg.run.id}")
     ray.get(group.ready(), timeout=600)
     return [
         dict(
@@ -134,8 +141,8 @@ def placement(cfg) -> list[dict]:
                 group, placement_group_bundle_index=i
             ),
         )
-        for i, o in enumerate(options)
-    ]
+        for i, o in enumerate(options[:grouped])
+    ] + options[grouped:]
 
 
 def _bundle(options: dict) -> dict:
@@ -149,12 +156,10 @@ def start_actors(cfg, model_path: str, run_dir: Path, run_row: dict):
     slot. The run row records the node of each (`placement`)."""
     import ray
 
-    # torch: imported where the learner is started
-    from workbench.learner import Learner
-
     store = ray.remote(num_cpus=0)(StoreActor).remote(cfg, str(run_dir), run_row)
-    learner_options, *worker_options = placement(cfg)
-    learner = ray.remote(Learner).options(**learner_options).remote(cfg, model_path)
+    options = placement(cfg)
+    learner = start_learner(cfg, model_path, options[: cfg.ray.learner_workers])
+    worker_options = options[cfg.ray.learner_workers :]
     # the batches in flight (at most async_depth + 1) and the weight pushes
     worker_cls = ray.remote(
         max_concurrency=cfg.trainer.async_depth + 2, max_restarts=cfg.rollout.max_restarts
@@ -166,17 +171,44 @@ def start_actors(cfg, model_path: str, run_dir: Path, run_row: dict):
     nodes = ray.get(
         [
             a.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
-            for a in (learner, *workers)
+            for a in (*learner_actors(learner), *workers)
         ]
     )
     ray.get(
         store.__ray_call__.remote(
             lambda s: s.writer.update_run(
-                placement={"learner": nodes[0], "rollout_workers": nodes[1:]}
+                placement={
+                    "learner": nodes[0],
+                    "learner_ranks": nodes[: cfg.ray.learner_workers],
+                    "rollout_workers": nodes[cfg.ray.learner_workers :],
+                }
             )
         )
     )
     return store, learner, workers
+
+
+def start_learner(cfg, model_path: str, options: list[dict]):
+    """The learner actor; with several ranks, their actors joined in one process group at a free
+    port of rank 0's node, answering as one (`LearnerRanks`)."""
+    import ray
+
+    from workbench.learner import Learner
+
+    if len(options) == 1:
+        return ray.remote(Learner).options(**options[0]).remote(cfg, model_path)
+    where = {key: value for key, value in options[0].items() if key == "scheduling_strategy"}
+    address = ray.get(ray.remote(num_cpus=0)(free_address).options(**where).remote())
+    actors = [
+        ray.remote(Learner).options(**rank_options).remote(cfg, model_path, rank, address)
+        for rank, rank_options in enumerate(options)
+    ]
+    return LearnerRanks(actors)
+
+
+def learner_actors(learner) -> list:
+    """The learner's actors: its ranks, or the one."""
+    return getattr(learner, "actors", [learner])
 
 
 def stop_actors(run_id: str, status: str, store, learner, workers) -> None:
@@ -197,7 +229,47 @@ def stop_actors(run_id: str, status: str, store, learner, workers) -> None:
                 learner.__ray_call__.remote(lambda _: ray.util.get_current_placement_group()),
                 timeout=60,
             )
-        for actor in (store, learner, *workers):
+        for actor in (store, *learner_actors(learner), *workers):
             ray.kill(actor)
         if group is not None:  # a colocated run's
             ray.util.remove_placement_group(group)
+
+
+def free_address() -> tuple[str, int]:
+    """This node's address and a free TCP port on it: where rank 0 hosts the process group's
+    rendezvous (a Ray task placed in rank 0's bundle)."""
+    import ray
+
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+class LearnerRanks:
+    """The learner's N Ray actors as one handle: `ranks.method.remote(...)` calls it on every
+    rank (they run its collectives together) and answers with rank 0's result."""
+
+    def __init__(self, actors: list):
+        self.actors = actors
+        self._actor_id = actors[0]._actor_id
+
+    def __getattr__(self, name: str):
+        return _EveryRank([getattr(actor, name) for actor in self.actors])
+
+
+class _EveryRank:
+    def __init__(self, methods: list, options: dict | None = None):
+        self.methods = methods
+        self.options_ = options or {}
+
+    def options(self, **options):
+        return _EveryRank(self.methods, options)
+
+    def remote(self, *args, **kwargs):
+        refs = []
+        for method in self.methods:
+            if self.options_:
+                method = method.options(**self.options_)
+            refs.append(method.remote(*args, **kwargs))
+        return refs[0]

@@ -258,10 +258,13 @@ class RayConfig:
     rollout_resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources each rollout worker needs, e.g. {rollout_node: 1} to pin workers to such
     nodes."""
+    learner_workers: int = 1
+    """Learner ranks: N actors in one torch.distributed group, the policy sharded over them with
+    FSDP2 (gloo on CPU, NCCL on GPU); 1 = one unsharded learner."""
     learner_cpus: float = 1
-    """CPUs of the learner actor."""
+    """CPUs of each learner actor."""
     learner_gpus: float = 0
-    """GPUs of the learner actor."""
+    """GPUs of each learner actor."""
     colocate: bool = False
     """Pack the learner and every rollout worker onto one node (a STRICT_PACK placement group),
     sharing its GPUs."""
@@ -556,6 +559,7 @@ def _refuse_out_of_range(cfg) -> None:
         "trainer.checkpoint_every must be 0 (off) or more and trainer.keep_checkpoints at least 1.",
     )
     _need(cfg.trainer.max_restarts >= 0, "trainer.max_restarts must be 0 (never) or more.")
+    _need(cfg.ray.learner_workers >= 1, "ray.learner_workers must be at least 1.")
     _need(cfg.rollout.timeout_s > 0, "rollout.timeout_s must be a positive number of seconds.")
     _need(cfg.trainer.timeout_s > 0, "trainer.timeout_s must be a positive number of seconds.")
     _need(

@@ -39,7 +39,9 @@ class ActorDied(RunFailed):
 
 def died(error, run_id: str, store, learner) -> ActorDied:
     """The `RunFailed` of an actor's death (`error`, a RayActorError) the loop cannot ride out."""
-    roles = {store._actor_id.hex(): "store", learner._actor_id.hex(): "learner"}
+    roles = {store._actor_id.hex(): "store"}
+    for actor in getattr(learner, "actors", [learner]):
+        roles[actor._actor_id.hex()] = "learner"
     role = roles.get(error.actor_id, "rollout worker")
     failed = run_failed(
         f"The {role} process died (killed, out of memory or crashed; Ray's worker logs say which)",

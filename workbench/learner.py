@@ -26,6 +26,7 @@ from workbench.model_paths import teacher_path
 from workbench.models.multimodal import ImageCodec, forward_inputs, is_vision_language
 from workbench.models.prefix import plan, shared_prefix_logprobs
 from workbench.segment import Segment
+from workbench.sharding import Ranks
 
 
 def collate(segments: list[Segment]) -> dict[str, torch.Tensor]:
@@ -193,7 +194,9 @@ class Learner:
     """The policy in training, its optimizer and weight version; `train` takes one rollout batch
     through the named steps below."""
 
-    def __init__(self, cfg, model_path: str):
+    def __init__(self, cfg, model_path: str, rank: int = 0, address: tuple | None = None):
+        # rank `rank` of `ray.learner_workers`, joined at `address` (sharding.py)
+        self.ranks = Ranks(cfg, rank, address)
         self.codec = None
         if is_vision_language(model_path):
             self.codec = ImageCodec(model_path)
@@ -202,8 +205,12 @@ class Learner:
         self.trainer = cfg.trainer
         self.gate = cfg.gate
         self.temperature = cfg.engine.temperature
-        self.model = load_causal_lm(model_path, cfg.model.dtype).train()
+        # sharded: float32 parameters, forwards in model.dtype (FSDP2 mixed precision)
+        master = cfg.model.dtype if self.ranks.world == 1 else "float32"
+        self.model = load_causal_lm(model_path, master).train().to(self.ranks.device)
         set_threads(cfg, self.model)
+        self.moe = bool(find_routers(self.model))
+        self.ranks.shard(self.model, cfg.model.dtype)
         # fused: one kernel for every tensor, 0.3 ms a step, not 0.9 (tiny, CPU)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -212,7 +219,6 @@ class Learner:
             fused=True,
         )
         self.version = 0
-        self.moe = bool(find_routers(self.model))
         self.replay = cfg.algo.routing_replay
         self.model_path = model_path
         self.side_files = side_files(model_path)
@@ -222,9 +228,27 @@ class Learner:
         # teacher
         self.reference = None
         if cfg.algo.kl_coef > 0:
-            self.reference = load_causal_lm(model_path, cfg.model.dtype).eval()
+            self.reference = self.frozen(model_path, cfg.model.dtype)
         if self.estimator.teacher:
-            self.teacher = load_causal_lm(teacher_path(cfg), cfg.model.dtype).eval()
+            self.teacher = self.frozen(teacher_path(cfg), cfg.model.dtype)
+
+    def frozen(self, path: str, dtype: str):
+        """A frozen model (the KL reference, the teacher), sharded like the policy: it has no
+        gradient or optimizer state, but unsharded its parameters alone would outweigh a rank's
+        share of the policy's."""
+        model = load_causal_lm(path, dtype).eval().to(self.ranks.device)
+        self.ranks.shard(model, dtype)
+        return model
+
+    def local(self, batch: dict) -> dict:
+        """This rank's rows of `batch` (every row on one rank). A rank without rows still runs
+        the forward and backward its peers' collectives wait on: on the first row, discarded."""
+        if self.ranks.world == 1:
+            return batch
+        rows = torch.arange(len(batch["rewards"]))[self.ranks.mine(len(batch["rewards"]))]
+        if not len(rows):
+            rows = torch.arange(1)
+        return rows_of(batch, rows)
 
     def save_checkpoint(self, folder: str, driver_state: dict) -> int:
         return save_learner(self, folder, driver_state)
@@ -235,7 +259,10 @@ class Learner:
     def weights(self) -> dict:
         """The current weights (in `to_wire` form) and their version, as the rollout workers load
         them."""
-        return {"state_dict": to_wire(self.model.state_dict()), "version": self.version}
+        full = self.ranks.full_state_dict(self.model)
+        if full is None:
+            return None
+        return {"state_dict": to_wire(full), "version": self.version}
 
     def step(self, *worker_segments: list[Segment]) -> tuple[dict, dict, dict]:
         """`train`, then the new `weights`: one call of the loop's, so the next batch waits on
@@ -248,36 +275,43 @@ class Learner:
         """Log-probs of the batch's own ids; for a MoE policy with recorded routes, under routing
         replay (`algo.routing_replay`, or `replay` to override) and with the route mismatches put
         in `routing`."""
-        recorded = batch.get("routed_experts") if self.moe else None
+        rows = len(batch["rewards"])
+        local = self.local(batch)
+        recorded = local.get("routed_experts") if self.moe else None
         if replay is None:
             replay = self.replay
         routes = contextlib.nullcontext({})
         if recorded is not None:
             routes = replay_routes(self.model, recorded, replay)
         with routes as stats:
-            logprob = self.forward(self.model, batch, shared=recorded is None)
+            logprob = self.forward(self.model, local, shared=recorded is None)
         if routing is not None:
-            routing.update(stats)
-        return logprob
+            for key, value in stats.items():
+                routing[key] = self.ranks.gather(value[: self.ranks.count(rows)], rows)
+        return self.ranks.spliced(logprob, rows)
 
     @torch.no_grad()
     def frozen_logprobs(self, model, batch: dict) -> torch.Tensor:
         """Log-probs of the batch's ids under a frozen model (reference or teacher); no routing
         replay."""
-        return self.forward(model, batch, shared=True)
+        logprob = self.forward(model, self.local(batch), shared=True)
+        rows = len(batch["rewards"])
+        return self.ranks.gather(logprob[: self.ranks.count(rows)], rows)
 
     def forward(self, model, batch: dict, shared: bool) -> torch.Tensor:
         """Log-probs [batch, seq] of the batch's own ids; a group's common prompt runs once when
         `shared` and the policy reads text only (models/prefix.py: the same values, less
         compute)."""
-        ids = batch["token_ids"]
-        mask = batch["attention_mask"]
-        if shared and self.trainer.shared_prefix and self.codec is None:
+        ids = batch["token_ids"].to(self.ranks.device)
+        mask = batch["attention_mask"].to(self.ranks.device)
+        # models/prefix.py plans on the CPU: on a GPU every row runs its own prompt
+        cpu = self.ranks.device.type == "cpu"
+        if shared and self.trainer.shared_prefix and self.codec is None and cpu:
             split = plan(ids, mask.sum(-1), batch["group_ids"])
             if split is not None:
-                return shared_prefix_logprobs(model, ids, mask, split, self.temperature)
+                return shared_prefix_logprobs(model, ids, mask, split, self.temperature).cpu()
         inputs = forward_inputs(model, ids, mask, batch.get("images"), self.codec)
-        return token_logprobs(model(**inputs).logits, ids, self.temperature)
+        return token_logprobs(model(**inputs).logits, ids, self.temperature).cpu()
 
     def routing_metrics(
         self, batch: dict, routing: dict, old_logprob: torch.Tensor
@@ -391,13 +425,14 @@ class Learner:
             loss = loss + self.algo.kl_coef * kl
             metrics["kl_ref"] = float(kl.detach())
         self.optimizer.zero_grad()
-        loss.backward()
+        # FSDP2 averages the ranks' gradients; each is already its rows' share of the whole loss
+        (loss * self.ranks.world).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self.trainer.max_grad_norm
         )
         self.optimizer.step()
         self.version += 1
-        return dict(metrics, policy=float(loss.detach()), grad_norm=float(grad_norm))
+        return dict(metrics, policy=float(loss.detach()), grad_norm=self.ranks.grad_norm(grad_norm))
 
     def train(self, *worker_segments: list[Segment]) -> tuple[dict, dict]:
         """One rollout batch -> `trainer.minibatches` optimizer steps. Returns (metrics, per-token

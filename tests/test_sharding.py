@@ -1,0 +1,184 @@
+"""The sharded learner (#15): two FSDP2 ranks in a real gloo process group train the same batch
+to the same loss and weights as one rank, and their torch.distributed checkpoint resumes on one."""
+
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from omegaconf import OmegaConf
+
+from workbench.config import compose_config
+from workbench.engines.base import SamplingParams
+from workbench.engines.torch_engine import TorchEngine
+from workbench.learner import Learner
+from workbench.models.tiny import tiny_model_path
+from workbench.segment import Segment
+
+pytestmark = pytest.mark.slow
+
+
+def config(overrides: list[str], ranks: int):
+    cfg = compose_config(["trainer.lr=1e-2", f"ray.learner_workers={ranks}", *overrides])
+    OmegaConf.update(cfg, "run.id", "ranks")
+    return cfg
+
+
+def rollout_segments(path: str, count: int = 7) -> list[Segment]:
+    """`count` sampled segments (an odd number: the ranks' slices differ in size), groups of 2."""
+    engine = TorchEngine(path)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(5, 400, size=n).astype(np.int32) for n in rng.integers(3, 9, count)]
+    generations = engine.generate(prompts, SamplingParams(max_tokens=8, seed=3))
+    segments = []
+    for index, (prompt, g) in enumerate(zip(prompts, generations, strict=True)):
+        mask = np.r_[np.zeros(len(prompt)), np.ones(len(g.token_ids))].astype(np.uint8)
+        segments.append(
+            Segment(
+                "ranks",
+                index,
+                0,
+                index // 2,
+                np.r_[prompt, g.token_ids].astype(np.int32),
+                mask,
+                np.r_[np.zeros(len(prompt)), g.logprobs].astype(np.float32),
+                np.where(mask == 1, 0, -1).astype(np.int32),
+                reward=float(index % 3 == 0),
+                routed_experts=g.extras.get("routed_experts"),
+            )
+        )
+    return segments
+
+
+def full_weights(learner: Learner) -> dict | None:
+    full = learner.ranks.full_state_dict(learner.model)
+    return full and {name: tensor.clone() for name, tensor in full.items()}
+
+
+def two_steps(learner: Learner, segments, folder=None) -> dict:
+    """Loss and weights after one step and after a second; a checkpoint between them."""
+    first, _ = learner.train(segments)
+    weights = full_weights(learner)
+    if folder is not None:
+        learner.save_checkpoint(folder, {"step": 0})
+    second, _ = learner.train(segments)
+    return {
+        "first": first,
+        "weights": weights,
+        "second": second,
+        "final": full_weights(learner),
+    }
+
+
+def rank_main(rank, port, overrides, path, segments, folder, out):
+    torch.set_num_threads(1)
+    learner = Learner(config(overrides, 2), path, rank, ("127.0.0.1", port))
+    result = two_steps(learner, segments, folder)
+    if rank == 0:
+        torch.save(result, out)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def two_ranks(tmp_path, overrides, path, segments) -> dict:
+    out = tmp_path / "rank0.pt"
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    arguments = (free_port(), overrides, path, segments, str(folder), str(out))
+    mp.spawn(rank_main, args=arguments, nprocs=2, join=True)
+    return torch.load(out, weights_only=False) | {"folder": folder}
+
+
+def assert_same(sharded: dict, single: dict, keys=("loss/policy", "mismatch/kl")):
+    for step in ("first", "second"):
+        for key in keys:
+            assert sharded[step][key] == pytest.approx(single[step][key], rel=1e-4, abs=1e-6)
+    for moment in ("weights", "final"):
+        assert sharded[moment].keys() == single[moment].keys()
+        for name, tensor in single[moment].items():
+            # Adam scales float noise in near-zero gradients up: 1e-4 is a hundredth of a step
+            torch.testing.assert_close(sharded[moment][name], tensor, rtol=1e-4, atol=1e-4)
+
+
+CASES = {
+    "dense": ("tiny", []),
+    "dense, 2 minibatches, KL reference": ("tiny", ["trainer.minibatches=2", "algo.kl_coef=0.1"]),
+    "moe, replay": ("tiny-moe", ["model=tiny-moe", "algo.routing_replay=true"]),
+    "moe, no replay": ("tiny-moe", ["model=tiny-moe", "algo.routing_replay=false"]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks_train_like_one(tmp_path, case):
+    model, overrides = CASES[case]
+    path = str(tiny_model_path(model))
+    segments = rollout_segments(path)
+    torch.set_num_threads(1)
+    single = two_steps(Learner(config(overrides, 1), path), segments)
+    sharded = two_ranks(tmp_path, overrides, path, segments)
+    assert_same(sharded, single)
+    # the weights changed: the comparison is not between two untouched models
+    start = Learner(config(overrides, 1), path).model.state_dict()
+    assert any(not torch.equal(start[name], t) for name, t in single["weights"].items())
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_one(tmp_path):
+    path = str(tiny_model_path("tiny"))
+    segments = rollout_segments(path)
+    sharded = two_ranks(tmp_path, [], path, segments)
+    folder = sharded["folder"]
+    assert (folder / "state" / ".metadata").exists() and (folder / "policy").is_dir()
+    # built from the checkpoint's policy, then its model and optimizer state loaded
+    resumed = Learner(config([], 1), str(folder / "policy"))
+    resumed.load_checkpoint(str(folder))
+    assert resumed.version == 1
+    for name, tensor in resumed.model.state_dict().items():
+        torch.testing.assert_close(tensor, sharded["weights"][name])
+    # the optimizer's moments came along: the next step lands where the two ranks' did
+    resumed.train(segments)
+    for name, tensor in resumed.model.state_dict().items():
+        torch.testing.assert_close(tensor, sharded["final"][name], rtol=1e-4, atol=1e-4)
+
+
+def run_rewards(tmp_path, run_id: str, overrides: list[str]) -> tuple[list, list]:
+    import subprocess
+    import sys
+
+    from workbench.store import open_run
+
+    command = [sys.executable, "-m", "workbench.cli", "train", "+recipe=arith", "trainer.steps=4"]
+    command += [f"run.root={tmp_path}", f"run.id={run_id}", "tracking=none", "run.progress=false"]
+    result = subprocess.run(command + overrides, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    db = open_run(run_id, str(tmp_path))
+    query = "select value from metrics where key = ? order by step"
+    rewards = [value for (value,) in db.execute(query, ["reward/mean"]).fetchall()]
+    kl = [value for (value,) in db.execute(query, ["mismatch/kl"]).fetchall()]
+    return rewards, kl
+
+
+def test_a_run_with_two_learner_ranks_tracks_the_one_rank_run(tmp_path):
+    one, _ = run_rewards(tmp_path, "one", [])
+    two, kl = run_rewards(tmp_path, "two", ["ray.learner_workers=2"])
+    assert len(two) == 4 and max(kl) < 1e-6
+    assert max(abs(a - b) for a, b in zip(one, two, strict=True)) <= 0.05, (one, two)
+    assert (tmp_path / "two" / "checkpoints" / "step-000004" / "state" / ".metadata").exists()
+    # the two ranks' last checkpoint exported: a Hugging Face folder transformers loads
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workbench.cli import main
+
+    out = tmp_path / "exported"
+    with pytest.raises(SystemExit) as done:
+        main(["export", "two", str(out), "--root", str(tmp_path)])
+    assert done.value.code == 0
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert AutoTokenizer.from_pretrained(out).chat_template
+    assert not model.config.architectures[0].startswith("FSDP")
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_path("tiny")).state_dict()
+    assert any(not torch.equal(start[name], t) for name, t in model.state_dict().items())
