@@ -178,6 +178,10 @@ class TrainerConfig:
     """Gradient-norm clip."""
     async_depth: int = 0
     """Versions rollout may run ahead of the learner (0 = synchronous, on-policy)."""
+    max_tokens_per_microbatch: int = 0
+    """Token budget of one learner forward: a minibatch's segments packed into rows without padding
+    (positions restart per sequence, attention never crosses one), gradients accumulated over the
+    micro-batches, the loss over the whole minibatch; 0 = one padded forward per minibatch."""
     shared_prefix: bool = True
     """Run a group's common prompt once in the learner's forwards (the same log-probs and gradients,
     less compute)."""
@@ -560,6 +564,10 @@ def _refuse_out_of_range(cfg) -> None:
     )
     _need(cfg.trainer.max_restarts >= 0, "trainer.max_restarts must be 0 (never) or more.")
     _need(cfg.ray.learner_workers >= 1, "ray.learner_workers must be at least 1.")
+    _need(
+        cfg.trainer.max_tokens_per_microbatch >= 0,
+        "trainer.max_tokens_per_microbatch must be 0 (no limit) or more.",
+    )
     _need(cfg.rollout.timeout_s > 0, "rollout.timeout_s must be a positive number of seconds.")
     _need(cfg.trainer.timeout_s > 0, "trainer.timeout_s must be a positive number of seconds.")
     _need(

@@ -24,6 +24,7 @@ from workbench.invariants.token_identity import SEAL_REASONS
 from workbench.invariants.version_gate import GateResult, gate_metrics, version_gate
 from workbench.model_paths import teacher_path
 from workbench.models.multimodal import ImageCodec, forward_inputs, is_vision_language
+from workbench.models.packing import microbatches, pack_like, packed_logprobs, unpack
 from workbench.models.prefix import plan, shared_prefix_logprobs
 from workbench.segment import Segment
 from workbench.sharding import Ranks
@@ -266,8 +267,15 @@ class Learner:
 
     def step(self, *worker_segments: list[Segment]) -> tuple[dict, dict, dict]:
         """`train`, then the new `weights`: one call of the loop's, so the next batch waits on
-        nothing more."""
-        return *self.train(*worker_segments), self.weights()
+        nothing more. `perf/weight_sync_s`: gathering the full weights from the shards and
+        packing them for the engines; `perf/weight_sync_bytes`: what the engines receive."""
+        metrics, rows = self.train(*worker_segments)
+        start = time.perf_counter()
+        weights = self.weights()
+        metrics["perf/weight_sync_s"] = time.perf_counter() - start
+        if weights is not None:
+            metrics["perf/weight_sync_bytes"] = float(weights["state_dict"]["raw"].nbytes)
+        return metrics, rows, weights
 
     def logprobs(
         self, batch: dict, replay: bool | None = None, routing: dict | None = None
@@ -276,15 +284,9 @@ class Learner:
         replay (`algo.routing_replay`, or `replay` to override) and with the route mismatches put
         in `routing`."""
         rows = len(batch["rewards"])
-        local = self.local(batch)
-        recorded = local.get("routed_experts") if self.moe else None
         if replay is None:
             replay = self.replay
-        routes = contextlib.nullcontext({})
-        if recorded is not None:
-            routes = replay_routes(self.model, recorded, replay)
-        with routes as stats:
-            logprob = self.forward(self.model, local, shared=recorded is None)
+        logprob, stats = self.forward(self.model, self.local(batch), replay)
         if routing is not None:
             for key, value in stats.items():
                 routing[key] = self.ranks.gather(value[: self.ranks.count(rows)], rows)
@@ -294,24 +296,72 @@ class Learner:
     def frozen_logprobs(self, model, batch: dict) -> torch.Tensor:
         """Log-probs of the batch's ids under a frozen model (reference or teacher); no routing
         replay."""
-        logprob = self.forward(model, self.local(batch), shared=True)
+        logprob, _ = self.forward(model, self.local(batch))
         rows = len(batch["rewards"])
         return self.ranks.gather(logprob[: self.ranks.count(rows)], rows)
 
-    def forward(self, model, batch: dict, shared: bool) -> torch.Tensor:
-        """Log-probs [batch, seq] of the batch's own ids; a group's common prompt runs once when
-        `shared` and the policy reads text only (models/prefix.py: the same values, less
+    def forward(self, model, batch: dict, replay: bool = False) -> tuple[torch.Tensor, dict]:
+        """Log-probs [batch, seq] of the batch's own ids, and the policy's route statistics where
+        it has recorded routes (`replay_routes`; replayed when `replay`). With
+        `trainer.max_tokens_per_microbatch`, in packed micro-batches (models/packing.py)."""
+        recorded = batch.get("routed_experts") if self.moe and model is self.model else None
+        if not self.trainer.max_tokens_per_microbatch or self.codec is not None:
+            return self.padded(model, batch, recorded, replay)
+        mask = batch["attention_mask"]
+        ids = batch["token_ids"].to(self.ranks.device)
+        logprob = torch.zeros(mask.shape)
+        stats = {}
+        for rows in self.microbatches(batch):
+            # an empty micro-batch (FSDP's collectives wait on every rank) runs a row, unused
+            run = rows if len(rows) else torch.arange(1)
+            routes = contextlib.nullcontext({})
+            if recorded is not None:
+                routes = replay_routes(model, pack_like(recorded[run], mask[run]), replay)
+            with routes as found:
+                device_mask = mask.to(self.ranks.device)
+                piece = packed_logprobs(model, ids, device_mask, self.temperature, run.tolist())
+            if not len(rows):
+                continue
+            logprob = logprob.index_copy(0, rows, piece.cpu())
+            for key, value in found.items():
+                if key not in stats:
+                    fill = -1 if key == "live" else 0
+                    stats[key] = torch.full(
+                        (*mask.shape, *value.shape[2:]), fill, dtype=value.dtype
+                    )
+                stats[key][rows] = unpack(value, mask[rows], -1 if key == "live" else 0)
+        return logprob, stats
+
+    def padded(self, model, batch: dict, recorded, replay: bool) -> tuple[torch.Tensor, dict]:
+        """`forward` in one padded batch; a group's common prompt runs once when no routes are
+        replayed and the policy reads text only (models/prefix.py: the same values, less
         compute)."""
         ids = batch["token_ids"].to(self.ranks.device)
         mask = batch["attention_mask"].to(self.ranks.device)
+        routes = contextlib.nullcontext({})
+        if recorded is not None:
+            routes = replay_routes(model, recorded, replay)
         # models/prefix.py plans on the CPU: on a GPU every row runs its own prompt
         cpu = self.ranks.device.type == "cpu"
-        if shared and self.trainer.shared_prefix and self.codec is None and cpu:
-            split = plan(ids, mask.sum(-1), batch["group_ids"])
-            if split is not None:
-                return shared_prefix_logprobs(model, ids, mask, split, self.temperature).cpu()
-        inputs = forward_inputs(model, ids, mask, batch.get("images"), self.codec)
-        return token_logprobs(model(**inputs).logits, ids, self.temperature).cpu()
+        with routes as stats:
+            if recorded is None and self.trainer.shared_prefix and self.codec is None and cpu:
+                split = plan(ids, mask.sum(-1), batch["group_ids"])
+                if split is not None:
+                    logprob = shared_prefix_logprobs(model, ids, mask, split, self.temperature)
+                    return logprob.cpu(), stats
+            inputs = forward_inputs(model, ids, mask, batch.get("images"), self.codec)
+            logprob = token_logprobs(model(**inputs).logits, ids, self.temperature)
+        return logprob.cpu(), stats
+
+    def microbatches(self, batch: dict, count: int | None = None) -> list[torch.Tensor]:
+        """The batch's rows (its first `count`) in micro-batches of at most
+        `trainer.max_tokens_per_microbatch` tokens, as many on every rank: a rank with fewer adds
+        empty ones."""
+        lengths = batch["attention_mask"].sum(-1)[:count].tolist()
+        budget = self.trainer.max_tokens_per_microbatch
+        groups = [torch.tensor(rows) for rows in microbatches(lengths, budget)]
+        empty = torch.zeros(0, dtype=torch.long)
+        return groups + [empty] * (self.ranks.most(len(groups)) - len(groups))
 
     def routing_metrics(
         self, batch: dict, routing: dict, old_logprob: torch.Tensor
@@ -343,7 +393,11 @@ class Learner:
         the route mismatches of a MoE policy (else empty)."""
         # one optimizer step on a dense policy: π_old is the value of the training forward
         # itself, so it runs once
-        if self.trainer.minibatches == 1 and not self.moe:
+        if (
+            self.trainer.minibatches == 1
+            and not self.moe
+            and not self.trainer.max_tokens_per_microbatch
+        ):
             live = self.logprobs(batch)
             return live, live.detach(), {}
         routing: dict = {}
@@ -401,11 +455,30 @@ class Learner:
 
     def optimizer_step(self, minibatch: dict, targets: dict, live: torch.Tensor | None) -> dict:
         """One step: the registered policy loss `algo.policy_loss` (plus the KL to the reference),
-        backward, gradient clip, optimizer step; the version goes up by one."""
-        logprob = live
-        if logprob is None:
-            # under replay when on: router logits and gradient stay live
-            logprob = self.logprobs(minibatch)
+        backward (micro-batch by micro-batch under `trainer.max_tokens_per_microbatch`), gradient
+        clip, optimizer step; the version goes up by one."""
+        self.optimizer.zero_grad()
+        if live is None and self.trainer.max_tokens_per_microbatch:
+            logprob = self.accumulated(minibatch, targets)
+            loss, metrics = self.loss(logprob, minibatch, targets)
+        else:
+            logprob = live
+            if logprob is None:
+                # under replay when on: router logits and gradient stay live
+                logprob = self.logprobs(minibatch)
+            loss, metrics = self.loss(logprob, minibatch, targets)
+            # FSDP2 averages the ranks' gradients; each is already its rows' share of the loss
+            (loss * self.ranks.world).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.trainer.max_grad_norm
+        )
+        self.optimizer.step()
+        self.version += 1
+        return dict(metrics, policy=float(loss.detach()), grad_norm=self.ranks.grad_norm(grad_norm))
+
+    def loss(self, logprob: torch.Tensor, minibatch: dict, targets: dict) -> tuple:
+        """The registered policy loss (plus the KL to the reference) of a minibatch's log-probs,
+        and its metrics."""
         loss, metrics = self.policy_loss(
             logprob,
             targets["old_logprob"],
@@ -424,15 +497,28 @@ class Learner:
             )
             loss = loss + self.algo.kl_coef * kl
             metrics["kl_ref"] = float(kl.detach())
-        self.optimizer.zero_grad()
-        # FSDP2 averages the ranks' gradients; each is already its rows' share of the whole loss
-        (loss * self.ranks.world).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self.trainer.max_grad_norm
-        )
-        self.optimizer.step()
-        self.version += 1
-        return dict(metrics, policy=float(loss.detach()), grad_norm=self.ranks.grad_norm(grad_norm))
+        return loss, metrics
+
+    def accumulated(self, minibatch: dict, targets: dict) -> torch.Tensor:
+        """Gradients accumulated micro-batch by micro-batch, each backward through the whole
+        minibatch's loss with every other row held at π_old: the loss is a sum over rows with
+        denominators of the whole minibatch, so each row's gradient is what the whole loss gives
+        it. The live log-probs of every row, detached."""
+        rows = len(minibatch["rewards"])
+        local = self.local(minibatch)
+        start = self.ranks.mine(rows).start
+        mine = torch.zeros(local["attention_mask"].shape)
+        for group in self.microbatches(local, self.ranks.count(rows)):
+            # an empty micro-batch runs a row with weight 0 (FSDP's collectives wait on it)
+            run = group if len(group) else torch.arange(1)
+            piece, _ = self.forward(self.model, rows_of(local, run), self.replay)
+            whole = targets["old_logprob"] + 0 * piece.sum()
+            if len(group):
+                whole = targets["old_logprob"].index_copy(0, group + start, piece)
+                mine[group] = piece.detach()
+            loss, _ = self.loss(whole, minibatch, targets)
+            (loss * self.ranks.world).backward()
+        return self.ranks.gather(mine[: self.ranks.count(rows)], rows)
 
     def train(self, *worker_segments: list[Segment]) -> tuple[dict, dict]:
         """One rollout batch -> `trainer.minibatches` optimizer steps. Returns (metrics, per-token

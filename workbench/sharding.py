@@ -68,6 +68,14 @@ class Ranks:
         own = self.mine(rows)
         return own.stop - own.start
 
+    def most(self, count: int) -> int:
+        """The largest of every rank's `count`."""
+        if self.world == 1:
+            return count
+        value = torch.tensor([count], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value)
+
     def gather(self, local: torch.Tensor, rows: int) -> torch.Tensor:
         """Every rank's `local` rows ([its slice of `rows`, ...], detached) put together in rank
         order: [rows, ...], the same on every rank."""
