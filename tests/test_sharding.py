@@ -15,6 +15,7 @@ from workbench.engines.torch_engine import TorchEngine
 from workbench.learner import Learner, collate
 from workbench.models.tiny import tiny_model_path
 from workbench.segment import Segment
+from workbench.store import open_run
 
 pytestmark = pytest.mark.slow
 
@@ -171,8 +172,6 @@ def run_rewards(tmp_path, run_id: str, overrides: list[str]) -> tuple[list, list
     import subprocess
     import sys
 
-    from workbench.store import open_run
-
     command = [sys.executable, "-m", "workbench.cli", "train", "+recipe=arith", "trainer.steps=4"]
     command += [f"run.root={tmp_path}", f"run.id={run_id}", "tracking=none", "run.progress=false"]
     result = subprocess.run(command + overrides, capture_output=True, text=True, timeout=600)
@@ -185,11 +184,21 @@ def run_rewards(tmp_path, run_id: str, overrides: list[str]) -> tuple[list, list
 
 
 def test_a_run_with_two_learner_ranks_tracks_the_one_rank_run(tmp_path):
-    one, _ = run_rewards(tmp_path, "one", [])
-    two, kl = run_rewards(tmp_path, "two", ["ray.learner_workers=2"])
+    one, _ = run_rewards(tmp_path, "one", ["ray.rollout_workers=2"])
+    # two ranks, their weights broadcast to the workers (ray.weight_transport=collective)
+    overrides = [
+        "ray.learner_workers=2",
+        "ray.weight_transport=collective",
+        "ray.rollout_workers=2",
+    ]
+    two, kl = run_rewards(tmp_path, "two", overrides)
     assert len(two) == 4 and max(kl) < 1e-6
     assert max(abs(a - b) for a, b in zip(one, two, strict=True)) <= 0.05, (one, two)
     assert (tmp_path / "two" / "checkpoints" / "step-000004" / "state" / ".metadata").exists()
+    db = open_run("two", str(tmp_path))
+    query = "select min(value) from metrics where key = 'perf/weight_sync_bytes'"
+    # the tiny policy's float32 weights, every step
+    assert db.execute(query).fetchone()[0] > 1e6
     # the two ranks' last checkpoint exported: a Hugging Face folder transformers loads
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -161,9 +161,14 @@ def start_actors(cfg, model_path: str, run_dir: Path, run_row: dict):
     learner = start_learner(cfg, model_path, options[: cfg.ray.learner_workers])
     worker_options = options[cfg.ray.learner_workers :]
     # the batches in flight (at most async_depth + 1) and the weight pushes
-    worker_cls = ray.remote(
-        max_concurrency=cfg.trainer.async_depth + 2, max_restarts=cfg.rollout.max_restarts
-    )(RolloutWorker)
+    # a restarted worker could not rejoin the collective transport's group: its death stops the
+    # run, which restarts from its checkpoint (trainer.max_restarts)
+    restarts = cfg.rollout.max_restarts
+    if cfg.ray.weight_transport == "collective":
+        restarts = 0
+    worker_cls = ray.remote(max_concurrency=cfg.trainer.async_depth + 2, max_restarts=restarts)(
+        RolloutWorker
+    )
     workers = [
         worker_cls.options(**options).remote(cfg, model_path, i)
         for i, options in enumerate(worker_options)
@@ -174,6 +179,8 @@ def start_actors(cfg, model_path: str, run_dir: Path, run_row: dict):
             for a in (*learner_actors(learner), *workers)
         ]
     )
+    if cfg.ray.weight_transport == "collective":
+        join_weight_group(cfg, learner, workers)
     ray.get(
         store.__ray_call__.remote(
             lambda s: s.writer.update_run(
@@ -204,6 +211,19 @@ def start_learner(cfg, model_path: str, options: list[dict]):
         for rank, rank_options in enumerate(options)
     ]
     return LearnerRanks(actors)
+
+
+def join_weight_group(cfg, learner, workers) -> None:
+    """Learner rank 0 and every rollout worker join the collective weight transport's group at
+    a free port of rank 0's node; the workers learn the weights' layout."""
+    import ray
+
+    layout = learner.weight_layout.remote()
+    address = ray.get(learner.__ray_call__.remote(lambda _: free_address()))
+    world = len(workers) + 1
+    joins = [learner.join_weight_group.remote(address, world)]
+    joins += [worker.join_weight_group.remote(address, world, layout, cfg) for worker in workers]
+    ray.get(joins, timeout=cfg.trainer.timeout_s)
 
 
 def learner_actors(learner) -> list:

@@ -262,6 +262,12 @@ class RayConfig:
     rollout_resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources each rollout worker needs, e.g. {rollout_node: 1} to pin workers to such
     nodes."""
+    weight_transport: str = "object_store"
+    """How each step's weights reach the rollout workers: `object_store` (Ray's, through the
+    driver's references) or `collective` (learner rank 0 broadcasts them over a gloo group with the
+    workers, in buckets; transport.py)."""
+    weight_bucket_mb: int = 64
+    """Bucket size of the collective weight transport, MiB."""
     learner_workers: int = 1
     """Learner ranks: N actors in one torch.distributed group, the policy sharded over them with
     FSDP2 (gloo on CPU, NCCL on GPU); 1 = one unsharded learner."""
@@ -495,6 +501,11 @@ def _refuse_unknown_names(cfg) -> None:
         f"engine={cfg.engine.name} is unknown: use engine=torch or engine=vllm.",
     )
     _need(
+        cfg.ray.weight_transport in ("object_store", "collective"),
+        f"ray.weight_transport={cfg.ray.weight_transport} is unknown: use object_store or "
+        f"collective.",
+    )
+    _need(
         algo.advantage in ADVANTAGES,
         f"algo.advantage={algo.advantage} is unknown: use one of {', '.join(ADVANTAGES)}.",
     )
@@ -564,6 +575,7 @@ def _refuse_out_of_range(cfg) -> None:
     )
     _need(cfg.trainer.max_restarts >= 0, "trainer.max_restarts must be 0 (never) or more.")
     _need(cfg.ray.learner_workers >= 1, "ray.learner_workers must be at least 1.")
+    _need(cfg.ray.weight_bucket_mb >= 1, "ray.weight_bucket_mb must be at least 1.")
     _need(
         cfg.trainer.max_tokens_per_microbatch >= 0,
         "trainer.max_tokens_per_microbatch must be 0 (no limit) or more.",

@@ -28,6 +28,7 @@ from workbench.models.packing import microbatches, pack_like, packed_logprobs, u
 from workbench.models.prefix import plan, shared_prefix_logprobs
 from workbench.segment import Segment
 from workbench.sharding import Ranks
+from workbench.transport import WeightGroup, layout_of
 
 
 def collate(segments: list[Segment]) -> dict[str, torch.Tensor]:
@@ -220,6 +221,9 @@ class Learner:
             fused=True,
         )
         self.version = 0
+        # the collective weight transport's group (rank 0, ray.weight_transport=collective)
+        self.weight_group = None
+        self.bucket_bytes = cfg.ray.weight_bucket_mb * 2**20
         self.replay = cfg.algo.routing_replay
         self.model_path = model_path
         self.side_files = side_files(model_path)
@@ -271,11 +275,33 @@ class Learner:
         packing them for the engines; `perf/weight_sync_bytes`: what the engines receive."""
         metrics, rows = self.train(*worker_segments)
         start = time.perf_counter()
-        weights = self.weights()
+        if self.weight_group is None:
+            weights = self.weights()
+            sent = weights and weights["state_dict"]["raw"].nbytes
+        else:
+            weights, sent = self.broadcast_weights()
         metrics["perf/weight_sync_s"] = time.perf_counter() - start
-        if weights is not None:
-            metrics["perf/weight_sync_bytes"] = float(weights["state_dict"]["raw"].nbytes)
+        if self.ranks.rank == 0:
+            metrics["perf/weight_sync_bytes"] = float(sent)
         return metrics, rows, weights
+
+    def weight_layout(self) -> list:
+        """The full weights' names, dtypes and shapes (a sharded tensor's are its whole one's)."""
+        return layout_of(self.model.state_dict())
+
+    def join_weight_group(self, address: tuple, world: int) -> None:
+        """Rank 0 joins the collective weight transport's group as its rank 0."""
+        if self.ranks.rank == 0:
+            self.weight_group = WeightGroup(address, 0, world, self.trainer.timeout_s)
+
+    def broadcast_weights(self) -> tuple[dict | None, int]:
+        """The new weights gathered from the shards and broadcast to the rollout workers; the
+        handle that stands for them (no tensors) and the bytes sent."""
+        full = self.ranks.full_state_dict(self.model)
+        if full is None:
+            return None, 0
+        sent = self.weight_group.send(full, self.version, self.bucket_bytes)
+        return {"state_dict": None, "version": self.version}, sent
 
     def logprobs(
         self, batch: dict, replay: bool | None = None, routing: dict | None = None

@@ -73,9 +73,35 @@ class RolloutWorker:
         )
 
     def load_weights(self, weights: dict) -> int:
-        """Adopt the learner's weights (`state_dict`, in `to_wire` form) and their `version`."""
-        self.engine.load_weights(from_wire(weights["state_dict"]), weights["version"])
-        return weights["version"]
+        """Adopt the learner's weights (`state_dict`, in `to_wire` form, or received beforehand by
+        the collective transport) and their `version`."""
+        version = weights["version"]
+        if weights["state_dict"] is None:
+            state_dict = self.received[version]
+            # a newer version is loaded: the older ones are no batch's any more
+            for older in [v for v in self.received if v < version]:
+                del self.received[older]
+        else:
+            state_dict = from_wire(weights["state_dict"])
+        self.engine.load_weights(state_dict, version)
+        return version
+
+    def join_weight_group(self, address: tuple, world: int, layout: list, cfg) -> None:
+        """Join the collective weight transport's group as rank worker_index + 1."""
+        from workbench.transport import WeightGroup
+
+        rank = self.worker_index + 1
+        self.weight_group = WeightGroup(address, rank, world, cfg.trainer.timeout_s)
+        self.layout = layout
+        self.bucket_bytes = cfg.ray.weight_bucket_mb * 2**20
+        self.received = {}
+
+    def receive_weights(self) -> int:
+        """The weights learner rank 0 broadcasts next, kept until the batch that starts on them
+        loads them (`load_weights`); their version."""
+        state_dict, version = self.weight_group.receive(self.layout, self.bucket_bytes)
+        self.received[version] = state_dict
+        return version
 
     def rollout(
         self, jobs: list[Job], params: SamplingParams | None = None, weights: dict | None = None

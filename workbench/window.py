@@ -50,6 +50,11 @@ class Window:
         them."""
         import ray
 
+        # the collective transport: every worker receives what the learner broadcasts after its
+        # step (transport.py); `weights` then stands for them
+        if self.cfg.ray.weight_transport == "collective":
+            receiving = [worker.receive_weights.remote() for worker in self.workers]
+            ray.get(receiving, timeout=self.cfg.trainer.timeout_s)
         if self.cfg.rollout.partial:
             for worker in self.workers:
                 # a worker that died is restarted by Ray; its batch's episodes fail in

@@ -1,0 +1,76 @@
+"""The collective weight transport (`ray.weight_transport=collective`): learner rank 0 broadcasts
+each step's weights to every rollout worker over a gloo group of their own, in buckets.
+
+The group (rank 0: the learner's rank 0; rank i: rollout worker i - 1) has its own TCP store, so it
+lives beside the learner ranks' FSDP process group. Its members learn the weights' layout (names,
+dtypes, shapes: fixed for a run) once when they join; each push is then a version and the weights'
+bytes, bucket by bucket of at most `ray.weight_bucket_mb`, with nothing through the object store.
+The loop's step returns a small handle instead of the weights; the window asks every worker to
+receive while the learner sends (window.py), and a worker hands what it received to its engine as
+a push from the object store would be handed (`load_weights`: same versions, same partial swaps).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def layout_of(state_dict: dict) -> list[tuple[str, torch.dtype, tuple]]:
+    """Each tensor's name, dtype and shape, in order."""
+    return [(name, t.dtype, tuple(t.shape)) for name, t in state_dict.items()]
+
+
+def buckets(layout: list, bucket_bytes: int) -> list[list[int]]:
+    """The layout's tensors in consecutive buckets of at most `bucket_bytes` (a larger tensor goes
+    alone); sender and receivers compute the same ones."""
+    out = [[]]
+    size = 0
+    for index, (_, dtype, shape) in enumerate(layout):
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        if out[-1] and size + nbytes > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(index)
+        size += nbytes
+    return out
+
+
+class WeightGroup:
+    """One member of the transport's gloo group."""
+
+    def __init__(self, address: tuple[str, int], rank: int, world: int, timeout_s: float):
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(address[0], address[1], world, rank == 0, timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=address[0])]
+        self.group = dist.ProcessGroupGloo(store, rank, world, options)
+
+    def send(self, state_dict: dict, version: int, bucket_bytes: int) -> int:
+        """Broadcast `version` and then `state_dict`'s bytes bucket by bucket; the bytes sent."""
+        self.group.broadcast(torch.tensor([version]), 0).wait()
+        tensors = list(state_dict.values())
+        sent = 0
+        for bucket in buckets(layout_of(state_dict), bucket_bytes):
+            payload = torch.cat([tensors[i].cpu().reshape(-1).view(torch.uint8) for i in bucket])
+            self.group.broadcast(payload, 0).wait()
+            sent += payload.numel()
+        return sent
+
+    def receive(self, layout: list, bucket_bytes: int) -> tuple[dict, int]:
+        """The (state dict, version) the learner broadcasts next."""
+        version = torch.zeros(1, dtype=torch.int64)
+        self.group.broadcast(version, 0).wait()
+        state_dict = {}
+        for bucket in buckets(layout, bucket_bytes):
+            sizes = [torch.Size(layout[i][2]).numel() * layout[i][1].itemsize for i in bucket]
+            payload = torch.empty(sum(sizes), dtype=torch.uint8)
+            self.group.broadcast(payload, 0).wait()
+            for index, part in zip(bucket, payload.split(sizes), strict=True):
+                name, dtype, shape = layout[index]
+                # a fresh storage: a view at an odd offset cannot change dtype
+                state_dict[name] = part.clone().view(dtype).reshape(shape)
+        return state_dict, int(version)
