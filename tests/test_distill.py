@@ -10,9 +10,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from workbench.batch import collate
 from workbench.config import compose_config
 from workbench.data import Prompts
-from workbench.learner import Learner, collate
+from workbench.learner import Learner
 from workbench.model_paths import policy_path
 from workbench.rollout import RolloutWorker
 

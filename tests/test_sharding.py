@@ -9,10 +9,11 @@ import torch
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
+from workbench.batch import collate
 from workbench.config import compose_config
 from workbench.engines.base import SamplingParams
 from workbench.engines.torch_engine import TorchEngine
-from workbench.learner import Learner, collate
+from workbench.learner import Learner
 from workbench.models.tiny import tiny_model_path
 from workbench.segment import Segment
 from workbench.store import open_run

@@ -333,9 +333,13 @@ def export(
         ),
     ],
     root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
+    merged: bool = typer.Option(
+        False, "--merged", help="A LoRA run's: the base with the adapter merged in."
+    ),
 ):
     """Write a checkpoint's policy as a Hugging Face folder (weights, config, tokenizer and
-    processor files) that transformers and vLLM load."""
+    processor files) that transformers and vLLM load; a LoRA run's is its PEFT adapter folder,
+    or with --merged the whole merged model."""
     from workbench.evaluate import resolve_checkpoint
     from workbench.store.query import resolve_run
 
@@ -350,6 +354,13 @@ def export(
     if os.path.exists(out) and os.listdir(out):
         fail(f"{out} exists and is not empty: give a new folder to export into.")
     shutil.copytree(policy, out, dirs_exist_ok=True)
+    # a LoRA checkpoint's policy is its adapter: --merged writes the base with it merged in
+    if merged and (policy / "adapter_config.json").exists():
+        from workbench.models.lora import merged_model
+
+        merged_model(str(policy)).save_pretrained(out)
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            os.remove(os.path.join(out, name))
     typer.echo(f"exported {run_dir.name} at version {version} to {out}")
 
 

@@ -28,6 +28,19 @@ CONF_DIR = REPO_ROOT / "conf"
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank (peft): only the adapters train and travel to the engines; 0 = full fine-tuning."""
+    alpha: float = 16.0
+    """LoRA alpha (the adapter's update is scaled by alpha / rank)."""
+    dropout: float = 0.0
+    """LoRA dropout (above 0 the learner's forwards are no longer the engines')."""
+    target_modules: str = "all-linear"
+    """Modules that get an adapter: all-linear (every linear layer but the output), or names
+    separated by commas (q_proj,v_proj)."""
+
+
+@dataclass
 class ModelConfig:
     name: str = "tiny"
     """Built-in tiny model built offline (workbench.models.tiny); used when `path` is unset."""
@@ -42,6 +55,8 @@ class ModelConfig:
     """Learning rate of the warm start."""
     warm_start_batch: int = 64
     """Demonstrations per warm-start step."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA: train adapters on the frozen policy (models/lora.py)."""
 
 
 @dataclass
@@ -576,6 +591,7 @@ def _refuse_out_of_range(cfg) -> None:
     _need(cfg.trainer.max_restarts >= 0, "trainer.max_restarts must be 0 (never) or more.")
     _need(cfg.ray.learner_workers >= 1, "ray.learner_workers must be at least 1.")
     _need(cfg.ray.weight_bucket_mb >= 1, "ray.weight_bucket_mb must be at least 1.")
+    _need(cfg.model.lora.rank >= 0, "model.lora.rank must be 0 (off) or more.")
     _need(
         cfg.trainer.max_tokens_per_microbatch >= 0,
         "trainer.max_tokens_per_microbatch must be 0 (no limit) or more.",
@@ -633,6 +649,20 @@ def _refuse_missing_files(cfg) -> None:
 
 def _refuse_missing_code(cfg) -> None:
     """The plugin loads and has what the config asks of it; optional packages are installed."""
+    _need(
+        not cfg.model.lora.rank or _imports("peft"),
+        "model.lora.rank needs peft: run `pip install 'molt-wb[lora]'`.",
+    )
+    # not built yet: the vLLM engine's LoRA path (a LoRARequest per adapter version), and
+    # adapters on a sharded learner
+    _need(
+        not cfg.model.lora.rank or cfg.engine.name == "torch",
+        "model.lora.rank runs on engine=torch only: the vLLM engine does not load adapters yet.",
+    )
+    _need(
+        not cfg.model.lora.rank or cfg.ray.learner_workers == 1,
+        "model.lora.rank needs ray.learner_workers=1: adapters on a sharded learner are not built.",
+    )
     broken = cfg.engine.name == "vllm" and broken_companions()
     _need(
         not broken,

@@ -134,9 +134,10 @@ def resolve_checkpoint(run_dir: Path, checkpoint: str | None) -> tuple[Path | No
             )
     else:
         path = Path(checkpoint)
-        if not (path / "config.json").exists() and (path / "policy" / "config.json").exists():
+        if (path / "policy").is_dir():
             path = path / "policy"
-        if not (path / "config.json").exists():
+        # a LoRA checkpoint's policy is its adapter (models/lora.py)
+        if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
             raise ValueError(
                 f"Checkpoint {checkpoint} is not a Hugging Face checkpoint folder (no "
                 f"config.json): give a checkpoints/step-NNNNNN/policy folder or a step number."
@@ -164,7 +165,15 @@ def from_checkpoint(
     step = version // cfg.trainer.minibatches - 1
     model_path = str(path) if path else policy_path(cfg)
     split, samples = eval_samples(cfg)
-    worker = RolloutWorker(cfg, model_path)
+    adapter = path and Path(path, "adapter_model.safetensors")
+    if adapter and adapter.exists():
+        from safetensors.torch import load_file
+
+        # a LoRA checkpoint: the run's base, the adapter pushed onto it
+        worker = RolloutWorker(cfg, policy_path(cfg))
+        worker.engine.load_weights(load_file(adapter), version)
+    else:
+        worker = RolloutWorker(cfg, model_path)
     rewards = worker.evaluate(
         eval_jobs(cfg, samples, 1)[0],
         cfg.eval.max_tokens or cfg.engine.max_tokens,

@@ -11,185 +11,33 @@ from __future__ import annotations
 import contextlib
 import time
 
-import numpy as np
 import torch
 
 from workbench.algo.advantages import ADVANTAGES, uniform_groups
-from workbench.algo.losses import POLICY_LOSSES, approx_kl, masked_mean, token_logprobs
+from workbench.algo.losses import POLICY_LOSSES, approx_kl, token_logprobs
+from workbench.batch import (
+    audit_identity,
+    batch_metrics,
+    collate,
+    generate_seconds,
+    routing_table_rows,
+    rows_of,
+    step_means,
+    store_rows,
+)
 from workbench.checkpoint import load_learner, save_learner, side_files
 from workbench.engines.base import to_wire
 from workbench.engines.torch_engine import load_causal_lm, set_threads
 from workbench.invariants.routing_replay import find_routers, replay_routes
-from workbench.invariants.token_identity import SEAL_REASONS
 from workbench.invariants.version_gate import GateResult, gate_metrics, version_gate
 from workbench.model_paths import teacher_path
+from workbench.models.lora import adapter_state, with_adapter
 from workbench.models.multimodal import ImageCodec, forward_inputs, is_vision_language
 from workbench.models.packing import microbatches, pack_like, packed_logprobs, unpack
 from workbench.models.prefix import plan, shared_prefix_logprobs
 from workbench.segment import Segment
 from workbench.sharding import Ranks
 from workbench.transport import WeightGroup, layout_of
-
-
-def collate(segments: list[Segment]) -> dict[str, torch.Tensor]:
-    """Right-padded batch tensors built from token ids only (text cannot reach the trainer)."""
-    if not all(isinstance(s, Segment) for s in segments):
-        raise TypeError("The learner trains on Segment records only (token ids), never on text.")
-    lengths = np.array([len(s.token_ids) for s in segments])
-
-    def padded(field: str, dtype, fill=0) -> torch.Tensor:
-        """[batch, seq, ...] right-padded, filled in numpy."""
-        shape = next(getattr(s, field).shape[1:] for s in segments if getattr(s, field) is not None)
-        out = np.full((len(segments), lengths.max(), *shape), fill, dtype=dtype)
-        for row, s in enumerate(segments):
-            if getattr(s, field) is not None:
-                out[row, : lengths[row]] = getattr(s, field)
-        return torch.from_numpy(out)
-
-    batch = {
-        "token_ids": padded("token_ids", np.int64),  # [batch, seq]
-        "attention_mask": torch.from_numpy(
-            (np.arange(lengths.max()) < lengths[:, None]).astype(np.int64)
-        ),
-        "loss_mask": padded("loss_mask", bool),
-        "behavior_logprob": padded("behavior_logprob", np.float32),
-        "behavior_version": padded("behavior_version", np.int32, -1),
-    }
-    if any(s.routed_experts is not None for s in segments):
-        # [batch, seq, layers, k], -1 = unknown
-        batch["routed_experts"] = padded("routed_experts", np.int16, -1)
-    # encoded images per row (vision-language policies)
-    batch["images"] = [s.images for s in segments]
-    batch["rewards"] = torch.tensor([s.reward for s in segments], dtype=torch.float32)  # [batch]
-    batch["group_ids"] = torch.tensor([s.group_id for s in segments])
-    batch["rollout_ids"] = torch.tensor([s.rollout_id for s in segments])
-    return batch
-
-
-def audit_identity(segments: list[Segment], batch: dict) -> dict[str, float]:
-    """Token identity, checked on every batch: the rollout's audit (mask-1 ids are the engine's
-    sampled ids, in order) and the trainer's input ids equal to the segment's ids. A violation
-    stops the run."""
-    violations = sum(not s.audit.get("identity", True) for s in segments)
-    ids = batch["token_ids"].numpy()
-    violations += sum(
-        not np.array_equal(ids[row, : len(s.token_ids)], s.token_ids)
-        for row, s in enumerate(segments)
-    )
-    if violations:
-        raise RuntimeError(
-            f"Token identity violated in {violations} segment(s): trainer input no longer equals "
-            f"the sampled ids; this is a bug in the rollout path, please report it with the run "
-            f"folder."
-        )
-    drift = [s.audit["retokenize_drift"] for s in segments if "retokenize_drift" in s.audit]
-    metrics = {
-        "identity/violations": 0.0,
-        "identity/retokenize_drift": float(np.mean(drift)) if drift else 0.0,
-    }
-    # seals by reason: each starts a segment that prefills the whole history again
-    for reason in SEAL_REASONS:
-        metrics[f"identity/seals_{reason}"] = float(sum(s.seal_reason == reason for s in segments))
-    return metrics
-
-
-def routing_table_rows(segments: list[Segment], routing: dict) -> list[dict]:
-    """One row per (segment, MoE layer): tokens with a recorded route, how many the live router
-    routed differently, their positions and, at each, the rollout's and the learner's experts."""
-    rows = []
-    for row, s in enumerate(segments):
-        n = len(s.token_ids)
-        for layer in range(routing["known"].shape[-1]):
-            positions = torch.nonzero(routing["mismatch"][row, :n, layer]).flatten().tolist()
-            rows.append(
-                {
-                    "rollout_id": s.rollout_id,
-                    "segment_idx": s.segment_idx,
-                    "layer": layer,
-                    "tokens": int(routing["known"][row, :n, layer].sum()),
-                    "mismatched": len(positions),
-                    "positions": positions,
-                    "rollout_experts": [s.routed_experts[p, layer].tolist() for p in positions],
-                    "learner_experts": [routing["live"][row, p, layer].tolist() for p in positions],
-                }
-            )
-    return rows
-
-
-def batch_metrics(segments: list[Segment], batch: dict, old_logprob: torch.Tensor) -> dict:
-    """Rewards, sizes and the rollout-learner mismatch of one batch."""
-    mask = batch["loss_mask"]
-    lengths = batch["attention_mask"].sum(-1)
-    sampled = mask.sum(-1).float()
-    abs_logprob_diff = (old_logprob - batch["behavior_logprob"]).abs() * mask
-    return {
-        "reward/mean": float(batch["rewards"].mean()),
-        "reward/std": float(batch["rewards"].std(correction=0)),
-        "rollout/segments": float(len(segments)),
-        "rollout/tokens": float(lengths.sum()),
-        "rollout/sampled_tokens": float(sampled.sum()),
-        "rollout/response_len": float(sampled.mean()),
-        "mismatch/kl": float(approx_kl(batch["behavior_logprob"], old_logprob, mask, "k3")),
-        "mismatch/max_abs_logprob_diff": float(abs_logprob_diff.max()),
-    }
-
-
-def rows_of(batch: dict, rows: torch.Tensor) -> dict:
-    """The rows `rows` of every tensor (or list) in `batch`."""
-    picked = {}
-    for key, value in batch.items():
-        if torch.is_tensor(value):
-            picked[key] = value[rows]
-        else:
-            picked[key] = [value[i] for i in rows.tolist()]
-    return picked
-
-
-def step_means(steps: list[dict[str, float]]) -> dict[str, float]:
-    """Each `loss/` metric averaged over the optimizer steps of one batch."""
-    means = {}
-    for key in steps[0]:
-        means[f"loss/{key}"] = float(np.mean([step[key] for step in steps]))
-    return means
-
-
-def generate_seconds(worker_segments: tuple[list[Segment], ...]) -> float:
-    """The slowest worker's generation time for this batch (the workers run in parallel)."""
-    slowest = 0.0
-    for segments in worker_segments:
-        slowest = max(slowest, sum(s.audit.get("generate_s", 0.0) for s in segments))
-    return slowest
-
-
-def store_rows(
-    batch: dict,
-    old_logprob: torch.Tensor,
-    gate: GateResult,
-    advantages: torch.Tensor,
-    consumed_at: int,
-    routing_rows: list[dict],
-) -> dict:
-    """What the run store keeps of one batch: per-token log-probs and IS weights, each segment's
-    advantage and gate decision, the learner version that consumed it and the routing table."""
-    # right-padded: each segment's tokens in order, segment after segment
-    real = batch["attention_mask"].bool()
-    if advantages.dim() == 2:
-        advantages = masked_mean(advantages, batch["loss_mask"], dim=-1)
-    return {
-        "train_logprob": [old_logprob[real].numpy()],
-        "is_weight": [gate.token_weight[real].numpy()],
-        "advantage": advantages.tolist(),
-        "learner_version": consumed_at,
-        "routing": routing_rows,
-        "gate": {
-            "staleness": gate.staleness.tolist(),
-            "seq_log_ratio": gate.seq_log_ratio.tolist(),
-            "geo_ratio": gate.geo_ratio.tolist(),
-            "kept": gate.kept.tolist(),
-            "reason": gate.reason,
-            "tokens_masked": gate.tokens_masked.tolist(),
-        },
-    }
 
 
 class Learner:
@@ -209,13 +57,16 @@ class Learner:
         self.temperature = cfg.engine.temperature
         # sharded: float32 parameters, forwards in model.dtype (FSDP2 mixed precision)
         master = cfg.model.dtype if self.ranks.world == 1 else "float32"
-        self.model = load_causal_lm(model_path, master).train().to(self.ranks.device)
+        model = load_causal_lm(model_path, master)
+        # LoRA: an adapter on the frozen policy, which alone trains and travels (models/lora.py)
+        self.lora = bool(cfg.model.lora.rank)
+        self.model = with_adapter(model, cfg.model.lora).train().to(self.ranks.device)
         set_threads(cfg, self.model)
         self.moe = bool(find_routers(self.model))
         self.ranks.shard(self.model, cfg.model.dtype)
         # fused: one kernel for every tensor, 0.3 ms a step, not 0.9 (tiny, CPU)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=cfg.trainer.lr,
             weight_decay=cfg.trainer.weight_decay,
             fused=True,
@@ -232,7 +83,10 @@ class Learner:
         # frozen models: the KL reference (a copy of the starting policy) and the distillation
         # teacher
         self.reference = None
-        if cfg.algo.kl_coef > 0:
+        # a LoRA policy's reference is its base: the adapter disabled, no second copy
+        if cfg.algo.kl_coef > 0 and self.lora:
+            self.reference = self.model
+        elif cfg.algo.kl_coef > 0:
             self.reference = self.frozen(model_path, cfg.model.dtype)
         if self.estimator.teacher:
             self.teacher = self.frozen(teacher_path(cfg), cfg.model.dtype)
@@ -264,10 +118,17 @@ class Learner:
     def weights(self) -> dict:
         """The current weights (in `to_wire` form) and their version, as the rollout workers load
         them."""
-        full = self.ranks.full_state_dict(self.model)
+        full = self.sync_state()
         if full is None:
             return None
         return {"state_dict": to_wire(full), "version": self.version}
+
+    def sync_state(self) -> dict | None:
+        """What a push carries: the adapter of a LoRA policy, else the full weights gathered
+        from the shards (on rank 0; others: None)."""
+        if self.lora:
+            return adapter_state(self.model)
+        return self.ranks.full_state_dict(self.model)
 
     def step(self, *worker_segments: list[Segment]) -> tuple[dict, dict, dict]:
         """`train`, then the new `weights`: one call of the loop's, so the next batch waits on
@@ -287,6 +148,8 @@ class Learner:
 
     def weight_layout(self) -> list:
         """The full weights' names, dtypes and shapes (a sharded tensor's are its whole one's)."""
+        if self.lora:
+            return layout_of(adapter_state(self.model))
         return layout_of(self.model.state_dict())
 
     def join_weight_group(self, address: tuple, world: int) -> None:
@@ -297,7 +160,7 @@ class Learner:
     def broadcast_weights(self) -> tuple[dict | None, int]:
         """The new weights gathered from the shards and broadcast to the rollout workers; the
         handle that stands for them (no tensors) and the bytes sent."""
-        full = self.ranks.full_state_dict(self.model)
+        full = self.sync_state()
         if full is None:
             return None, 0
         sent = self.weight_group.send(full, self.version, self.bucket_bytes)
@@ -322,15 +185,18 @@ class Learner:
     def frozen_logprobs(self, model, batch: dict) -> torch.Tensor:
         """Log-probs of the batch's ids under a frozen model (reference or teacher); no routing
         replay."""
-        logprob, _ = self.forward(model, self.local(batch))
+        base = self.model.disable_adapter() if model is self.model else contextlib.nullcontext()
+        with base:
+            logprob, _ = self.forward(model, self.local(batch), replay=None)
         rows = len(batch["rewards"])
         return self.ranks.gather(logprob[: self.ranks.count(rows)], rows)
 
-    def forward(self, model, batch: dict, replay: bool = False) -> tuple[torch.Tensor, dict]:
+    def forward(self, model, batch: dict, replay: bool | None) -> tuple[torch.Tensor, dict]:
         """Log-probs [batch, seq] of the batch's own ids, and the policy's route statistics where
-        it has recorded routes (`replay_routes`; replayed when `replay`). With
-        `trainer.max_tokens_per_microbatch`, in packed micro-batches (models/packing.py)."""
-        recorded = batch.get("routed_experts") if self.moe and model is self.model else None
+        it has recorded routes (`replay_routes`; replayed when `replay`, not recorded when None: a
+        frozen model). With `trainer.max_tokens_per_microbatch`, in packed micro-batches
+        (models/packing.py)."""
+        recorded = batch.get("routed_experts") if self.moe and replay is not None else None
         if not self.trainer.max_tokens_per_microbatch or self.codec is not None:
             return self.padded(model, batch, recorded, replay)
         mask = batch["attention_mask"]

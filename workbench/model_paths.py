@@ -17,7 +17,8 @@ def policy_path(cfg) -> str:
     # torch: imported only where a warm start may be built
     from workbench.models.warm_start import warm_started_path
 
-    if cfg.run.resume:
+    # a LoRA run resumes on its base: the checkpoint holds the adapter (models/lora.py)
+    if cfg.run.resume and not cfg.model.lora.rank:
         return str(latest(Path(cfg.run.root) / cfg.run.id) / "policy")
     if cfg.model.path:
         return str(cfg.model.path)

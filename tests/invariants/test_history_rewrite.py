@@ -1,38 +1,22 @@
 """A chat template that rewrites the history: `seal` starts a segment per turn from the template's
 render, `bridge` keeps the sampled ids and appends each new turn as the template renders it.
 
-The fixture reproduces Qwen3's documented template: ChatML whose assistant turns before the last
-user message lose their `<think>` part, while the latest assistant turn always carries one (empty
-when it has no reasoning)."""
+The fixture reproduces Qwen3's documented template (tests/fixtures/templates.py): ChatML whose
+assistant turns before the last user message lose their `<think>` part, while the latest assistant
+turn always carries one (empty when it has no reasoning)."""
 
 import copy
 
 import numpy as np
 import openai
 import pytest
+from fixtures.templates import QWEN3
 
 from workbench.engines.base import SamplingParams
 from workbench.engines.torch_engine import TorchEngine
 from workbench.invariants.token_identity import TokenAccumulator
 from workbench.server.loopback import LoopbackServer
 
-QWEN3_STYLE = (
-    "{%- set ns = namespace(last_query=messages|length - 1) %}"
-    "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last_query = loop.index0 %}"
-    "{%- endif %}{%- endfor %}"
-    "{%- for m in messages %}{%- if m['role'] == 'assistant' %}"
-    "{%- set content = m['content'] or '' %}{%- set reasoning = '' %}"
-    "{%- if '</think>' in content %}"
-    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
-    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
-    "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}"
-    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content }}"
-    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 USERS = ["What is 2 + 2?", "Sure?", "Really?"]
 REPLIES = [
     "<think>\nadd them\n</think>\n\n4",
@@ -45,7 +29,7 @@ REPLIES = [
 def qwen3(tokenizer):
     """The tiny tokenizer with the Qwen3-style template (the shared fixture is untouched)."""
     rewriting = copy.deepcopy(tokenizer)
-    rewriting.chat_template = QWEN3_STYLE
+    rewriting.chat_template = QWEN3
     return rewriting
 
 

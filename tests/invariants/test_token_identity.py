@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from workbench.batch import audit_identity, collate
 from workbench.config import compose_config
 from workbench.invariants.token_identity import TokenAccumulator
-from workbench.learner import audit_identity, collate
 from workbench.rollout import Job, RolloutWorker
 from workbench.segment import Batch, Segment
 
@@ -215,9 +215,39 @@ def test_an_identity_violation_stops_training(tiny_path):
         "identity/seals_compaction": 0.0,
         "identity/seals_tools_changed": 0.0,
         "identity/seals_template_rewrite": 1.0,
+        "identity/segments_per_episode": 2.0,
+        "identity/prefilled_again_tokens": 0.0,
+        "identity/malformed_tool_calls": 0.0,
     }
     with pytest.raises(RuntimeError, match="Token identity violated in 1 segment"):
         audit_identity([good, bad], collate([good, bad]))
+
+
+def test_segments_per_episode_prefilled_again_and_malformed_calls_are_counted_per_step():
+    def segment(rollout_id, index, prompt, requests=()):
+        # `prompt` prompt tokens, then 2 sampled
+        mask = np.array([0] * prompt + [1, 1], np.uint8)
+        return Segment(
+            "r",
+            rollout_id,
+            index,
+            0,
+            np.arange(prompt + 2, dtype=np.int32),
+            mask,
+            np.zeros(prompt + 2, np.float32),
+            np.zeros(prompt + 2, np.int32),
+            turn_spans=[(prompt, prompt + 2)],
+            requests=list(requests),
+        )
+
+    rows = [{"malformed_tool_calls": 1}, {"malformed_tool_calls": 0}, {"malformed_tool_calls": 2}]
+    # episode 7 sealed twice (prompts of 4, 6 and 8 tokens), episode 8 is one segment
+    segments = [segment(7, 0, 4, rows), segment(7, 1, 6), segment(7, 2, 8), segment(8, 0, 5)]
+    metrics = audit_identity(segments, collate(segments))
+    # 4 segments of 2 episodes; the later segments' prompts, 6 + 8, over 2 episodes
+    assert metrics["identity/segments_per_episode"] == 2.0
+    assert metrics["identity/prefilled_again_tokens"] == 7.0
+    assert metrics["identity/malformed_tool_calls"] == 3.0
 
 
 def test_misaligned_logprobs_are_a_hard_error(tokenizer):

@@ -191,7 +191,7 @@ def test_a_function_call_round_trip_stays_one_segment(server, tokenizer, stream)
 @pytest.mark.parametrize(
     ("choice", "forced"),
     [
-        ("required", "<tool_call>"),
+        ("required", '<tool_call>{"name": "'),
         ({"type": "function", "name": "add"}, '<tool_call>{"name": "add", "arguments":'),
     ],
 )

@@ -20,4 +20,6 @@ def make_engine(cfg, model_path: str, seed: int):
         )
     from workbench.engines.torch_engine import TorchEngine
 
-    return TorchEngine(model_path, cfg.model.dtype, seed=seed, partial=cfg.rollout.partial)
+    return TorchEngine(
+        model_path, cfg.model.dtype, seed=seed, partial=cfg.rollout.partial, lora=cfg.model.lora
+    )

@@ -22,6 +22,7 @@ import torch
 
 from workbench.engines.base import Generation, SamplingParams
 from workbench.invariants.routing_replay import capture_routes, find_routers
+from workbench.models.lora import load_adapter, with_adapter
 from workbench.models.multimodal import ImageCodec, forward_inputs, is_vision_language, load_policy
 from workbench.models.prefix import cache_input, output_cache, unique_rows
 
@@ -69,9 +70,18 @@ class TorchEngine:
     compute_s = 0.0
 
     def __init__(
-        self, model_path: str, dtype: str = "float32", seed: int = 0, partial: bool = False
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        seed: int = 0,
+        partial: bool = False,
+        lora=None,
     ):
         self.model = load_causal_lm(model_path, dtype).eval()
+        # a LoRA policy: pushes carry the adapter alone
+        self.lora = bool(lora and lora.rank)
+        if self.lora:
+            self.model = with_adapter(self.model, lora).eval()
         self.codec = ImageCodec(model_path) if is_vision_language(model_path) else None
         config = self.model.config.get_text_config()
         self.pad_token_id = config.pad_token_id or 0
@@ -116,7 +126,10 @@ class TorchEngine:
         """Adopt pending weights, if any (the caller holds the lock)."""
         if self._pending is not None:
             state_dict, self.version = self._pending
-            self.model.load_state_dict(state_dict)
+            if self.lora:
+                load_adapter(self.model, state_dict)
+            else:
+                self.model.load_state_dict(state_dict)
             self._pending = None
 
     def generate(

@@ -231,7 +231,8 @@ class TokenAccumulator:
     def _echoes(self, index: int, echo: dict) -> bool:
         """Whether a client's `echo` of our message `index` says what it said: equal, or for a
         sampled turn its content plus the stop string it was cut at, or stripped of surrounding
-        whitespace, with tool calls equal by name and arguments (a client may renumber them)."""
+        whitespace, with tool calls equal by name and arguments (a client may renumber them) and
+        its reasoning, if the echo carries one, as sampled."""
         ours = self.messages[index]
         if echo == ours:
             return True
@@ -239,7 +240,12 @@ class TokenAccumulator:
             return False
         content = ours.get("content") or ""
         said = {content, content + (self.stops[index] or ""), content.strip()}
-        return (echo.get("content") or "") in said and _calls(echo) == _calls(ours)
+        reasoning = echo.get("reasoning_content") or None
+        return (
+            (echo.get("content") or "") in said
+            and _calls(echo) == _calls(ours)
+            and reasoning in (None, ours.get("reasoning_content"))
+        )
 
     def add_messages(self, new_messages: list[dict]) -> bool:
         """Extend the open segment with the rendered delta of `new_messages`.

@@ -1,10 +1,10 @@
 """Tiny policies built offline: a real HF tokenizer and a real transformers model, no download.
 
 A byte-level BPE is trained in a fraction of a second on a built-in corpus (so any text encodes),
-wrapped as a `PreTrainedTokenizerFast` with a ChatML template, and paired with a randomly
-initialised Qwen3 causal LM small enough that an RL step on 2 CPU cores takes seconds. Both are
-saved as an ordinary HF checkpoint folder, cached on disk by a hash of their spec, so every
-actor (and vLLM later) loads the same files by path.
+wrapped as a `PreTrainedTokenizerFast` with a ChatML template and the response template its replies
+parse with, and paired with a randomly initialised Qwen3 causal LM small enough that an RL step on
+2 CPU cores takes seconds. Both are saved as an ordinary HF checkpoint folder, cached on disk by a
+hash of their spec, so every actor (and vLLM later) loads the same files by path.
 """
 
 from __future__ import annotations
@@ -60,6 +60,30 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+# How a reply in this format reads, for transformers' response parser (`parse_response`; the
+# tokenizer config holds it): <think> reasoning, <tool_call>{json}</tool_call> calls, and the text
+# around them, whole. The loopback server's default for a tokenizer whose config holds none.
+RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "thinking": {"open": "<think>", "close": "</think>"},
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close": "</tool_call>",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
+        "content": {
+            "close": "<|im_end|>",
+            "repeats": True,
+            "join": "",
+            "content_args": {"strip": False},
+        },
+    },
+}
 
 # Shapes of the built-in tiny models. head_dim 32 is the smallest vLLM's CPU attention accepts.
 _SHAPE = dict(
@@ -163,8 +187,8 @@ perimeter.
 
 
 def build_tokenizer(vocab_size: int, vision: bool = False):
-    """A byte-level BPE with ChatML special tokens (and Qwen2-VL's vision tokens) and chat template
-    (~0.1 s)."""
+    """A byte-level BPE with ChatML special tokens (and Qwen2-VL's vision tokens), chat template
+    and response template (~0.1 s)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -186,6 +210,7 @@ def build_tokenizer(vocab_size: int, vision: bool = False):
         tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
     )
     tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.response_template = RESPONSE_TEMPLATE
     return tokenizer
 
 
@@ -250,7 +275,11 @@ def tiny_model_path(name: str = "tiny", seed: int = 0) -> Path:
         TINY_SPECS[name],
         seed=seed,
         template=spec_hash(
-            {"t": CHAT_TEMPLATE, "tools": "vision" in TINY_SPECS[name] and _TOOL_CORPUS}
+            {
+                "t": CHAT_TEMPLATE,
+                "response": RESPONSE_TEMPLATE,
+                "tools": "vision" in TINY_SPECS[name] and _TOOL_CORPUS,
+            }
         ),
     )
     target = cache_root() / "models" / f"{name}-{spec_hash(spec)}"

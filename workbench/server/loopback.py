@@ -5,9 +5,9 @@ gets a session (`/s/<session>/v1/...`) with its own key. Every wire (workbench/s
 object each; the server never asks which it serves) decodes into the session's
 `TokenAccumulator`: a request that continues the conversation adds only the rendered delta and
 generation continues from the exact accumulated ids; otherwise the segment is sealed and a new
-one starts. A turn is committed only after generation succeeds; an identical retry gets the
-cached reply and records nothing twice. Concurrent requests of all sessions are batched into one
-engine call.
+one starts. A reply goes back as the policy's response template parses it (`replies`). A turn is
+committed only after generation succeeds; an identical retry gets the cached reply and records
+nothing twice. Concurrent requests of all sessions are batched into one engine call.
 
 Hostile input (fuzzed in tests/server/test_fuzz.py) gets a 4xx in the wire's error shape and
 changes nothing: bodies over MAX_BODY, prompt + max_tokens over the token limit, malformed or
@@ -32,15 +32,9 @@ from aiohttp import web
 
 from workbench.engines.base import SamplingParams
 from workbench.invariants.token_identity import TokenAccumulator, reply_text, stream_pieces
+from workbench.server.replies import forced_text, parse_reply, shown
 from workbench.server.wires import WIRES, wire_at
-from workbench.server.wires.base import (
-    ChatReply,
-    ChatRequest,
-    Wire,
-    WireError,
-    forced_text,
-    parse_assistant,
-)
+from workbench.server.wires.base import ChatReply, ChatRequest, Wire, WireError
 
 MAX_BODY = 4 * 2**20
 # what a wire's decoder raises on a field of the wrong type (a list where a string belongs, ...)
@@ -56,7 +50,7 @@ class Session:
     stream: int = 0
     accumulator: TokenAccumulator | None = None
     last_request: str | None = None
-    # the last request's (ChatRequest, ChatReply, sampled ids), handed again to its retry
+    # the last request's (ChatRequest, ChatReply), handed again to its retry
     last_response: tuple | None = None
     requests: list[dict] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -265,14 +259,14 @@ class LoopbackServer:
                     continued = getattr(chat, "continued", None)
                     if continued:
                         chat = continued(session.conversations)
-                    reply, ids = await self._turn(session, chat, wire, started)
+                    reply = await self._turn(session, chat, wire, started)
                     if continued:
                         ended = chat.history(session.accumulator.messages)
                         session.conversations[reply.id] = ended
                     session.last_request = fingerprint
-                    session.last_response = (chat, reply, ids)
+                    session.last_response = (chat, reply)
                 # a retry gets the committed reply, nothing new
-                chat, reply, ids = session.last_response
+                chat, reply = session.last_response
         except WireError as error:
             return web.json_response(wire.error(error), status=error.status)
         # the engine failed: nothing was committed, the client may retry
@@ -286,7 +280,7 @@ class LoopbackServer:
             return web.json_response(wire.error(failure), status=500)
         if not chat.stream:
             return web.json_response(wire.reply(reply))
-        events = wire.events(chat, reply, self._pieces(ids, reply.text))
+        events = wire.events(chat, reply)
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -328,10 +322,12 @@ class LoopbackServer:
             raise WireError(401, "Invalid API key for this session.", "authentication_error")
         return session
 
-    async def _turn(self, session: Session, chat: ChatRequest, wire: Wire, started: float):
+    async def _turn(
+        self, session: Session, chat: ChatRequest, wire: Wire, started: float
+    ) -> ChatReply:
         """Extend or seal, generate, and only then commit the turn to the session."""
         episode, action, reused = self._episode(session, chat)
-        forced = forced_text(chat)
+        forced = forced_text(self.tokenizer, episode.render, episode.messages, chat)
         forced_ids = self.tokenizer(forced, add_special_tokens=False)["input_ids"]
         prompt = np.concatenate([episode.token_ids, np.asarray(forced_ids, dtype=np.int32)])
         params = self._sampling(chat, len(prompt))
@@ -357,10 +353,9 @@ class LoopbackServer:
             versions = versions[:end]
             finish = "stop_sequence"
             text = text[:start]
-        content, calls = parse_assistant(forced + text)
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
+        message, malformed = parse_reply(
+            self.tokenizer, forced + text, episode.token_ids, chat.tools
+        )
         routes = generation.extras.get("routed_experts")
         if routes is not None:
             routes = routes[: len(prompt) + len(ids)]
@@ -378,14 +373,23 @@ class LoopbackServer:
                 "prompt_tokens_reused": reused,
                 "new_prompt_tokens": len(prompt) - reused,
                 "generated_tokens": len(ids),
+                # calls that did not parse, the reply left as text (identity/malformed_tool_calls)
+                "malformed_tool_calls": malformed,
                 "latency_s": time.perf_counter() - started,
                 "time": time.time(),
             }
         )
+        # a streamed reply goes out in the pieces it was generated in
+        pieces = [forced + text]
+        if chat.stream:
+            pieces = [forced, *stream_pieces(self.tokenizer, ids, text)]
+        # a prefilled turn's reply continues the prefill
+        fields = shown(message, forced + text, len(chat.prefill), pieces)
         reply = ChatReply(
-            # a prefilled turn's reply continues the prefill
-            text=content.removeprefix(chat.prefill),
-            tool_calls=calls,
+            text="".join(fields["content"]),
+            reasoning="".join(fields["reasoning"]),
+            pieces=fields,
+            tool_calls=message.get("tool_calls", []),
             finish=finish,
             prompt_tokens=len(prompt),
             completion_tokens=len(ids),
@@ -395,7 +399,7 @@ class LoopbackServer:
         if chat.logprobs:
             tokens = [self.tokenizer.decode([token]) for token in ids]
             reply.token_logprobs = list(zip(tokens, map(float, logprobs), strict=True))
-        return reply, ids
+        return reply
 
     def _episode(self, session: Session, chat: ChatRequest) -> tuple[TokenAccumulator, str, int]:
         """A copy of the session's episode with the request's messages (extended by their rendered
@@ -451,9 +455,6 @@ class LoopbackServer:
             if text in reply_text(self.tokenizer, ids[:count], "length"):
                 return count
         return len(ids)
-
-    def _pieces(self, ids, content: str) -> list[str]:
-        return stream_pieces(self.tokenizer, ids, content)
 
 
 async def _json_body(request) -> dict:

@@ -1,7 +1,8 @@
 """The Anthropic messages wire: `POST /v1/messages`, whole or streamed, in Anthropic's shapes.
 
 Its content blocks become chat-template messages: a `tool_result` block is a `tool` message, a
-`tool_use` block an assistant tool call, and the system prompt a leading system message.
+`tool_use` block an assistant tool call, a `thinking` block the assistant's reasoning_content, and
+the system prompt a leading system message.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ NO_OPS = {
     "service_tier": (is_text, "a string"),
 }
 STOP_REASONS = {"length": "max_tokens", "stop_sequence": "stop_sequence"}
+# a block streamed as generated: the reply's pieces it takes, and its delta type
+STREAMED = {"thinking": ("reasoning", "thinking_delta"), "text": ("content", "text_delta")}
 
 
 class AnthropicMessages(Wire):
@@ -91,6 +94,9 @@ class AnthropicMessages(Wire):
 
     def reply(self, reply: ChatReply) -> dict:
         content = []
+        if reply.reasoning:
+            # no signature: the reasoning is the policy's own text, echoed back as it is
+            content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
         if reply.text or not reply.tool_calls:
             content.append({"type": "text", "text": reply.text})
         for call in reply.tool_calls:
@@ -119,14 +125,14 @@ class AnthropicMessages(Wire):
             },
         }
 
-    def events(self, request: ChatRequest, reply: ChatReply, pieces: list[str]) -> Iterator[bytes]:
+    def events(self, request: ChatRequest, reply: ChatReply) -> Iterator[bytes]:
         """message_start, per block start / deltas / stop, message_delta, message_stop."""
         whole = self.reply(reply)
         usage = {"input_tokens": reply.prompt_tokens, "output_tokens": 0}
         start = dict(whole, content=[], stop_reason=None, usage=usage)
         yield _event("message_start", {"message": start})
         for index, block in enumerate(whole["content"]):
-            yield from _block_events(index, block, pieces)
+            yield from _block_events(index, block, reply.pieces)
         delta = {"stop_reason": whole["stop_reason"], "stop_sequence": reply.stop_sequence}
         yield _event(
             "message_delta",
@@ -151,6 +157,7 @@ def _messages(index: int, message) -> list[dict]:
     if not isinstance(blocks, list):
         raise WireError(400, f"{where}: must be a string or a list of blocks.")
     text = []
+    thinking = []
     calls = []
     parts = []
     results = []
@@ -159,6 +166,8 @@ def _messages(index: int, message) -> list[dict]:
         if kind == "text":
             text.append(block.get("text", ""))
             parts.append(block)
+        elif kind == "thinking" and role == "assistant":
+            thinking.append(text_of(block.get("thinking"), where))
         elif kind == "image" and role == "user":
             parts.append(block)
         elif kind == "tool_use" and role == "assistant":
@@ -169,6 +178,8 @@ def _messages(index: int, message) -> list[dict]:
             raise WireError(400, f"{where}: block type {kind!r} is not supported for role {role}.")
     if role == "assistant":
         assistant = {"role": "assistant", "content": "".join(text)}
+        if thinking:
+            assistant["reasoning_content"] = "".join(thinking)
         if calls:
             assistant["tool_calls"] = calls
         return results + [assistant]
@@ -227,16 +238,16 @@ def _forced_tool(choice: dict, tools: list[dict]) -> str | None:
     return forced_tool(choice.get("name"), tools, "tool_choice.name")
 
 
-def _block_events(index: int, block: dict, pieces: list[str]) -> Iterator[bytes]:
-    """A content block's start, its deltas (the text as generated, or the tool input whole), and
-    its stop."""
-    if block["type"] == "text":
-        empty = {"type": "text", "text": ""}
-        yield _event("content_block_start", {"index": index, "content_block": empty})
-        for piece in pieces:
-            if piece:
-                text_delta = {"type": "text_delta", "text": piece}
-                yield _event("content_block_delta", {"index": index, "delta": text_delta})
+def _block_events(index: int, block: dict, pieces: dict[str, list[str]]) -> Iterator[bytes]:
+    """A content block's start, its deltas (the reasoning or text as generated, or the tool input
+    whole), and its stop."""
+    if block["type"] in STREAMED:
+        field, delta = STREAMED[block["type"]]
+        opened = dict(block, **{block["type"]: ""})
+        yield _event("content_block_start", {"index": index, "content_block": opened})
+        for piece in pieces[field]:
+            streamed = {"type": delta, block["type"]: piece}
+            yield _event("content_block_delta", {"index": index, "delta": streamed})
     else:
         opened = dict(block, input={})
         yield _event("content_block_start", {"index": index, "content_block": opened})

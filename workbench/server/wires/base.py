@@ -2,8 +2,9 @@
 the reply it encodes, its error, and the decoders of the fields the wires have in common.
 
 A wire decodes a request body into one `ChatRequest` (messages in the chat template's own form:
-role, content, tool_calls, tool_call_id) and encodes one `ChatReply` back, whole or as that wire's
-server-sent events. A field the server does not support is refused in the wire's own error shape.
+role, content, reasoning_content, tool_calls, tool_call_id) and encodes one `ChatReply` back, whole
+or as that wire's server-sent events. A field the server does not support is refused in the wire's
+own error shape.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import base64
 import binascii
 import io
 import json
-import re
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -61,6 +61,7 @@ class ChatRequest:
 class ChatReply:
     """One generated turn, whichever wire it goes back by."""
 
+    # its content, as the response template parses it
     text: str
     # {"id", "name", "arguments": dict}
     tool_calls: list[dict]
@@ -73,6 +74,11 @@ class ChatReply:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     # (token text, behavior log-prob) of each sampled token the reply holds
     token_logprobs: list[tuple[str, float]] = field(default_factory=list)
+    # the policy's reasoning ("thinking"), as the response template parses it
+    reasoning: str = ""
+    # "reasoning" and "content" in the pieces they were generated in (a stream sends one each):
+    # their concatenations are `reasoning` and `text`
+    pieces: dict[str, list[str]] = field(default_factory=dict)
 
 
 class Wire(abc.ABC):
@@ -98,25 +104,12 @@ class Wire(abc.ABC):
         """The whole reply's JSON body."""
 
     @abc.abstractmethod
-    def events(self, request: ChatRequest, reply: ChatReply, pieces: list[str]) -> Iterator[bytes]:
-        """The reply as server-sent events; `pieces` is its text as generated, one per token."""
+    def events(self, request: ChatRequest, reply: ChatReply) -> Iterator[bytes]:
+        """The reply as server-sent events (its reasoning and text in `reply.pieces`)."""
 
     @abc.abstractmethod
     def error(self, error: WireError) -> dict:
         """A refusal's JSON body."""
-
-
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-def forced_text(chat: ChatRequest) -> str:
-    """The text a turn is forced to start with: the prefill, or the opening of a (named) tool
-    call in the policy's tool-call format; the policy samples what follows."""
-    if chat.prefill or chat.forced_tool is None:
-        return chat.prefill
-    if not chat.forced_tool:
-        return "<tool_call>"
-    return f'<tool_call>{{"name": {json.dumps(chat.forced_tool)}, "arguments":'
 
 
 def forced_tool(name, tools: list[dict] | None, where: str) -> str:
@@ -128,27 +121,6 @@ def forced_tool(name, tools: list[dict] | None, where: str) -> str:
             400, f"{where}: name one of the request's tools ({', '.join(map(str, names))})."
         )
     return name
-
-
-def parse_assistant(text: str) -> tuple[str, list[dict]]:
-    """Split generated text into its content and its well-formed <tool_call> blocks."""
-    calls = []
-    for match in TOOL_CALL.finditer(text):
-        try:
-            call = json.loads(match.group(1))
-            calls.append(
-                {
-                    "id": f"call_{uuid.uuid4().hex[:12]}",
-                    "name": str(call["name"]),
-                    "arguments": dict(call.get("arguments") or {}),
-                }
-            )
-        # a malformed call stays text: the agent sees exactly what was generated
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return text, []
-    if calls:
-        return text[: text.index("<tool_call>")], calls
-    return text, calls
 
 
 def text_of(content, where: str) -> str:

@@ -102,6 +102,8 @@ class OpenAIChat(Wire):
 
     def reply(self, reply: ChatReply) -> dict:
         message = {"role": "assistant", "content": reply.text}
+        if reply.reasoning:
+            message["reasoning_content"] = reply.reasoning
         if reply.tool_calls:
             message["tool_calls"] = _tool_calls(reply)
         choice = {
@@ -119,12 +121,14 @@ class OpenAIChat(Wire):
             "usage": _usage(reply),
         }
 
-    def events(self, request: ChatRequest, reply: ChatReply, pieces: list[str]) -> Iterator[bytes]:
-        """Chunks: role, one per generated text piece, tool calls, finish, usage, [DONE]."""
+    def events(self, request: ChatRequest, reply: ChatReply) -> Iterator[bytes]:
+        """Chunks: role, one per generated piece of reasoning and of text, tool calls, finish,
+        usage, [DONE]."""
         yield _delta(reply, {"role": "assistant", "content": ""})
-        for piece in pieces:
-            if piece:
-                yield _delta(reply, {"content": piece})
+        for piece in reply.pieces["reasoning"]:
+            yield _delta(reply, {"reasoning_content": piece})
+        for piece in reply.pieces["content"]:
+            yield _delta(reply, {"content": piece})
         if reply.tool_calls:
             yield _delta(reply, {"tool_calls": _tool_calls(reply, with_index=True)})
         finish = {"index": 0, "delta": {}, "finish_reason": _finish_reason(reply)}
@@ -168,6 +172,9 @@ def _message(index: int, message) -> dict:
     entry = {"role": role, "content": read(message.get("content"), f"messages[{index}]")}
     if role == "developer":
         entry["role"] = "system"
+    # the policy's reasoning, for a template that renders it
+    if role == "assistant" and message.get("reasoning_content"):
+        entry["reasoning_content"] = text_of(message["reasoning_content"], f"messages[{index}]")
     if role == "assistant" and message.get("tool_calls"):
         entry["tool_calls"] = _decode_tool_calls(index, message["tool_calls"])
     if role == "tool":

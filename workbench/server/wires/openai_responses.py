@@ -2,7 +2,8 @@
 
 Its input items become chat-template messages: `instructions` a leading system message, a
 `function_call` item an assistant tool call (joined to the assistant message before it), a
-`function_call_output` item a `tool` message; reasoning items carry nothing the template renders.
+`function_call_output` item a `tool` message, a reasoning item's text the reasoning_content of the
+assistant message after it (a summary is not the reasoning: an item with none carries nothing).
 `previous_response_id` continues the conversation an earlier response of the same session ended
 (the session keeps it), so a client that sends only its new items extends the episode's segment
 exactly as one that echoes every item back.
@@ -49,7 +50,7 @@ def _plain_text(value) -> bool:
 NO_OPS = {
     "store": (lambda value: isinstance(value, bool), "true or false"),
     "truncation": (lambda value: value == "disabled", '"disabled"'),
-    # this server returns no reasoning items, so none lacks its encrypted content
+    # a reasoning item this server returns holds its text: nothing is encrypted
     "include": (
         lambda value: value in ([], ["reasoning.encrypted_content"]),
         '[] or ["reasoning.encrypted_content"]',
@@ -150,6 +151,11 @@ class OpenAIResponses(Wire):
             status = "incomplete"
             incomplete = {"reason": "max_output_tokens"}
         output = []
+        if reply.reasoning:
+            text = {"type": "reasoning_text", "text": reply.reasoning}
+            output.append(
+                {"type": "reasoning", "id": f"rs_{reply.id}", "summary": [], "content": [text]}
+            )
         if reply.text or not reply.tool_calls:
             text = {"type": "output_text", "text": reply.text, "annotations": [], "logprobs": []}
             output.append(
@@ -194,10 +200,10 @@ class OpenAIResponses(Wire):
             },
         }
 
-    def events(self, request: ChatRequest, reply: ChatReply, pieces: list[str]) -> Iterator[bytes]:
-        """response.created and .in_progress; per output item its added event, its text deltas
-        (one per generated piece) or its arguments, and its done events; response.completed (or
-        .incomplete when max_output_tokens cut it)."""
+    def events(self, request: ChatRequest, reply: ChatReply) -> Iterator[bytes]:
+        """response.created and .in_progress; per output item its added event, its reasoning or
+        text deltas (one per generated piece) or its arguments, and its done events;
+        response.completed (or .incomplete when max_output_tokens cut it)."""
         whole = self.reply(reply)
         numbers = itertools.count()
 
@@ -215,10 +221,15 @@ class OpenAIResponses(Wire):
                 part = item["content"][0]
                 in_part = dict(at, content_index=0)
                 yield event("response.content_part.added", **in_part, part=_started(part))
-                for piece in pieces:
+                for piece in reply.pieces["content"]:
                     yield event("response.output_text.delta", **in_part, delta=piece, logprobs=[])
                 yield event("response.output_text.done", **in_part, text=part["text"], logprobs=[])
                 yield event("response.content_part.done", **in_part, part=part)
+            elif item["type"] == "reasoning":
+                in_part = dict(at, content_index=0)
+                for piece in reply.pieces["reasoning"]:
+                    yield event("response.reasoning_text.delta", **in_part, delta=piece)
+                yield event("response.reasoning_text.done", **in_part, text=reply.reasoning)
             else:
                 arguments = item["arguments"]
                 yield event("response.function_call_arguments.delta", **at, delta=arguments)
@@ -235,7 +246,7 @@ class OpenAIResponses(Wire):
 
 def _started(part: dict) -> dict:
     """An output item or content part as it opens: in progress, nothing generated yet."""
-    if part["type"] == "message":
+    if part["type"] in ("message", "reasoning"):
         return dict(part, status="in_progress", content=[])
     if part["type"] == "function_call":
         return dict(part, status="in_progress", arguments="")
@@ -245,6 +256,8 @@ def _started(part: dict) -> dict:
 def _messages(items: list) -> list[dict]:
     """Input items as chat-template messages."""
     messages = []
+    # a reasoning item's text, for the assistant message that follows it (the same response's)
+    reasoning = ""
     for index, item in enumerate(items):
         where = f"input[{index}]"
         kind = None
@@ -254,22 +267,25 @@ def _messages(items: list) -> list[dict]:
             messages.append(_message(item, where))
         elif kind == "function_call":
             # a call joins the assistant message it came with (the same response's output)
-            if not messages or messages[-1]["role"] != "assistant":
+            if not messages or messages[-1]["role"] != "assistant" or reasoning:
                 messages.append({"role": "assistant", "content": ""})
             messages[-1].setdefault("tool_calls", []).append(_call(item, where))
         elif kind == "function_call_output":
             content = text_of(_parts(item.get("output"), where), where)
             call_id = str(item.get("call_id", ""))
             messages.append({"role": "tool", "content": content, "tool_call_id": call_id})
-        elif kind == "reasoning" and not item.get("content"):
-            # the policy's reasoning is in its sampled ids; the chat template renders none
+        elif kind == "reasoning":
+            reasoning += text_of(_parts(item.get("content"), where), where)
             continue
         else:
             raise WireError(
                 400,
                 f"{where}: item type {kind!r} is not supported (message, function_call, "
-                f"function_call_output and reasoning without content are).",
+                f"function_call_output and reasoning are).",
             )
+        if reasoning and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = reasoning
+        reasoning = ""
     return messages
 
 
@@ -298,7 +314,7 @@ def _part(part, where: str) -> dict:
     kind = None
     if isinstance(part, dict):
         kind = part.get("type")
-    if kind in ("input_text", "output_text"):
+    if kind in ("input_text", "output_text", "reasoning_text"):
         return {"type": "text", "text": str(part.get("text", ""))}
     if kind == "input_image":
         return {"type": "image_url", "image_url": {"url": str(part.get("image_url") or "")}}

@@ -1,0 +1,186 @@
+"""One rollout batch as the learner takes it: the padded tensors built from Segment records
+(token ids only), the token-identity audit, the batch's metrics and the rows the run store keeps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from workbench.algo.losses import approx_kl, masked_mean
+from workbench.invariants.token_identity import SEAL_REASONS
+from workbench.invariants.version_gate import GateResult
+from workbench.segment import Segment
+
+
+def collate(segments: list[Segment]) -> dict[str, torch.Tensor]:
+    """Right-padded batch tensors built from token ids only (text cannot reach the trainer)."""
+    if not all(isinstance(s, Segment) for s in segments):
+        raise TypeError("The learner trains on Segment records only (token ids), never on text.")
+    lengths = np.array([len(s.token_ids) for s in segments])
+
+    def padded(field: str, dtype, fill=0) -> torch.Tensor:
+        """[batch, seq, ...] right-padded, filled in numpy."""
+        shape = next(getattr(s, field).shape[1:] for s in segments if getattr(s, field) is not None)
+        out = np.full((len(segments), lengths.max(), *shape), fill, dtype=dtype)
+        for row, s in enumerate(segments):
+            if getattr(s, field) is not None:
+                out[row, : lengths[row]] = getattr(s, field)
+        return torch.from_numpy(out)
+
+    batch = {
+        "token_ids": padded("token_ids", np.int64),  # [batch, seq]
+        "attention_mask": torch.from_numpy(
+            (np.arange(lengths.max()) < lengths[:, None]).astype(np.int64)
+        ),
+        "loss_mask": padded("loss_mask", bool),
+        "behavior_logprob": padded("behavior_logprob", np.float32),
+        "behavior_version": padded("behavior_version", np.int32, -1),
+    }
+    if any(s.routed_experts is not None for s in segments):
+        # [batch, seq, layers, k], -1 = unknown
+        batch["routed_experts"] = padded("routed_experts", np.int16, -1)
+    # encoded images per row (vision-language policies)
+    batch["images"] = [s.images for s in segments]
+    batch["rewards"] = torch.tensor([s.reward for s in segments], dtype=torch.float32)  # [batch]
+    batch["group_ids"] = torch.tensor([s.group_id for s in segments])
+    batch["rollout_ids"] = torch.tensor([s.rollout_id for s in segments])
+    return batch
+
+
+def audit_identity(segments: list[Segment], batch: dict) -> dict[str, float]:
+    """Token identity, checked on every batch: the rollout's audit (mask-1 ids are the engine's
+    sampled ids, in order) and the trainer's input ids equal to the segment's ids. A violation
+    stops the run."""
+    violations = sum(not s.audit.get("identity", True) for s in segments)
+    ids = batch["token_ids"].numpy()
+    violations += sum(
+        not np.array_equal(ids[row, : len(s.token_ids)], s.token_ids)
+        for row, s in enumerate(segments)
+    )
+    if violations:
+        raise RuntimeError(
+            f"Token identity violated in {violations} segment(s): trainer input no longer equals "
+            f"the sampled ids; this is a bug in the rollout path, please report it with the run "
+            f"folder."
+        )
+    drift = [s.audit["retokenize_drift"] for s in segments if "retokenize_drift" in s.audit]
+    metrics = {
+        "identity/violations": 0.0,
+        "identity/retokenize_drift": float(np.mean(drift)) if drift else 0.0,
+    }
+    # seals by reason: each starts a segment that prefills the whole history again
+    for reason in SEAL_REASONS:
+        metrics[f"identity/seals_{reason}"] = float(sum(s.seal_reason == reason for s in segments))
+    # per episode: its segments, and the prompt tokens of those after its first (each renders a
+    # history its earlier segment already held: prefilled again)
+    episodes = max(len({s.rollout_id for s in segments}), 1)
+    prefilled_again = sum(
+        s.turn_spans[0][0] if s.turn_spans else len(s.token_ids) for s in segments if s.segment_idx
+    )
+    metrics["identity/segments_per_episode"] = len(segments) / episodes
+    metrics["identity/prefilled_again_tokens"] = prefilled_again / episodes
+    # tool calls the response template could not parse: their replies went to the agent as text
+    metrics["identity/malformed_tool_calls"] = float(
+        sum(row.get("malformed_tool_calls", 0) for s in segments for row in s.requests)
+    )
+    return metrics
+
+
+def routing_table_rows(segments: list[Segment], routing: dict) -> list[dict]:
+    """One row per (segment, MoE layer): tokens with a recorded route, how many the live router
+    routed differently, their positions and, at each, the rollout's and the learner's experts."""
+    rows = []
+    for row, s in enumerate(segments):
+        n = len(s.token_ids)
+        for layer in range(routing["known"].shape[-1]):
+            positions = torch.nonzero(routing["mismatch"][row, :n, layer]).flatten().tolist()
+            rows.append(
+                {
+                    "rollout_id": s.rollout_id,
+                    "segment_idx": s.segment_idx,
+                    "layer": layer,
+                    "tokens": int(routing["known"][row, :n, layer].sum()),
+                    "mismatched": len(positions),
+                    "positions": positions,
+                    "rollout_experts": [s.routed_experts[p, layer].tolist() for p in positions],
+                    "learner_experts": [routing["live"][row, p, layer].tolist() for p in positions],
+                }
+            )
+    return rows
+
+
+def batch_metrics(segments: list[Segment], batch: dict, old_logprob: torch.Tensor) -> dict:
+    """Rewards, sizes and the rollout-learner mismatch of one batch."""
+    mask = batch["loss_mask"]
+    lengths = batch["attention_mask"].sum(-1)
+    sampled = mask.sum(-1).float()
+    abs_logprob_diff = (old_logprob - batch["behavior_logprob"]).abs() * mask
+    return {
+        "reward/mean": float(batch["rewards"].mean()),
+        "reward/std": float(batch["rewards"].std(correction=0)),
+        "rollout/segments": float(len(segments)),
+        "rollout/tokens": float(lengths.sum()),
+        "rollout/sampled_tokens": float(sampled.sum()),
+        "rollout/response_len": float(sampled.mean()),
+        "mismatch/kl": float(approx_kl(batch["behavior_logprob"], old_logprob, mask, "k3")),
+        "mismatch/max_abs_logprob_diff": float(abs_logprob_diff.max()),
+    }
+
+
+def rows_of(batch: dict, rows: torch.Tensor) -> dict:
+    """The rows `rows` of every tensor (or list) in `batch`."""
+    picked = {}
+    for key, value in batch.items():
+        if torch.is_tensor(value):
+            picked[key] = value[rows]
+        else:
+            picked[key] = [value[i] for i in rows.tolist()]
+    return picked
+
+
+def step_means(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Each `loss/` metric averaged over the optimizer steps of one batch."""
+    means = {}
+    for key in steps[0]:
+        means[f"loss/{key}"] = float(np.mean([step[key] for step in steps]))
+    return means
+
+
+def generate_seconds(worker_segments: tuple[list[Segment], ...]) -> float:
+    """The slowest worker's generation time for this batch (the workers run in parallel)."""
+    slowest = 0.0
+    for segments in worker_segments:
+        slowest = max(slowest, sum(s.audit.get("generate_s", 0.0) for s in segments))
+    return slowest
+
+
+def store_rows(
+    batch: dict,
+    old_logprob: torch.Tensor,
+    gate: GateResult,
+    advantages: torch.Tensor,
+    consumed_at: int,
+    routing_rows: list[dict],
+) -> dict:
+    """What the run store keeps of one batch: per-token log-probs and IS weights, each segment's
+    advantage and gate decision, the learner version that consumed it and the routing table."""
+    # right-padded: each segment's tokens in order, segment after segment
+    real = batch["attention_mask"].bool()
+    if advantages.dim() == 2:
+        advantages = masked_mean(advantages, batch["loss_mask"], dim=-1)
+    return {
+        "train_logprob": [old_logprob[real].numpy()],
+        "is_weight": [gate.token_weight[real].numpy()],
+        "advantage": advantages.tolist(),
+        "learner_version": consumed_at,
+        "routing": routing_rows,
+        "gate": {
+            "staleness": gate.staleness.tolist(),
+            "seq_log_ratio": gate.seq_log_ratio.tolist(),
+            "geo_ratio": gate.geo_ratio.tolist(),
+            "kept": gate.kept.tolist(),
+            "reason": gate.reason,
+            "tokens_masked": gate.tokens_masked.tolist(),
+        },
+    }
