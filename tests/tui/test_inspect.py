@@ -471,3 +471,18 @@ def test_failed_episodes_tab_lists_failures_and_shows_the_highlighted_ones_trace
         and {"kind", "error", "rollout_id"} <= set(columns)
     )
     assert "marker-1" in traceback and "marker-0" not in traceback
+
+
+def test_a_lora_runs_token_view_names_its_versions_adapter_versions(made_run, tmp_path):
+    root, run_id = made_run
+    shutil.copytree(Path(root, run_id), tmp_path / run_id)
+    row = json.loads((tmp_path / run_id / "run.json").read_text())
+    row["config"]["model"]["lora"] = {"rank": 8}
+    (tmp_path / run_id / "run.json").write_text(json.dumps(row))
+
+    async def script(pilot):
+        await pilot.press("2", "enter", "full_stop")
+        return str(pilot.app.screen.query_one("#side").render())
+
+    side = drive(InspectApp(str(tmp_path), run_id), script)
+    assert "adapter   0 (learner 0)" in side and "version   " not in side

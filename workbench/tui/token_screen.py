@@ -58,6 +58,9 @@ class TokenScreen(Screen):
     def __init__(self, data: RunData, step: int, rollout_id: int, segment_idx: int):
         super().__init__()
         self.data = data
+        # a LoRA run's versions are its adapter's (models/lora.py)
+        model = (data.run.get("config") or {}).get("model") or {}
+        self.version_label = "adapter" if (model.get("lora") or {}).get("rank") else "version"
         self.channel = next(iter(CHANNELS))
         self.cursor = 0
         self.open(step, rollout_id, segment_idx)
@@ -172,7 +175,8 @@ class TokenScreen(Screen):
                 f"behavior  {t['behavior_logprob']:.4f}",
                 f"train     {t['train_logprob']:.4f}",
                 f"δ         {t['train_logprob'] - t['behavior_logprob']:+.4f}",
-                f"version   {t['behavior_version']} (learner {self.segment['learner_version']})",
+                f"{self.version_label:<10}{t['behavior_version']} "
+                f"(learner {self.segment['learner_version']})",
                 f"IS weight {t['is_weight']:.4f}",
             ]
         else:
