@@ -193,9 +193,13 @@ def test_partial_rollouts_switch_adapter_versions_between_token_steps():
 def test_lora_is_refused_where_it_is_not_built():
     from workbench.config import validate
 
-    for extra, named in (("engine=vllm", "engine=torch"), ("ray.learner_workers=2", "learner")):
+    refused = {
+        ("engine=vllm", "rollout.partial=true", "gate.level=token"): "switch versions",
+        ("ray.learner_workers=2",): "sharded learner",
+    }
+    for extra, named in refused.items():
         with pytest.raises(ConfigError, match=named):
-            validate(config((), extra))
+            validate(config((), *extra))
 
 
 @pytest.mark.slow

@@ -653,11 +653,13 @@ def _refuse_missing_code(cfg) -> None:
         not cfg.model.lora.rank or _imports("peft"),
         "model.lora.rank needs peft: run `pip install 'molt-wb[lora]'`.",
     )
-    # not built yet: the vLLM engine's LoRA path (a LoRARequest per adapter version), and
-    # adapters on a sharded learner
+    # a vLLM request keeps the LoRARequest it was added with; adapters on a sharded learner are
+    # not built yet
     _need(
-        not cfg.model.lora.rank or cfg.engine.name == "torch",
-        "model.lora.rank runs on engine=torch only: the vLLM engine does not load adapters yet.",
+        not cfg.model.lora.rank or cfg.engine.name == "torch" or not cfg.rollout.partial,
+        "model.lora.rank with engine=vllm cannot take rollout.partial=true: a vLLM request keeps "
+        "the adapter it started with, so it cannot switch versions between token steps; use "
+        "engine=torch or rollout.partial=false.",
     )
     _need(
         not cfg.model.lora.rank or cfg.ray.learner_workers == 1,

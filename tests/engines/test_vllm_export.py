@@ -35,7 +35,7 @@ def test_an_exported_checkpoint_serves_on_vllm(tmp_path):
     ids = np.arange(5, 25, dtype=np.int32)
     mask = (np.arange(20) >= 10).astype(np.uint8)
     segments = [
-        Segment("export", i, 0, 0, ids, mask, np.zeros(20, np.float32), mask - 1, float(i))
+        Segment("export", i, 0, 0, ids, mask, np.zeros(20, np.float32), mask.astype(np.int32) - 1, float(i))
         for i in range(2)
     ]
     learner.train(segments)

@@ -17,6 +17,7 @@ def make_engine(cfg, model_path: str, seed: int):
             gpu_memory_utilization=engine.gpu_memory_utilization,
             check_weight_sync=engine.check_weight_sync,
             routed_experts=engine.routed_experts,
+            lora=cfg.model.lora,
         )
     from workbench.engines.torch_engine import TorchEngine
 

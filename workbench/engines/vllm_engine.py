@@ -32,6 +32,8 @@ from __future__ import annotations
 import io
 import itertools
 import os
+import shutil
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -92,6 +94,7 @@ class VllmEngine(TorchEngine):
         gpu_memory_utilization: float = 0.5,
         check_weight_sync: bool = False,
         routed_experts: bool = True,
+        lora=None,
     ):
         vision = is_vision_language(model_path)
         cpu = not torch.cuda.is_available()
@@ -109,6 +112,11 @@ class VllmEngine(TorchEngine):
         # on that thread
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="vllm")
         options = {}
+        # a LoRA policy: each pushed adapter version is a LoRARequest on the base
+        self.lora = lora if lora and lora.rank else None
+        self.lora_request = None
+        if self.lora:
+            options.update(enable_lora=True, max_lora_rank=lora.rank)
         if vision:
             options["limit_mm_per_prompt"] = {"image": 8}
         self.llm = self._call(
@@ -154,6 +162,10 @@ class VllmEngine(TorchEngine):
             return
         state_dict, version = self._pending
         self._pending = None
+        if self.lora:
+            self.lora_request = self._adapter(state_dict, version)
+            self.version = version
+            return
         weights = [(name, tensor.detach().cpu()) for name, tensor in state_dict.items()]
         stale = self._call(
             self.llm.collective_rpc, "load_policy_weights", args=(weights, self.check)
@@ -166,6 +178,25 @@ class VllmEngine(TorchEngine):
                 "model."
             )
         self.version = version
+
+    def _adapter(self, state_dict: dict, version: int):
+        """The LoRARequest of a pushed adapter version, written as a PEFT folder; the previous
+        version's folder goes (no request runs on it: pushes wait until episodes end)."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        from workbench.models.lora import peft_config
+
+        if self.lora_request is not None:
+            shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
+        folder = tempfile.mkdtemp(prefix=f"molt-wb-adapter-{version}-")
+        config = peft_config(self.lora)
+        # the modules the adapter holds ("all-linear" resolved, as vLLM reads names)
+        config.target_modules = sorted({name.split(".")[-3] for name in state_dict})
+        config.save_pretrained(folder)
+        tensors = {name: t.detach().cpu().contiguous() for name, t in state_dict.items()}
+        save_file(tensors, f"{folder}/adapter_model.safetensors")
+        return LoRARequest(f"v{version}", version + 1, folder)
 
     def _steps(
         self, prompts: list[np.ndarray], params: SamplingParams, images: list[list[bytes]]
@@ -205,7 +236,7 @@ class VllmEngine(TorchEngine):
                 inputs["multi_modal_data"] = {
                     "image": [Image.open(io.BytesIO(b)).convert("RGB") for b in images[row]]
                 }
-            engine.add_request(request_id, inputs, sampling)
+            engine.add_request(request_id, inputs, sampling, lora_request=self.lora_request)
             rows[request_id] = row
         parts = {row: ([], [], []) for row in range(len(prompts))}  # ids, logprobs, versions
         finish = {}
