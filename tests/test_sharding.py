@@ -2,6 +2,7 @@
 to the same loss and weights as one rank, and their torch.distributed checkpoint resumes on one."""
 
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -73,27 +74,23 @@ def two_steps(learner: Learner, segments, folder=None) -> dict:
     }
 
 
-def rank_main(rank, port, overrides, path, segments, folder, out):
+def rank_main(rank, jobs, out):
+    """Every case on this rank, each in its own process group (the spawn and the imports are most
+    of a case's time, so one pair of processes runs them all)."""
     torch.set_num_threads(1)
-    learner = Learner(config(overrides, 2), path, rank, ("127.0.0.1", port))
-    result = two_steps(learner, segments, folder)
+    results = {}
+    for name, port, overrides, path, segments, folder in jobs:
+        learner = Learner(config(overrides, 2), path, rank, ("127.0.0.1", port))
+        results[name] = two_steps(learner, segments, folder)
+        torch.distributed.destroy_process_group()
     if rank == 0:
-        torch.save(result, out)
+        torch.save(results, out)
 
 
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def two_ranks(tmp_path, overrides, path, segments) -> dict:
-    out = tmp_path / "rank0.pt"
-    folder = tmp_path / "checkpoint"
-    folder.mkdir()
-    arguments = (free_port(), overrides, path, segments, str(folder), str(out))
-    mp.spawn(rank_main, args=arguments, nprocs=2, join=True)
-    return torch.load(out, weights_only=False) | {"folder": folder}
 
 
 def assert_same(sharded: dict, single: dict, keys=("loss/policy", "mismatch/kl", "loss/grad_norm")):
@@ -121,15 +118,30 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> dict:
+    """Each case's segments and its two ranks' results, a checkpoint between their two steps."""
+    folder = tmp_path_factory.mktemp("ranks")
+    jobs = []
+    for name, (model, overrides) in CASES.items():
+        path = str(tiny_model_path(model))
+        checkpoint = folder / f"checkpoint-{len(jobs)}"
+        checkpoint.mkdir()
+        jobs.append((name, free_port(), overrides, path, rollout_segments(path), str(checkpoint)))
+    mp.spawn(rank_main, args=(jobs, str(folder / "rank0.pt")), nprocs=2, join=True)
+    results = torch.load(folder / "rank0.pt", weights_only=False)
+    for name, _, _, _, segments, checkpoint in jobs:
+        results[name].update(segments=segments, folder=Path(checkpoint))
+    return results
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_two_ranks_train_like_one(tmp_path, case):
+def test_two_ranks_train_like_one(sharded, case):
     model, overrides = CASES[case]
     path = str(tiny_model_path(model))
-    segments = rollout_segments(path)
     torch.set_num_threads(1)
-    single = two_steps(Learner(config(overrides, 1), path), segments)
-    sharded = two_ranks(tmp_path, overrides, path, segments)
-    assert_same(sharded, single)
+    single = two_steps(Learner(config(overrides, 1), path), sharded[case]["segments"])
+    assert_same(sharded[case], single)
     # the weights changed: the comparison is not between two untouched models
     start = Learner(config(overrides, 1), path).model.state_dict()
     assert any(not torch.equal(start[name], t) for name, t in single["weights"].items())
@@ -151,22 +163,20 @@ def test_packed_micro_batches_train_like_one_padded_batch(model, minibatches):
     assert_same(two_steps(learner, segments), padded, keys=keys)
 
 
-def test_a_checkpoint_of_two_ranks_resumes_on_one(tmp_path):
-    path = str(tiny_model_path("tiny"))
-    segments = rollout_segments(path)
-    sharded = two_ranks(tmp_path, [], path, segments)
-    folder = sharded["folder"]
+def test_a_checkpoint_of_two_ranks_resumes_on_one(sharded):
+    segments = sharded["dense"]["segments"]
+    folder = sharded["dense"]["folder"]
     assert (folder / "state" / ".metadata").exists() and (folder / "policy").is_dir()
     # built from the checkpoint's policy, then its model and optimizer state loaded
     resumed = Learner(config([], 1), str(folder / "policy"))
     resumed.load_checkpoint(str(folder))
     assert resumed.version == 1
     for name, tensor in resumed.model.state_dict().items():
-        torch.testing.assert_close(tensor, sharded["weights"][name])
+        torch.testing.assert_close(tensor, sharded["dense"]["weights"][name])
     # the optimizer's moments came along: the next step lands where the two ranks' did
     resumed.train(segments)
     for name, tensor in resumed.model.state_dict().items():
-        torch.testing.assert_close(tensor, sharded["final"][name], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(tensor, sharded["dense"]["final"][name], rtol=1e-4, atol=1e-4)
 
 
 def run_rewards(tmp_path, run_id: str, overrides: list[str]) -> tuple[list, list]:
