@@ -83,7 +83,7 @@ def train(ctx: typer.Context):
     # a resumed run (no jobs) keeps the swept values it has
     for cfg, (_, swept) in zip(configs, jobs, strict=False):
         OmegaConf.update(cfg, "run.swept", swept, merge=False)
-    from workbench import cluster, loop, run_folder
+    from workbench import cluster, loop, run_folder, summary
 
     parallel = configs[0].sweep.parallel if multirun else 1
     if multirun:
@@ -99,12 +99,7 @@ def train(ctx: typer.Context):
     def run(cfg) -> bool:
         try:
             run_id = loop.train(cfg)
-            root = f" --root {cfg.run.root}" if cfg.run.root != "runs" else ""
-            typer.echo(
-                f"run {run_id} finished: {os.path.join(cfg.run.root, run_id)}\n"
-                f"inspect it: molt-wb inspect {run_id}{root}   (or molt-wb runs{root}; "
-                f"SQL: workbench.store.open_run)"
-            )
+            typer.echo(summary.render(summary.figures(run_id, cfg.run.root), cfg.run.root))
             return True
         except ConfigError as error:
             if not multirun:
@@ -204,12 +199,23 @@ def serve(
 
 @app.command()
 def runs(
+    run_id: Optional[str] = typer.Argument(
+        None, help="A run id or a unique prefix: print its summary instead of the list."
+    ),
     root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
     limit: int = typer.Option(50, help="Show at most this many runs, newest first."),
 ):
-    """List runs: id, recipe, status, steps, mean reward, created."""
+    """List runs: id, recipe, status, steps, mean reward, created; or one run's summary: reward
+    curve, invariants, where the time went."""
+    from workbench import summary
     from workbench.store import list_runs
 
+    if run_id:
+        try:
+            typer.echo(summary.render(summary.figures(run_id, root), root))
+        except ValueError as error:
+            fail(str(error))
+        return
     table = Table("id", "recipe", "status", "steps", "reward", "created", "sweep")
     for row in list_runs(root)[:limit]:
         reward = row.get("reward_mean")

@@ -1,13 +1,22 @@
-"""What a run shows while it trains: the progress bar and the step clock's `perf/` metrics; a new
-phase timing or progress field changes here.
+"""What a run shows while it works: progress of its long pieces of work (model build, warm start,
+RL steps) and the step clock's `perf/` metrics; a new phase timing or progress field changes here.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import sys
 import time
 
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.progress import Progress as Bar
 
 
@@ -32,33 +41,79 @@ class StepClock:
         return dict(metrics, **perf)
 
 
-class Progress:
-    """A rich progress bar with step, reward and tokens/s; one line per step when not a terminal;
-    nothing when off."""
+class Task:
+    """Progress of one long piece of work (a model build, a warm start, the RL steps): a rich bar
+    with time left on a terminal, one line per `interval_s` when piped, nothing when off."""
 
-    def __init__(self, cfg):
-        self.bar = None
-        self.enabled = cfg.run.progress
+    def __init__(self, label: str, total: int, enabled: bool = True, interval_s: float = 10.0):
+        self.label = label
+        self.total = total
+        self.enabled = enabled
+        self.interval_s = interval_s
         self.done = 0
-        if self.enabled and sys.stdout.isatty():
+        self.start = time.monotonic()
+        # the first update prints at once
+        self.printed = -math.inf
+        self.bar = None
+        if enabled and sys.stdout.isatty():
             self.bar = Bar(
-                TextColumn(f"[bold]{cfg.run.id}"),
+                TextColumn(f"[bold]{label}"),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
+                TimeRemainingColumn(),
                 TextColumn("{task.fields[info]}"),
             )
-            self.task = self.bar.add_task("train", total=cfg.trainer.steps, info="")
+            self.task = self.bar.add_task(label, total=total, info="")
             self.bar.start()
 
-    def update(self, metrics: dict) -> None:
-        self.done = int(metrics["train/version"])
-        info = f"reward {metrics['reward/mean']:.3f}  {metrics['perf/tokens_per_s']:.0f} tok/s"
+    def update(self, done: int, info: str = "") -> None:
+        self.done = done
+        now = time.monotonic()
         if self.bar:
-            self.bar.update(self.task, completed=self.done, info=info)
-        elif self.enabled:
-            print(f"step {self.done}: {info}", flush=True)
+            self.bar.update(self.task, completed=done, info=info)
+        elif self.enabled and (now - self.printed >= self.interval_s or done == self.total):
+            self.printed = now
+            left = (now - self.start) / max(done, 1) * (self.total - done)
+            print(f"{self.label} {done}/{self.total}: {info}  ({left:.0f} s left)", flush=True)
 
     def close(self) -> None:
         if self.bar:
             self.bar.stop()
+
+    def __enter__(self) -> Task:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Progress(Task):
+    """The RL steps' progress: step, reward and tokens/s."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg.run.id, cfg.trainer.steps, cfg.run.progress)
+
+    def update(self, metrics: dict) -> None:
+        info = f"reward {metrics['reward/mean']:.3f}  {metrics['perf/tokens_per_s']:.0f} tok/s"
+        super().update(int(metrics["train/version"]), info)
+
+
+@contextlib.contextmanager
+def stage(label: str):
+    """A piece of work with no steps to count (a model build): a spinner on a terminal, a line
+    when it starts and one when it ends otherwise; transformers' own bars stay quiet inside."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    start = time.monotonic()
+    try:
+        if sys.stdout.isatty():
+            with Console().status(label):
+                yield
+        else:
+            print(f"{label} ...", flush=True)
+            yield
+        print(f"{label}: done in {time.monotonic() - start:.1f} s", flush=True)
+    finally:
+        logging.enable_progress_bar()

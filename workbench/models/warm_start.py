@@ -19,6 +19,7 @@ import torch
 from workbench.engines.torch_engine import load_causal_lm
 from workbench.invariants.token_identity import TokenAccumulator
 from workbench.models.multimodal import ImageCodec, forward_inputs, is_vision_language
+from workbench.progress import Task, stage
 
 
 def demonstration(
@@ -66,7 +67,8 @@ def warm_started_path(
     env = plugin.AgentRunner()
     cache: dict[tuple, tuple] = {}
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    for _ in range(steps):
+    bar = Task(f"warm start {base.name}", steps)
+    for step in range(steps):
         rows = []
         for index in rng.sample(range(len(samples)), batch):
             completion = plugin.warm_start(samples[index], rng)
@@ -93,8 +95,11 @@ def warm_started_path(
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        bar.update(step + 1, f"loss {loss.item():.3f}")
+    bar.close()
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
-    model.save_pretrained(staging)
+    with stage(f"saving {target.name}"):
+        model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     if codec is not None:
         codec.processor.save_pretrained(staging)

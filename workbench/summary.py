@@ -1,0 +1,101 @@
+"""A run's summary, printed when `molt-wb train` ends and by `molt-wb runs RUN_ID`: the reward
+curve, the three invariants' figures and where the time went, read back from the run store.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from workbench.store import open_run, resolve_run
+
+SPARKS = "▁▂▃▄▅▆▇█"
+# the first and last steps the reward rise is read over
+EDGE = 5
+
+
+def figures(run_id: str, root: str = "runs") -> dict:
+    """The summary's numbers: (step, mean reward) pairs, every metric's sum and mean over the steps
+    (`{key: (sum, mean)}`), the run row, and the wall time."""
+    folder = resolve_run(run_id, root)
+    run = json.loads((folder / "run.json").read_text())
+    rewards = []
+    totals = {}
+    # a run stopped before its first step has no metrics yet
+    if (folder / "metrics").is_dir():
+        db = open_run(folder.name, root)
+        query = "select step, value from metrics where key = 'reward/mean' order by step"
+        rewards = db.execute(query).fetchall()
+        query = "select key, sum(value), avg(value) from metrics group by key"
+        totals = {key: (total, mean) for key, total, mean in db.execute(query).fetchall()}
+    wall = run.get("updated", time.time()) - run["created"]
+    return dict(run=run, folder=str(folder), rewards=rewards, totals=totals, wall_s=wall)
+
+
+def sparkline(values: list[float], width: int = 50) -> str:
+    """Values as bars, in at most `width` characters (each the mean of its share of the
+    values)."""
+    # values per character, rounded up
+    size = max(1, -(-len(values) // width))
+    buckets = []
+    for start in range(0, len(values), size):
+        buckets.append(sum(values[start : start + size]) / len(values[start : start + size]))
+    low = min(buckets, default=0.0)
+    span = max(max(buckets, default=0.0) - low, 1e-12)
+    return "".join(SPARKS[round((value - low) / span * (len(SPARKS) - 1))] for value in buckets)
+
+
+def render(numbers: dict, root: str = "runs") -> str:
+    """The summary as lines of text."""
+    run = numbers["run"]
+    steps = [step for step, _ in numbers["rewards"]]
+    rewards = [reward for _, reward in numbers["rewards"]]
+    totals = numbers["totals"]
+
+    def mean(key: str) -> float:
+        return totals.get(key, (0.0, 0.0))[1]
+
+    def total(key: str) -> float:
+        return totals.get(key, (0.0, 0.0))[0]
+
+    wall = numbers["wall_s"]
+    lines = [
+        f"run {run['run_id']} {run.get('status')}: {run.get('steps_done', 0)}/{run.get('steps')} "
+        f"steps in {wall:.0f} s"
+    ]
+    if rewards:
+        edge = max(1, min(EDGE, len(rewards) // 2))
+        best = max(range(len(rewards)), key=rewards.__getitem__)
+        lines.append(
+            f"reward     {sparkline(rewards)}  first {edge} steps {sum(rewards[:edge]) / edge:.3f}"
+            f" -> last {edge} {sum(rewards[-edge:]) / edge:.3f}, best {rewards[best]:.3f} "
+            f"(step {steps[best]})"
+        )
+    lines.append(
+        f"identity   {total('identity/violations'):.0f} violations, "
+        f"retokenize drift {mean('identity/retokenize_drift'):.4f}"
+    )
+    lines.append(
+        f"gate       kept {mean('gate/kept_frac'):.3f}, mismatch KL {mean('mismatch/kl'):.2e}"
+    )
+    if "routing/mismatch_token_frac" in totals:
+        lines.append(
+            f"routing    tokens with a flipped route {mean('routing/mismatch_token_frac'):.4f}; "
+            f"KL with replay {mean('mismatch/kl_replay'):.2e}, "
+            f"without {mean('mismatch/kl_no_replay'):.2e}"
+        )
+    rollout = total("perf/rollout_s")
+    train = total("perf/train_s")
+    # start-up (Ray, model build, warm start), logging and shutdown
+    overhead = max(wall - rollout - train, 0.0)
+    shares = [
+        f"{name} {seconds:.1f} s ({seconds / max(wall, 1e-9):.0%})"
+        for name, seconds in (("rollout", rollout), ("train", train), ("overhead", overhead))
+    ]
+    lines.append(f"time       {', '.join(shares)}")
+    option = f" --root {root}" if root != "runs" else ""
+    lines.append(f"folder     {numbers['folder']}")
+    lines.append(
+        f"inspect    molt-wb inspect {run['run_id']}{option}   (SQL: workbench.store.open_run)"
+    )
+    return "\n".join(lines)
