@@ -34,8 +34,9 @@ def test_an_exported_checkpoint_serves_on_vllm(tmp_path):
     learner = Learner(cfg, str(tiny_model_path("tiny")))
     ids = np.arange(5, 25, dtype=np.int32)
     mask = (np.arange(20) >= 10).astype(np.uint8)
+    versions = mask.astype(np.int32) - 1
     segments = [
-        Segment("export", i, 0, 0, ids, mask, np.zeros(20, np.float32), mask.astype(np.int32) - 1, float(i))
+        Segment("export", i, 0, 0, ids, mask, np.zeros(20, np.float32), versions, float(i))
         for i in range(2)
     ]
     learner.train(segments)
