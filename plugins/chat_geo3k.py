@@ -1,5 +1,6 @@
 """The geo3k task as a ChatAgent: the stock OpenAI SDK, the diagram as an image content block,
-`python_executor` as an OpenAI tool run in the sandbox, up to `MAX_TURNS` requests per episode.
+`python_executor` as an OpenAI tool run in the sandbox (with the question's `values` and
+`final_answer`), up to `MAX_TURNS` requests per episode.
 
 It is the same task as plugins/geo3k.py (same data, grader and warm start) with the agent owning
 the loop; the loopback server behind `ctx.base_url` records every sampled token.
@@ -10,7 +11,7 @@ import json
 
 from openai import OpenAI
 
-from workbench.api import ChatAgent, ChatContext, Result, geo3k_reward, load_plugin, run_python
+from workbench.api import ChatAgent, ChatContext, Result, geo3k_reward, load_plugin
 
 geo3k = load_plugin("geo3k")
 MAX_TURNS = 3
@@ -54,9 +55,13 @@ class Geo3kChat(ChatAgent):
                 return Result(reward=reward, info=info)
             messages.append(reply.model_dump(exclude_none=True))
             for call in reply.tool_calls:
-                code = json.loads(call.function.arguments or "{}").get("code", "")
-                output = run_python(str(code), timeout_s=5.0, memory_mb=256).tool_text()
+                code = str(json.loads(call.function.arguments or "{}").get("code", ""))
+                output = geo3k.run_program(code, ctx.sample)
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
+                # the program submitted its answer with final_answer
+                graded = geo3k.grade(code, output, ctx.sample)
+                if graded is not None:
+                    return Result(reward=graded[0], info=graded[1])
         # the turn budget ran out before a final answer
         return Result(reward=0.0, truncated=True)
 

@@ -24,7 +24,7 @@ from PIL import Image
 from transformers import AutoTokenizer
 
 from workbench.algo.losses import token_logprobs
-from workbench.api import load_plugin
+from workbench.api import geo3k_reward, load_plugin
 from workbench.config import compose_config
 from workbench.data import Prompts
 from workbench.engines.base import SamplingParams
@@ -37,6 +37,7 @@ from workbench.server.loopback import LoopbackServer
 from workbench.store import open_run
 
 geo3k = load_plugin("geo3k")
+geo3k_data = load_plugin("geo3k_data")
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +132,7 @@ def test_env_runs_the_tool_in_the_sandbox_and_grades_the_answer(samples):
     env = geo3k.AgentRunner()
     sample = next(s for s in samples if s["kind"] == "triangle_angle")
     env.reset(sample)
-    code = geo3k.program(sample)
+    code = f"print({geo3k.expression(sample)})"
     call = json.dumps({"name": "python_executor", "arguments": {"code": code}})
     turn = env.step(f"Let me compute. <tool_call>{call}</tool_call>")
     assert (turn.terminated, turn.role) == (False, "tool")
@@ -152,6 +153,59 @@ def test_env_runs_the_tool_in_the_sandbox_and_grades_the_answer(samples):
     assert env.step("no idea").reward == 0.0
 
 
+@pytest.mark.parametrize("submitted, reward", [("right", 1.0), ("wrong", 0.1)])
+def test_a_program_that_calls_final_answer_ends_the_episode_graded(samples, submitted, reward):
+    env = geo3k.AgentRunner()
+    sample = next(s for s in samples if s["kind"] == "circle")
+    env.reset(sample)
+    value = geo3k.expression(sample)
+    if submitted == "wrong":
+        value = f"{value} + 1"
+    call = json.dumps({"name": "python_executor", "arguments": {"code": f"final_answer({value})"}})
+    final = env.step(f"<tool_call>{call}</tool_call>")
+    assert final.terminated and final.reward == pytest.approx(reward)
+    assert final.info["tool_calls"] == 1
+
+
+def test_each_kinds_one_expression_answers_every_problem_from_the_stated_values_alone():
+    """Run in the sandbox after the prelude, a kind's one expression answers every problem of the
+    kind: the question's numbers come in `values`, the code copies none of them."""
+    samples = geo3k.make_dataset(20, 11)
+    assert {s["kind"] for s in samples} == set(geo3k_data.KINDS)
+    for sample in samples:
+        code = f"final_answer({geo3k.expression(sample)})"
+        assert not any(str(v) in code for v in geo3k.stated_values(sample) if v > 2)
+        submitted = geo3k.run_program(code, sample)
+        assert submitted == geo3k.printed(code, sample) + "\n"
+        assert geo3k.grade(code, submitted, sample)[0] == pytest.approx(1.0)
+
+
+def test_values_are_the_numbers_the_question_states():
+    for sample in geo3k.make_dataset(10, 2):
+        drawn = [v for v in sample["values"].values() if isinstance(v, int)]
+        assert geo3k.stated_values(sample) == drawn
+
+
+def test_the_teacher_submits_with_the_tool_always_rightly_and_else_answers_wrongly():
+    samples = geo3k.make_dataset(50, 5)
+    rng = random.Random(0)
+    tool_episodes = 0
+    for sample in samples * 4:
+        episode = geo3k.warm_start(sample, rng)
+        if isinstance(episode, list):
+            tool_episodes += 1
+            # looks at the value, then submits it
+            env = geo3k.AgentRunner()
+            env.reset(sample)
+            looked = env.step(episode[0]["content"])
+            assert looked.observation == episode[1]["content"]
+            assert env.step(episode[2]["content"]).reward == pytest.approx(1.0)
+        else:
+            reward, _ = geo3k_reward(episode, sample["answer"], sample["choices"])
+            assert reward == pytest.approx(0.1)  # the format only
+    assert tool_episodes / 200 == pytest.approx(geo3k.TOOL_SHARE, abs=0.05)
+
+
 def test_warm_start_demonstrates_tool_episodes_token_exactly(vl_path, samples):
     tokenizer = AutoTokenizer.from_pretrained(vl_path)
     codec = ImageCodec(vl_path)
@@ -166,7 +220,8 @@ def test_warm_start_demonstrates_tool_episodes_token_exactly(vl_path, samples):
         tool_episode,
     )
     trained = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
-    assert "<tool_call>" in trained and "<answer>" in trained
+    # both calls, the look and the submission, are targets
+    assert trained.count("<tool_call>") == 2 and "final_answer(" in trained
     # the tool's output is context, not a target
     assert "<tool_response>" not in trained
     assert len(images) == 1 and sum(1 for i in ids if i == codec.placeholder_id) == 16

@@ -62,20 +62,19 @@ def test_the_summary_figures_are_what_sql_on_the_run_store_gives(run):
         "select step, value from metrics where key = 'reward/mean' order by step"
     ).fetchall()
     assert numbers["rewards"] == rewards and len(rewards) == 6
-    totals = numbers["totals"]
-    assert totals["identity/violations"][0] == sql(
+    assert numbers["sums"]["identity/violations"] == sql(
         "select sum(value) from metrics where key = 'identity/violations'"
     )
     for key in ("identity/retokenize_drift", "gate/kept_frac", "mismatch/kl"):
         expected = sql(f"select avg(value) from metrics where key = '{key}'")
-        assert totals[key][1] == pytest.approx(expected)
+        assert numbers["means"][key] == pytest.approx(expected)
     for key in ("perf/rollout_s", "perf/train_s"):
         expected = sql(f"select sum(value) from metrics where key = '{key}'")
-        assert totals[key][0] == pytest.approx(expected) and expected > 0
+        assert numbers["sums"][key] == pytest.approx(expected) and expected > 0
     wall = sql("select updated - created from runs")
     assert numbers["wall_s"] == pytest.approx(wall)
     # a dense policy has no routes
-    assert "routing/mismatch_token_frac" not in totals
+    assert "routing/mismatch_token_frac" not in numbers["means"]
 
 
 def test_the_summary_shows_curve_invariants_time_folder_and_inspect_command(run):
@@ -84,21 +83,21 @@ def test_the_summary_shows_curve_invariants_time_folder_and_inspect_command(run)
     rewards = [reward for _, reward in numbers["rewards"]]
     text = render(numbers, root)
     best = max(rewards)
-    rollout = numbers["totals"]["perf/rollout_s"][0]
+    rollout = numbers["sums"]["perf/rollout_s"]
     for shown in (
         "run summed finished: 6/6 steps",
         sparkline(rewards),
         f"first 3 steps {sum(rewards[:3]) / 3:.3f} -> last 3 {sum(rewards[3:]) / 3:.3f}",
         f"best {best:.3f} (step {rewards.index(best)})",
         "0 violations, retokenize drift",
-        f"kept {numbers['totals']['gate/kept_frac'][1]:.3f}",
+        f"kept {numbers['means']['gate/kept_frac']:.3f}",
         f"rollout {rollout:.1f} s",
         f"folder     {numbers['folder']}",
         f"molt-wb inspect summed --root {root}",
     ):
         assert shown in text
     # overhead: the wall time outside rollout and train
-    train = numbers["totals"]["perf/train_s"][0]
+    train = numbers["sums"]["perf/train_s"]
     assert f"overhead {numbers['wall_s'] - rollout - train:.1f} s" in text
     # printed at the end of `molt-wb train` and by `molt-wb runs RUN_ID` (a prefix is enough)
     assert text in train_output

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import defaultdict
 
 from workbench.store import open_run, resolve_run
 
@@ -15,21 +16,26 @@ EDGE = 5
 
 
 def figures(run_id: str, root: str = "runs") -> dict:
-    """The summary's numbers: (step, mean reward) pairs, every metric's sum and mean over the steps
-    (`{key: (sum, mean)}`), the run row, and the wall time."""
+    """The summary's numbers: (step, mean reward) pairs, every metric's sum and mean over the steps,
+    the run row, and the wall time."""
     folder = resolve_run(run_id, root)
     run = json.loads((folder / "run.json").read_text())
     rewards = []
-    totals = {}
+    # a metric a run never logged reads 0
+    sums = defaultdict(float)
+    means = defaultdict(float)
     # a run stopped before its first step has no metrics yet
     if (folder / "metrics").is_dir():
         db = open_run(folder.name, root)
         query = "select step, value from metrics where key = 'reward/mean' order by step"
         rewards = db.execute(query).fetchall()
-        query = "select key, sum(value), avg(value) from metrics group by key"
-        totals = {key: (total, mean) for key, total, mean in db.execute(query).fetchall()}
+        for key, total, mean in db.execute(
+            "select key, sum(value), avg(value) from metrics group by key"
+        ).fetchall():
+            sums[key] = total
+            means[key] = mean
     wall = run.get("updated", time.time()) - run["created"]
-    return dict(run=run, folder=str(folder), rewards=rewards, totals=totals, wall_s=wall)
+    return dict(run=run, folder=str(folder), rewards=rewards, sums=sums, means=means, wall_s=wall)
 
 
 def sparkline(values: list[float], width: int = 50) -> str:
@@ -50,14 +56,8 @@ def render(numbers: dict, root: str = "runs") -> str:
     run = numbers["run"]
     steps = [step for step, _ in numbers["rewards"]]
     rewards = [reward for _, reward in numbers["rewards"]]
-    totals = numbers["totals"]
-
-    def mean(key: str) -> float:
-        return totals.get(key, (0.0, 0.0))[1]
-
-    def total(key: str) -> float:
-        return totals.get(key, (0.0, 0.0))[0]
-
+    sums = numbers["sums"]
+    means = numbers["means"]
     wall = numbers["wall_s"]
     lines = [
         f"run {run['run_id']} {run.get('status')}: {run.get('steps_done', 0)}/{run.get('steps')} "
@@ -72,20 +72,20 @@ def render(numbers: dict, root: str = "runs") -> str:
             f"(step {steps[best]})"
         )
     lines.append(
-        f"identity   {total('identity/violations'):.0f} violations, "
-        f"retokenize drift {mean('identity/retokenize_drift'):.4f}"
+        f"identity   {sums['identity/violations']:.0f} violations, "
+        f"retokenize drift {means['identity/retokenize_drift']:.4f}"
     )
     lines.append(
-        f"gate       kept {mean('gate/kept_frac'):.3f}, mismatch KL {mean('mismatch/kl'):.2e}"
+        f"gate       kept {means['gate/kept_frac']:.3f}, mismatch KL {means['mismatch/kl']:.2e}"
     )
-    if "routing/mismatch_token_frac" in totals:
+    if "routing/mismatch_token_frac" in means:
         lines.append(
-            f"routing    tokens with a flipped route {mean('routing/mismatch_token_frac'):.4f}; "
-            f"KL with replay {mean('mismatch/kl_replay'):.2e}, "
-            f"without {mean('mismatch/kl_no_replay'):.2e}"
+            f"routing    tokens with a flipped route {means['routing/mismatch_token_frac']:.4f}; "
+            f"KL with replay {means['mismatch/kl_replay']:.2e}, "
+            f"without {means['mismatch/kl_no_replay']:.2e}"
         )
-    rollout = total("perf/rollout_s")
-    train = total("perf/train_s")
+    rollout = sums["perf/rollout_s"]
+    train = sums["perf/train_s"]
     # start-up (Ray, model build, warm start), logging and shutdown
     overhead = max(wall - rollout - train, 0.0)
     shares = [
