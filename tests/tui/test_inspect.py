@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
@@ -17,12 +18,13 @@ from textual.widgets import DataTable  # noqa: E402
 
 from workbench import cli  # noqa: E402
 from workbench.store import open_run  # noqa: E402
-from workbench.store.schema import FAILED_EPISODES  # noqa: E402
+from workbench.store.schema import FAILED_EPISODES, METRICS  # noqa: E402
 from workbench.tui import data as tui_data  # noqa: E402
 from workbench.tui.app import InspectApp  # noqa: E402
+from workbench.tui.channels import CHANNELS  # noqa: E402
 from workbench.tui.data import Filter  # noqa: E402
 from workbench.tui.run_screen import RunScreen  # noqa: E402
-from workbench.tui.token_screen import TokenScreen  # noqa: E402
+from workbench.tui.token_screen import SegmentImage, TokenScreen  # noqa: E402
 
 # the shared fixture trains a run first
 pytestmark = pytest.mark.slow
@@ -207,6 +209,8 @@ def test_token_view_shows_pieces_values_and_colours_of_a_known_segment(made_run)
         seen["version_channel"] = screen.channel
         seen["version_styles"] = screen.token_styles()
         seen["legend"] = screen_text(pilot.app).splitlines()[1]
+        seen["image panel"] = screen.query_one("#images").display
+        seen["images"] = list(screen.query(SegmentImage))
         await pilot.press("escape")
         seen["back"] = pilot.app.screen
         return seen
@@ -240,7 +244,52 @@ def test_token_view_shows_pieces_values_and_colours_of_a_known_segment(made_run)
     assert seen["version_channel"] == "version"
     assert seen["version_styles"][first_sampled] == "green"
     assert "channel version" in seen["legend"] and "on-policy" in seen["legend"]
+    # a text-only segment: no image panel
+    assert seen["image panel"] is False and seen["images"] == []
     assert isinstance(seen["back"], RunScreen)
+
+
+def cell(strips, x: int, y: int):
+    """The one segment drawn at cell (x, y) of a screen's strips."""
+    (segment,) = list(strips[y].crop(x, x + 1))
+    return segment
+
+
+def test_a_vision_language_segment_shows_its_own_image_in_cells_of_the_images_colours(
+    painted_vl_run,
+):
+    root, run_id, quadrants = painted_vl_run
+    step, rollout, segment, images = (
+        open_run(run_id, root)
+        .execute(
+            "select step, rollout_id, segment_idx, images from segments "
+            "order by step, rollout_id limit 1"
+        )
+        .fetchone()
+    )
+
+    async def script(pilot):
+        await pilot.press("2", "enter")
+        await pilot.pause()
+        screen = pilot.app.screen
+        widgets = [(widget.image, widget.content_region) for widget in screen.query(SegmentImage)]
+        strips = screen._compositor.render_strips()
+        return screen.segment_key, widgets, strips
+
+    key, widgets, strips = drive(InspectApp(root, run_id), script)
+    assert key == (step, rollout, segment) and len(images) == 1
+    ((image, area),) = widgets
+    assert Path(image) == Path(root, run_id, "images", images[0]).resolve()
+    # headless, textual-image would draw grey shades: half-block cells instead
+    assert area.width >= 20 and area.height >= 10
+    rows = [strip.crop(area.x, area.right).text for strip in strips[area.y : area.bottom]]
+    assert rows == ["▀" * area.width] * area.height
+    # the middle of each quadrant: both halves of the cell in that quadrant's colour
+    for index, colour in enumerate(quadrants):
+        x = area.x + area.width * (1 + 2 * (index % 2)) // 4
+        y = area.y + area.height * (1 + 2 * (index // 2)) // 4
+        style = cell(strips, x, y).style
+        assert style.color.triplet == style.bgcolor.triplet == colour, (index, x, y)
 
 
 def test_a_stale_segment_is_coloured_by_version_and_gate_and_request_rows_jump_to_their_segment(
@@ -486,3 +535,81 @@ def test_a_lora_runs_token_view_names_its_versions_adapter_versions(made_run, tm
 
     side = drive(InspectApp(str(tmp_path), run_id), script)
     assert "adapter   0 (learner 0)" in side and "version   " not in side
+
+
+def rewrite(folder: Path, table: str, change) -> None:
+    """Rewrite every shard of one table of a run folder through `change(pyarrow table)`."""
+    for shard in sorted((folder / table).glob("*.parquet")):
+        pq.write_table(change(pq.read_table(shard)), shard)
+
+
+def without_entropy(table: pa.Table) -> pa.Table:
+    return table.drop_columns([name for name in table.column_names if name == "entropy"])
+
+
+# one entropy per bin of the channel, by position: green, yellow, dark_orange, red
+ENTROPIES = (0.05, 0.3, 1.0, 2.0)
+BINS = ("green", "yellow", "dark_orange", "red")
+
+
+def test_the_entropy_channel_and_plot_show_stored_entropies_and_a_run_stored_without_them(
+    made_run, tmp_path
+):
+    root, run_id = made_run
+    scored = tmp_path / "scored" / run_id
+    old = tmp_path / "old" / run_id
+    shutil.copytree(Path(root, run_id), scored)
+    shutil.copytree(Path(root, run_id), old)
+
+    def by_position(table: pa.Table) -> pa.Table:
+        values = [ENTROPIES[position % 4] for position in table["position"].to_pylist()]
+        return without_entropy(table).append_column("entropy", pa.array(values, pa.float32()))
+
+    rewrite(scored, "tokens", by_position)
+    metrics = {
+        "run_id": [run_id] * 3,
+        "step": [0, 1, 2],
+        "key": ["policy/entropy"] * 3,
+        "value": [0.9, 0.7, 0.4],
+        "time": [0.0] * 3,
+    }
+    pq.write_table(pa.table(metrics, schema=METRICS), scored / "metrics" / "part-999999.parquet")
+    # the run as stored before the column and the metric existed
+    rewrite(old, "tokens", without_entropy)
+    rewrite(
+        old, "metrics", lambda table: table.filter(pc.not_equal(table["key"], "policy/entropy"))
+    )
+
+    async def script(pilot):
+        plot = pilot.app.screen.query_one("#plot-policy-entropy").plt.monitor
+        seen = {"title": plot.title, "curve": plot.y}
+        await pilot.press("2", "enter", "full_stop")
+        screen = pilot.app.screen
+        for _ in range(list(CHANNELS).index("entropy")):
+            await pilot.press("c")
+        seen["channel"] = screen.channel
+        seen["legend"] = screen_text(pilot.app).splitlines()[1]
+        seen["styles"] = screen.token_styles()
+        seen["sampled"] = [t["position"] for t in screen.tokens if t["loss_mask"]]
+        seen["cursor"] = screen.cursor
+        seen["side"] = str(screen.query_one("#side").render())
+        return seen
+
+    seen = drive(InspectApp(str(scored.parent), run_id), script)
+    curve = open_run(run_id, str(scored.parent)).execute(
+        "select avg(value) from metrics where key = 'policy/entropy' group by step order by step"
+    )
+    assert seen["title"] == "policy/entropy" and seen["curve"] == [[v for (v,) in curve.fetchall()]]
+    assert seen["channel"] == "entropy" and "≥1.5 nats" in seen["legend"]
+    # each sampled token in its entropy's bin, by hand; the rest dim
+    sampled = seen["sampled"]
+    assert len({position % 4 for position in sampled}) == 4
+    assert [seen["styles"][p] for p in sampled] == [BINS[p % 4] for p in sampled]
+    assert seen["styles"][0] == "dim"
+    assert f"entropy   {ENTROPIES[seen['cursor'] % 4]:.4f}" in seen["side"]
+
+    seen = drive(InspectApp(str(old.parent), run_id), script)
+    assert seen["title"] == "policy/entropy (not recorded)"
+    # opens; its sampled tokens grey under the channel, no entropy in the side panel
+    assert {seen["styles"][p] for p in seen["sampled"]} == {"grey50"}
+    assert "IS weight" in seen["side"] and "entropy" not in seen["side"]

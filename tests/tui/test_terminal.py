@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +21,58 @@ pytestmark = [
 ]
 
 
-def test_the_token_view_in_tmux_shows_a_known_segments_text(made_run, tmp_path):
+class Terminal:
+    """`molt-wb inspect` in a detached tmux session of 100x30: keys go in, the pane comes back."""
+
+    def __init__(self, socket: Path):
+        self.tmux = ["tmux", "-S", str(socket)]
+
+    def start(self, run_id: str, root: str, *env: str) -> None:
+        command = " ".join(
+            shlex.quote(a)
+            for a in [
+                "env",
+                f"MOLT_WB_CACHE={os.environ['MOLT_WB_CACHE']}",
+                *env,
+                sys.executable,
+                "-m",
+                "workbench.cli",
+                "inspect",
+                run_id,
+                "--root",
+                root,
+            ]
+        )
+        subprocess.run(
+            [*self.tmux, "new-session", "-d", "-s", "tui", "-x", "100", "-y", "30", command],
+            check=True,
+        )
+
+    def keys(self, *keys: str) -> None:
+        subprocess.run([*self.tmux, "send-keys", "-t", "tui", *keys], check=True)
+
+    def pane(self, *needles: str, escapes: bool = False, timeout: float = 60.0) -> str:
+        """The pane's text (with its colours' escape sequences if `escapes`) once it shows every
+        needle, or at the timeout."""
+        flags = ["-p", "-e"] if escapes else ["-p"]
+        deadline = time.monotonic() + timeout
+        while True:
+            pane = subprocess.run(
+                [*self.tmux, "capture-pane", *flags, "-t", "tui"], capture_output=True, text=True
+            ).stdout
+            if all(n in pane for n in needles) or time.monotonic() > deadline:
+                return pane
+            time.sleep(0.2)
+
+
+@pytest.fixture
+def terminal(tmp_path):
+    terminal = Terminal(tmp_path / "tmux.sock")
+    yield terminal
+    subprocess.run([*terminal.tmux, "kill-server"], capture_output=True)
+
+
+def test_the_token_view_in_tmux_shows_a_known_segments_text(made_run, terminal):
     root, run_id = made_run
     prompt, response = (
         open_run(run_id, root)
@@ -30,43 +82,33 @@ def test_the_token_view_in_tmux_shows_a_known_segments_text(made_run, tmp_path):
         .fetchone()
     )
     question = prompt.split("\n")[1].split("<")[0]  # e.g. "What is 1 + 3?"
-    tmux = ["tmux", "-S", str(tmp_path / "tmux.sock")]
-    command = " ".join(
-        shlex.quote(a)
-        for a in [
-            "env",
-            f"MOLT_WB_CACHE={os.environ['MOLT_WB_CACHE']}",
-            sys.executable,
-            "-m",
-            "workbench.cli",
-            "inspect",
-            run_id[:-2],
-            "--root",
-            root,
-        ]
-    )
-    subprocess.run(
-        [*tmux, "new-session", "-d", "-s", "tui", "-x", "100", "-y", "30", command], check=True
-    )
+    terminal.start(run_id[:-2], root)
+    assert f"run {run_id}" in terminal.pane(f"run {run_id}", "2 Segments")
+    terminal.keys("2")
+    assert "rollout_id" in terminal.pane("rollout_id", "rows 1-")
+    terminal.keys("Enter")
+    pane = terminal.pane("channel", question)
+    assert "channel behavior logprob" in pane and f"{question}<|im_end|>↵" in pane
+    assert "<|im_start|>user↵" in pane and "token 1/" in pane
+    terminal.keys("q")
 
-    def pane_once(*needles: str, timeout: float = 60.0) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            pane = subprocess.run(
-                [*tmux, "capture-pane", "-p", "-t", "tui"], capture_output=True, text=True
-            ).stdout
-            if all(n in pane for n in needles) or time.monotonic() > deadline:
-                return pane
-            time.sleep(0.2)
 
-    try:
-        assert f"run {run_id}" in pane_once(f"run {run_id}", "2 Segments")
-        subprocess.run([*tmux, "send-keys", "-t", "tui", "2"], check=True)
-        assert "rollout_id" in pane_once("rollout_id", "rows 1-")
-        subprocess.run([*tmux, "send-keys", "-t", "tui", "Enter"], check=True)
-        pane = pane_once("channel", question)
-        assert "channel behavior logprob" in pane and f"{question}<|im_end|>↵" in pane
-        assert "<|im_start|>user↵" in pane and "token 1/" in pane
-        subprocess.run([*tmux, "send-keys", "-t", "tui", "q"], check=True)
-    finally:
-        subprocess.run([*tmux, "kill-server"], capture_output=True)
+def test_the_token_view_in_tmux_draws_a_segments_image_in_half_block_cells(
+    painted_vl_run, terminal
+):
+    root, run_id, quadrants = painted_vl_run
+    # half-block cells even in a tmux built with sixel (3.4 on Debian), in 24-bit colour
+    terminal.start(run_id, root, "MOLT_WB_IMAGES=cells", "COLORTERM=truecolor")
+    terminal.pane(f"run {run_id}", "2 Segments")
+    terminal.keys("2")
+    terminal.pane("rollout_id", "rows 1-")
+    terminal.keys("Enter")
+    pane = terminal.pane("channel", "▀" * 20)
+    image_rows = [line for line in pane.splitlines() if line.rstrip().endswith("▀" * 20)]
+    assert len(image_rows) >= 10 and "images: " in pane
+    coloured = terminal.pane(escapes=True)
+    for red, green, blue in quadrants:
+        colour = f"{red};{green};{blue}m"
+        # a cell whose upper and lower halves are both the quadrant's colour
+        assert f"\x1b[38;2;{colour}\x1b[48;2;{colour}▀" in coloured, colour
+    terminal.keys("q")

@@ -24,7 +24,8 @@ segments: enter token view · / filter · d only dropped · m only mismatches
           o or a click on a header: sort · ] [ next/previous page
           filter words: dropped  mismatch  reward>=0.5  reward<1  any text
 token:    ← → token · home end · . next sampled · c channel · n p segment
-          prompt/env tokens dim; ▸ ◂ a sampled turn; ▣ image
+          prompt/env tokens dim; ▸ ◂ a sampled turn; ▣ image (drawn under
+          the values; in half-block cells where MOLT_WB_IMAGES is cells)
 everywhere: ? help · q quit"""
 
 
@@ -43,7 +44,10 @@ class InspectApp(App):
     .plot { height: 12; }
     #legend { height: auto; max-height: 3; }
     #failures-traceback { height: auto; max-height: 12; border-top: solid $accent; }
-    #side { width: 30; border-left: solid $accent; padding: 0 1; }
+    #side-column { width: 30; border-left: solid $accent; }
+    #side { height: auto; padding: 0 1; }
+    #images { padding: 0 1; }
+    #images > * { width: auto; height: auto; }
     #help { width: 80; height: auto; border: thick $accent; background: $surface; padding: 1 2; }
     Help { align: center middle; }
     """

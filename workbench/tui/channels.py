@@ -44,10 +44,23 @@ CHANNELS = {
         lambda t: len(t["mismatched_layers"]),
         [(0.5, "green", "same experts"), (math.inf, "red", "mismatch")],
     ),
+    # the learner's entropy of the distribution the token was drawn from, in nats
+    "entropy": (
+        lambda t: t["entropy"],
+        [
+            (0.1, "green", "H<.1"),
+            (0.5, "yellow", "<.5"),
+            (1.5, "dark_orange", "<1.5"),
+            (math.inf, "red", "≥1.5 nats"),
+        ],
+    ),
 }
 
 
 def colour(channel: str, token: dict) -> str:
     value_of, bins = CHANNELS[channel]
     value = value_of(token)
+    if value is None:
+        # not stored: a run older than its column, or a token no learner scored
+        return "grey50"
     return next(c for bound, c, _ in bins if value < bound)

@@ -21,6 +21,7 @@ PAGE = 200
 PLOTS = (
     "reward/mean",
     "loss/policy",
+    "policy/entropy",
     "gate/kept_frac",
     "mismatch/kl",
     "routing/mismatch_token_frac",
@@ -214,10 +215,18 @@ class RunData:
             rollout_id,
         )
 
+    def columns(self, table: str) -> set[str]:
+        """The column names of one table (a run stored by older code may lack some)."""
+        return {d[0] for d in self.db.execute(f"select * from {table} limit 0").description}
+
     def tokens(self, step: int, rollout_id: int, segment_idx: int) -> list[tuple]:
+        entropy = "entropy"
+        if entropy not in self.columns("tokens"):
+            # a run stored before the column
+            entropy = "null"
         return self.rows(
             "select position, token_id, loss_mask, behavior_logprob, train_logprob, "
-            "behavior_version, is_weight "
+            f"behavior_version, is_weight, {entropy} "
             "from tokens where step = ? and rollout_id = ? and segment_idx = ? order by position",
             step,
             rollout_id,

@@ -2,21 +2,35 @@
 side panel with the values of the token under the cursor.
 
 Prompt and environment tokens are dim; ▸ ◂ mark a sampled turn, ▣ an image. The channels are in
-`channels.py`.
+`channels.py`. A vision-language segment's images are drawn under the side panel by textual-image.
 """
 
 from __future__ import annotations
 
+import os
+
+import textual_image.renderable
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, VerticalScroll
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
+from textual_image.widget import HalfcellImage, Image
 
 from workbench.invariants.token_identity import FORCED_VERSION
 from workbench.tui.channels import CHANNELS, colour
 from workbench.tui.data import RunData
+
+# textual-image draws with sixel or the kitty protocol where the terminal answers for one, else in
+# half-block cells; off a terminal (headless) it would draw grey shades. Half-block cells there, and
+# on MOLT_WB_IMAGES=cells: a tmux built with sixel claims it where the terminal outside has none
+SegmentImage = Image
+if (
+    os.environ.get("MOLT_WB_IMAGES") == "cells"
+    or textual_image.renderable.Image is textual_image.renderable.UnicodeImage
+):
+    SegmentImage = HalfcellImage
 
 TOKEN_FIELDS = (
     "position",
@@ -26,6 +40,7 @@ TOKEN_FIELDS = (
     "train_logprob",
     "behavior_version",
     "is_weight",
+    "entropy",
 )
 
 
@@ -91,11 +106,24 @@ class TokenScreen(Screen):
         with Horizontal():
             with VerticalScroll(id="tokens-scroll", can_focus=False):
                 yield Static(id="tokens")
-            yield Static(id="side")
+            with Vertical(id="side-column"):
+                yield Static(id="side")
+                yield VerticalScroll(id="images", can_focus=False)
         yield Footer()
 
     def on_mount(self) -> None:
         self.render_all()
+        self.show_images()
+
+    def show_images(self) -> None:
+        """The segment's image files under the side panel; no panel for a segment without."""
+        panel = self.query_one("#images", VerticalScroll)
+        panel.remove_children()
+        files = [self.data.folder / "images" / name for name in self.segment["images"]]
+        # a run folder copied without its images still opens
+        files = [path for path in files if path.exists()]
+        panel.display = bool(files)
+        panel.mount_all(SegmentImage(path) for path in files)
 
     def token_styles(self) -> list[str]:
         """The style of every token under the current channel (the cursor's not included)."""
@@ -179,6 +207,8 @@ class TokenScreen(Screen):
                 f"(learner {self.segment['learner_version']})",
                 f"IS weight {t['is_weight']:.4f}",
             ]
+            if t["entropy"] is not None:
+                lines.append(f"entropy   {t['entropy']:.4f}")
         else:
             lines.append(f"train     {t['train_logprob']:.4f}")
         if self.route_layers:
@@ -219,6 +249,7 @@ class TokenScreen(Screen):
                 self.rollout_segments[index][1],
             )
             self.render_all()
+            self.show_images()
 
 
 def _kind(token: dict) -> str:
