@@ -110,13 +110,16 @@ def routing_table_rows(segments: list[Segment], routing: dict) -> list[dict]:
     return rows
 
 
-def batch_metrics(segments: list[Segment], batch: dict, old_logprob: torch.Tensor) -> dict:
-    """Rewards, sizes and the rollout-learner mismatch of one batch."""
+def batch_metrics(
+    segments: list[Segment], batch: dict, old_logprob: torch.Tensor, entropy: torch.Tensor | None
+) -> dict:
+    """Rewards, sizes, the rollout-learner mismatch of one batch and, where the learner computed
+    it, the mean entropy of its sampled tokens."""
     mask = batch["loss_mask"]
     lengths = batch["attention_mask"].sum(-1)
     sampled = mask.sum(-1).float()
     abs_logprob_diff = (old_logprob - batch["behavior_logprob"]).abs() * mask
-    return {
+    metrics = {
         "reward/mean": float(batch["rewards"].mean()),
         "reward/std": float(batch["rewards"].std(correction=0)),
         "rollout/segments": float(len(segments)),
@@ -126,6 +129,9 @@ def batch_metrics(segments: list[Segment], batch: dict, old_logprob: torch.Tenso
         "mismatch/kl": float(approx_kl(batch["behavior_logprob"], old_logprob, mask, "k3")),
         "mismatch/max_abs_logprob_diff": float(abs_logprob_diff.max()),
     }
+    if entropy is not None:
+        metrics["policy/entropy"] = float(masked_mean(entropy, mask))
+    return metrics
 
 
 def rows_of(batch: dict, rows: torch.Tensor) -> dict:
@@ -162,14 +168,16 @@ def store_rows(
     advantages: torch.Tensor,
     consumed_at: int,
     routing_rows: list[dict],
+    entropy: torch.Tensor | None = None,
 ) -> dict:
-    """What the run store keeps of one batch: per-token log-probs and IS weights, each segment's
-    advantage and gate decision, the learner version that consumed it and the routing table."""
+    """What the run store keeps of one batch: per-token log-probs, IS weights and entropies (where
+    computed), each segment's advantage and gate decision, the learner version that consumed it
+    and the routing table."""
     # right-padded: each segment's tokens in order, segment after segment
     real = batch["attention_mask"].bool()
     if advantages.dim() == 2:
         advantages = masked_mean(advantages, batch["loss_mask"], dim=-1)
-    return {
+    rows = {
         "train_logprob": [old_logprob[real].numpy()],
         "is_weight": [gate.token_weight[real].numpy()],
         "advantage": advantages.tolist(),
@@ -184,3 +192,6 @@ def store_rows(
             "tokens_masked": gate.tokens_masked.tolist(),
         },
     }
+    if entropy is not None:
+        rows["entropy"] = [entropy[real].numpy()]
+    return rows

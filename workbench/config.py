@@ -141,6 +141,9 @@ class AlgoConfig:
     policy (0 = none)."""
     kl_estimator: str = "k3"
     """Estimator of that KL from the policy's samples: k1 | k2 | k3 (Schulman)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss less entropy_coef times the mean entropy of the policy's
+    distributions at the loss's tokens (0 = none, and no entropy gradient is built)."""
     filter_uniform_groups: bool = False
     """Dynamic filtering: drop groups whose rewards are all equal (no relative signal) from the
     loss."""
@@ -170,6 +173,15 @@ class GateConfig:
     limit)."""
     token_cap: float | None = None
     """seq/geo: cap on the per-token weights e^δ of kept sequences (null = uncapped)."""
+    token_band: list[float] | None = None
+    """seq/geo: [low, high] per token; kept sequences' tokens outside it get weight 0 (a token
+    mask under the sequence filter; null = none)."""
+    veto: float | None = None
+    """Drop a sequence holding any sampled token whose ratio lies outside [1/veto, veto] (reason
+    `veto`), at every level; null = none."""
+    bypass: bool = False
+    """Take the behavior log-probs as π_old and skip its forward; on-policy runs only (refused
+    with trainer.async_depth > 0, rollout.partial or a stale sequence)."""
     denominator: str = "all"
     """Token-mean denominator: all (rejected tokens stay: a mostly-rejected batch moves the policy
     less) | kept."""
@@ -471,6 +483,13 @@ def _refuse_unsafe_combinations(cfg) -> None:
     """Combinations that would train silently wrong; each comment says why."""
     algo = cfg.algo
     gate = cfg.gate
+    # bypass: π_old is the behavior log-prob itself, and that is π_old only while the batch is
+    # the learner's current policy's own sample
+    _need(
+        not gate.bypass or (cfg.trainer.async_depth == 0 and not cfg.rollout.partial),
+        "gate.bypass takes the behavior log-probs as π_old, which they are only on-policy: set "
+        "trainer.async_depth=0 and rollout.partial=false, or gate.bypass=false.",
+    )
     # the loss takes ratios against π_old, not the older policy that sampled: nothing corrects it
     _need(
         gate.level != "off" or (cfg.trainer.async_depth == 0 and not cfg.rollout.partial),
@@ -479,7 +498,7 @@ def _refuse_unsafe_combinations(cfg) -> None:
     )
     # top-p samples from a truncated, renormalised softmax; the learner recomputes the full one
     _need(
-        gate.level == "off" or cfg.engine.top_p >= 1,
+        (gate.level == "off" and gate.veto is None and not gate.bypass) or cfg.engine.top_p >= 1,
         "engine.top_p < 1 gives behavior log-probs the learner cannot recompute, so the gate would "
         "misjudge every token: set engine.top_p=1.",
     )
@@ -488,6 +507,20 @@ def _refuse_unsafe_combinations(cfg) -> None:
         gate.mode == "mask" or gate.level not in ("seq", "geo"),
         f"gate.level={gate.level} is a rejection filter: set gate.mode=mask (clip and trunc are "
         f"for gate.level=token).",
+    )
+    # token_band acts under a sequence filter only: elsewhere it would be silently ignored
+    _need(
+        gate.token_band is None or gate.level in ("seq", "geo"),
+        "gate.token_band masks tokens under gate.level=seq or geo: at gate.level=token use "
+        "gate.mode=mask with gate.band.",
+    )
+    # accumulated micro-batches hold every other row at its π_old log-prob and have no entropy
+    # with a gradient for those rows: the bonus would be silently wrong
+    _need(
+        not (algo.entropy_coef and cfg.trainer.max_tokens_per_microbatch),
+        "algo.entropy_coef needs the entropy of the whole training forward, which packed "
+        "micro-batches do not hold: set trainer.max_tokens_per_microbatch=0 or "
+        "algo.entropy_coef=0.",
     )
     # a group of one has no baseline: group-relative estimators give it advantage 0, nothing learns
     estimator = ADVANTAGES.get(algo.advantage)
@@ -584,6 +617,12 @@ def _refuse_out_of_range(cfg) -> None:
         len(gate.band) == 2 and 0 <= gate.band[0] <= gate.band[1],
         f"gate.band={list(gate.band)} must be [low, high] with 0 <= low <= high.",
     )
+    token_band = gate.token_band or [0, 0]
+    _need(
+        len(token_band) == 2 and 0 <= token_band[0] <= token_band[1],
+        f"gate.token_band={list(token_band)} must be [low, high] with 0 <= low <= high.",
+    )
+    _need(gate.veto is None or gate.veto > 1, "gate.veto must be a ratio above 1 (or null).")
     _need(
         cfg.trainer.checkpoint_every >= 0 and cfg.trainer.keep_checkpoints >= 1,
         "trainer.checkpoint_every must be 0 (off) or more and trainer.keep_checkpoints at least 1.",

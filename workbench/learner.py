@@ -14,7 +14,7 @@ import time
 import torch
 
 from workbench.algo.advantages import ADVANTAGES, uniform_groups
-from workbench.algo.losses import POLICY_LOSSES, approx_kl, token_logprobs
+from workbench.algo.losses import POLICY_LOSSES, approx_kl, token_logprobs_entropy
 from workbench.batch import (
     audit_identity,
     batch_metrics,
@@ -80,6 +80,8 @@ class Learner:
         self.side_files = side_files(model_path)
         self.estimator = ADVANTAGES[cfg.algo.advantage]
         self.policy_loss = POLICY_LOSSES[cfg.algo.policy_loss]
+        # the entropy keeps its graph for a bonus only
+        self.entropy_grad = bool(cfg.algo.entropy_coef)
         # frozen models: the KL reference (a copy of the starting policy) and the distillation
         # teacher
         self.reference = None
@@ -169,17 +171,30 @@ class Learner:
     def logprobs(
         self, batch: dict, replay: bool | None = None, routing: dict | None = None
     ) -> torch.Tensor:
-        """Log-probs of the batch's own ids; for a MoE policy with recorded routes, under routing
-        replay (`algo.routing_replay`, or `replay` to override) and with the route mismatches put
-        in `routing`."""
+        """`logprobs_entropy`'s log-probs alone."""
+        return self.logprobs_entropy(batch, replay, routing, entropy=False)[0]
+
+    def logprobs_entropy(
+        self,
+        batch: dict,
+        replay: bool | None = None,
+        routing: dict | None = None,
+        entropy: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs of the batch's own ids, and with `entropy` the entropy of each distribution
+        they are taken from (None where the forward computes none: `forward`); for a MoE policy
+        with recorded routes, under routing replay (`algo.routing_replay`, or `replay` to
+        override) and with the route mismatches put in `routing`."""
         rows = len(batch["rewards"])
         if replay is None:
             replay = self.replay
-        logprob, stats = self.forward(self.model, self.local(batch), replay)
+        logprob, entropies, stats = self.forward(self.model, self.local(batch), replay, entropy)
         if routing is not None:
             for key, value in stats.items():
                 routing[key] = self.ranks.gather(value[: self.ranks.count(rows)], rows)
-        return self.ranks.spliced(logprob, rows)
+        if entropies is not None:
+            entropies = self.ranks.spliced(entropies, rows)
+        return self.ranks.spliced(logprob, rows), entropies
 
     @torch.no_grad()
     def frozen_logprobs(self, model, batch: dict) -> torch.Tensor:
@@ -187,21 +202,27 @@ class Learner:
         replay."""
         base = self.model.disable_adapter() if model is self.model else contextlib.nullcontext()
         with base:
-            logprob, _ = self.forward(model, self.local(batch), replay=None)
+            logprob, _, _ = self.forward(model, self.local(batch), replay=None)
         rows = len(batch["rewards"])
         return self.ranks.gather(logprob[: self.ranks.count(rows)], rows)
 
-    def forward(self, model, batch: dict, replay: bool | None) -> tuple[torch.Tensor, dict]:
-        """Log-probs [batch, seq] of the batch's own ids, and the policy's route statistics where
-        it has recorded routes (`replay_routes`; replayed when `replay`, not recorded when None: a
-        frozen model). With `trainer.max_tokens_per_microbatch`, in packed micro-batches
+    def forward(
+        self, model, batch: dict, replay: bool | None, entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+        """Log-probs [batch, seq] of the batch's own ids, with `entropy` their distributions'
+        entropies [batch, seq] (else None), and the policy's route statistics where it has
+        recorded routes (`replay_routes`; replayed when `replay`, not recorded when None: a frozen
+        model). With `trainer.max_tokens_per_microbatch`, in packed micro-batches
         (models/packing.py)."""
         recorded = batch.get("routed_experts") if self.moe and replay is not None else None
         if not self.trainer.max_tokens_per_microbatch or self.codec is not None:
-            return self.padded(model, batch, recorded, replay)
+            return self.padded(model, batch, recorded, replay, entropy)
         mask = batch["attention_mask"]
         ids = batch["token_ids"].to(self.ranks.device)
         logprob = torch.zeros(mask.shape)
+        entropies = None
+        if entropy:
+            entropies = torch.zeros(mask.shape)
         stats = {}
         for rows in self.microbatches(batch):
             # an empty micro-batch (FSDP's collectives wait on every rank) runs a row, unused
@@ -211,9 +232,20 @@ class Learner:
                 routes = replay_routes(model, pack_like(recorded[run], mask[run]), replay)
             with routes as found:
                 device_mask = mask.to(self.ranks.device)
-                piece = packed_logprobs(model, ids, device_mask, self.temperature, run.tolist())
+                piece = packed_logprobs(
+                    model,
+                    ids,
+                    device_mask,
+                    self.temperature,
+                    run.tolist(),
+                    entropy,
+                    self.entropy_grad,
+                )
             if not len(rows):
                 continue
+            if entropy:
+                entropies = entropies.index_copy(0, rows, piece[1].cpu())
+                piece = piece[0]
             logprob = logprob.index_copy(0, rows, piece.cpu())
             for key, value in found.items():
                 if key not in stats:
@@ -222,9 +254,9 @@ class Learner:
                         (*mask.shape, *value.shape[2:]), fill, dtype=value.dtype
                     )
                 stats[key][rows] = unpack(value, mask[rows], -1 if key == "live" else 0)
-        return logprob, stats
+        return logprob, entropies, stats
 
-    def padded(self, model, batch: dict, recorded, replay: bool) -> tuple[torch.Tensor, dict]:
+    def padded(self, model, batch: dict, recorded, replay: bool, entropy: bool) -> tuple:
         """`forward` in one padded batch; a group's common prompt runs once when no routes are
         replayed and the policy reads text only (models/prefix.py: the same values, less
         compute)."""
@@ -239,11 +271,19 @@ class Learner:
             if recorded is None and self.trainer.shared_prefix and self.codec is None and cpu:
                 split = plan(ids, mask.sum(-1), batch["group_ids"])
                 if split is not None:
-                    logprob = shared_prefix_logprobs(model, ids, mask, split, self.temperature)
-                    return logprob.cpu(), stats
+                    logprob = shared_prefix_logprobs(
+                        model, ids, mask, split, self.temperature, None, entropy, self.entropy_grad
+                    )
+                    if not entropy:
+                        return logprob.cpu(), None, stats
+                    return logprob[0].cpu(), logprob[1].cpu(), stats
             inputs = forward_inputs(model, ids, mask, batch.get("images"), self.codec)
-            logprob = token_logprobs(model(**inputs).logits, ids, self.temperature)
-        return logprob.cpu(), stats
+            logprob, entropies = token_logprobs_entropy(
+                model(**inputs).logits, ids, self.temperature, entropy, self.entropy_grad
+            )
+        if entropies is not None:
+            entropies = entropies.cpu()
+        return logprob.cpu(), entropies, stats
 
     def microbatches(self, batch: dict, count: int | None = None) -> list[torch.Tensor]:
         """The batch's rows (its first `count`) in micro-batches of at most
@@ -279,10 +319,13 @@ class Learner:
 
     # ---- the named steps of `train`
 
-    def old_logprobs(self, batch: dict) -> tuple[torch.Tensor | None, torch.Tensor, dict]:
-        """π_old, the learner's log-probs of the sampled ids [batch, seq], as (live, old, routing):
-        `live` is the training forward itself when it has π_old's value (else None), `routing`
-        the route mismatches of a MoE policy (else empty)."""
+    def old_logprobs(self, batch: dict) -> tuple:
+        """π_old, the learner's log-probs of the sampled ids [batch, seq], as (live, old, entropy,
+        routing): `live` is the training forward's (log-probs, entropies) when it has π_old's
+        value (else None), `entropy` π_old's per position (None where no forward computes it),
+        `routing` the route mismatches of a MoE policy (else empty). Under `gate.bypass` the
+        behavior log-probs are π_old: on-policy (config.py refuses it otherwise, the gate checks
+        every batch) they are its value, up to the engine's float rounding."""
         # one optimizer step on a dense policy: π_old is the value of the training forward
         # itself, so it runs once
         if (
@@ -290,12 +333,20 @@ class Learner:
             and not self.moe
             and not self.trainer.max_tokens_per_microbatch
         ):
-            live = self.logprobs(batch)
-            return live, live.detach(), {}
+            live = self.logprobs_entropy(batch)
+            entropy = live[1]
+            if entropy is not None:
+                entropy = entropy.detach()
+            old_logprob = live[0].detach()
+            if self.gate.bypass:
+                old_logprob = batch["behavior_logprob"]
+            return live, old_logprob, entropy, {}
+        if self.gate.bypass:
+            return None, batch["behavior_logprob"], None, {}
         routing: dict = {}
         with torch.no_grad():
-            old_logprob = self.logprobs(batch, routing=routing)
-        return None, old_logprob, routing
+            old_logprob, entropy = self.logprobs_entropy(batch, routing=routing)
+        return None, old_logprob, entropy, routing
 
     def apply_gate(self, batch: dict, old_logprob: torch.Tensor, consumed_at: int) -> GateResult:
         """The version gate's decisions and per-token IS weights for this batch (`gate.*`)."""
@@ -311,6 +362,9 @@ class Learner:
             max_staleness=self.gate.max_staleness,
             token_cap=self.gate.token_cap,
             denominator=self.gate.denominator,
+            token_band=self.gate.token_band,
+            veto=self.gate.veto,
+            bypass=self.gate.bypass,
         )
 
     def advantages(self, batch: dict, old_logprob: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -330,9 +384,7 @@ class Learner:
         metrics = {"filter/dropped_frac": float(dropped.float().mean())}
         return loss_mask & ~dropped[:, None], metrics
 
-    def optimizer_steps(
-        self, batch: dict, live: torch.Tensor | None, targets: dict
-    ) -> tuple[list[dict], float]:
+    def optimizer_steps(self, batch: dict, live: tuple | None, targets: dict) -> tuple[list, float]:
         """`trainer.minibatches` optimizer steps, one per slice of the batch's rows; their
         metrics, and the seconds of model compute they took."""
         steps = []
@@ -345,7 +397,7 @@ class Learner:
             compute += time.perf_counter() - start
         return steps, compute
 
-    def optimizer_step(self, minibatch: dict, targets: dict, live: torch.Tensor | None) -> dict:
+    def optimizer_step(self, minibatch: dict, targets: dict, live: tuple | None) -> dict:
         """One step: the registered policy loss `algo.policy_loss` (plus the KL to the reference),
         backward (micro-batch by micro-batch under `trainer.max_tokens_per_microbatch`), gradient
         clip, optimizer step; the version goes up by one."""
@@ -354,11 +406,10 @@ class Learner:
             logprob = self.accumulated(minibatch, targets)
             loss, metrics = self.loss(logprob, minibatch, targets)
         else:
-            logprob = live
-            if logprob is None:
+            if live is None:
                 # under replay when on: router logits and gradient stay live
-                logprob = self.logprobs(minibatch)
-            loss, metrics = self.loss(logprob, minibatch, targets)
+                live = self.logprobs_entropy(minibatch, entropy=bool(self.algo.entropy_coef))
+            loss, metrics = self.loss(live[0], minibatch, targets, live[1])
             # FSDP2 averages the ranks' gradients; each is already its rows' share of the loss
             (loss * self.ranks.world).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -368,9 +419,9 @@ class Learner:
         self.version += 1
         return dict(metrics, policy=float(loss.detach()), grad_norm=self.ranks.grad_norm(grad_norm))
 
-    def loss(self, logprob: torch.Tensor, minibatch: dict, targets: dict) -> tuple:
-        """The registered policy loss (plus the KL to the reference) of a minibatch's log-probs,
-        and its metrics."""
+    def loss(self, logprob, minibatch: dict, targets: dict, entropy=None) -> tuple:
+        """The registered policy loss (plus the KL to the reference, less the entropy bonus
+        `algo.entropy_coef`) of a minibatch's log-probs and entropies, and its metrics."""
         loss, metrics = self.policy_loss(
             logprob,
             targets["old_logprob"],
@@ -382,6 +433,8 @@ class Learner:
             aggregation=self.algo.aggregation,
             constant_denominator=self.algo.constant_denominator,
             is_weight=targets["is_weight"],
+            entropy=entropy,
+            entropy_coef=self.algo.entropy_coef,
         )
         if "reference" in targets:
             kl = approx_kl(
@@ -403,7 +456,7 @@ class Learner:
         for group in self.microbatches(local, self.ranks.count(rows)):
             # an empty micro-batch runs a row with weight 0 (FSDP's collectives wait on it)
             run = group if len(group) else torch.arange(1)
-            piece, _ = self.forward(self.model, rows_of(local, run), self.replay)
+            piece, _, _ = self.forward(self.model, rows_of(local, run), self.replay)
             whole = targets["old_logprob"] + 0 * piece.sum()
             if len(group):
                 whole = targets["old_logprob"].index_copy(0, group + start, piece)
@@ -421,10 +474,10 @@ class Learner:
         identity = audit_identity(segments, batch)
         # model compute: forwards, backward, optimizer (perf/learner_compute_s)
         start = time.perf_counter()
-        live, old_logprob, routing = self.old_logprobs(batch)
+        live, old_logprob, entropy, routing = self.old_logprobs(batch)
         compute = time.perf_counter() - start
         gate = self.apply_gate(batch, old_logprob, consumed_at)
-        metrics = batch_metrics(segments, batch, old_logprob)
+        metrics = batch_metrics(segments, batch, old_logprob, entropy)
         metrics.update(gate_metrics(gate, batch["loss_mask"]))
         metrics.update(identity)
         advantages, advantage_metrics = self.advantages(batch, old_logprob)
@@ -449,5 +502,5 @@ class Learner:
         metrics["train/version"] = float(self.version)
         metrics["perf/learner_compute_s"] = compute + step_compute
         metrics["perf/generate_s"] = generate_seconds(worker_segments)
-        rows = store_rows(batch, old_logprob, gate, advantages, consumed_at, routing_rows)
+        rows = store_rows(batch, old_logprob, gate, advantages, consumed_at, routing_rows, entropy)
         return metrics, rows

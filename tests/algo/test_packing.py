@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from workbench.algo.losses import token_logprobs
+from workbench.algo.losses import token_logprobs, token_logprobs_entropy
 from workbench.engines.torch_engine import load_causal_lm
 from workbench.invariants.routing_replay import find_routers, replay_routes
 from workbench.models.packing import microbatches, pack_like, packed_logprobs, unpack
@@ -194,3 +194,15 @@ def test_recorded_routes_replay_on_packed_rows_as_on_padded_ones(model):
     # the replayed routes did change the forward: live routing gives other log-probs
     live = packed_logprobs(model, ids, mask)
     assert (live[real] - packed[real]).abs().max() > 1e-3
+
+
+def test_packed_entropy_equals_the_padded_forwards(model):
+    ids, mask = padded_batch(LENGTHS)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        _, reference = token_logprobs_entropy(logits, ids, 0.7)
+        logprob, entropy = packed_logprobs(model, ids, mask, 0.7, entropy=True)
+    real = mask.bool()
+    assert torch.allclose(entropy[real], reference[real], atol=1e-5)
+    assert (entropy[:, 0] == 0).all()
+    assert torch.allclose(logprob[real], padded_logprobs(model, ids, mask, 0.7)[real], atol=1e-5)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from workbench.algo.losses import token_logprobs
+from workbench.algo.losses import token_logprobs, token_logprobs_entropy
 from workbench.config import compose_config
 from workbench.data import Prompts
 from workbench.engines.torch_engine import load_causal_lm
@@ -129,3 +129,18 @@ def test_the_learner_trains_the_same_with_and_without_shared_prefixes(tiny_path)
     # (Adam's first step is sign(gradient): the weights themselves are no fair comparison)
     for name in full_grads:
         assert torch.allclose(shared_grads[name], full_grads[name], atol=1e-5, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_shared_prefix_entropy_equals_the_full_forwards(model, packed):
+    ids, mask, groups = batch(np.random.default_rng(2))
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        _, reference = token_logprobs_entropy(logits, ids, 0.7)
+        logprob, entropy = shared_prefix_logprobs(
+            model, ids, mask, plan(ids, mask.sum(-1), groups), 0.7, packed, entropy=True
+        )
+    real = mask.bool()
+    assert torch.allclose(entropy[real], reference[real], atol=1e-5)
+    assert torch.allclose(logprob[real], full_logprobs(model, ids, mask, 0.7)[real], atol=1e-5)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from workbench.algo.losses import policy_gradient_loss
+from workbench.config import ConfigError, compose_config
 from workbench.invariants.version_gate import (
     DENOMINATORS,
     LEVELS,
@@ -447,3 +448,116 @@ def test_on_policy_batch_passes_every_level_with_weight_exactly_one(level, mode,
         assert torch.equal(result.loss_mask, loss_mask)
         assert result.staleness.tolist() == [0, 0]
         assert result.tokens_masked.tolist() == [0, 0]
+
+
+# ---------------------------------------------------------------------- corrections that compose
+
+
+def test_token_band_masks_kept_sequences_tokens_under_a_seq_filter():
+    # row 2 (3, 0.5, 1, 1) is kept by seq; its 3 lies outside the token band [0.5, 2] -> weight 0
+    result = gate(SEQ_RATIOS, SEQ_MASK, level="seq", band=BAND, token_band=(0.5, 2.0))
+    assert result.reason == ["ratio_high", "ratio_low", "ok", "ratio_low"]
+    close(result.token_weight, [[0, 0, 0, 0], [0, 0, 0, 0], [0.0, 0.5, 1.0, 1.0], [0, 0, 0, 0]])
+    assert result.tokens_masked.tolist() == [3, 4, 1, 2]
+
+
+def test_token_band_and_token_cap_compose_with_the_geo_filter():
+    # geo keeps rows 0-2 (row 3: ratio_low); token band [0.5, 2] zeroes row 1's 3 and row 2's 3;
+    # the cap 1.5 truncates row 0's 2s; the decisions stay geo's
+    result = gate(
+        SEQ_RATIOS, SEQ_MASK, level="geo", band=BAND, token_band=(0.5, 2.0), token_cap=1.5
+    )
+    assert result.reason == ["ok", "ok", "ok", "ratio_low"]
+    close(
+        result.token_weight,
+        [[1.5, 1.5, 1.0, 0.0], [0.5, 0.5, 0.5, 0.0], [0.0, 0.5, 1.0, 1.0], [0, 0, 0, 0]],
+    )
+    assert result.tokens_masked.tolist() == [0, 1, 1, 2]
+    # denominator kept: the masked tokens leave the token-mean denominator too
+    kept = gate(
+        SEQ_RATIOS, SEQ_MASK, level="geo", band=BAND, token_band=(0.5, 2.0), denominator="kept"
+    )
+    assert kept.loss_mask.int().tolist() == [[1, 1, 1, 0], [1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 0, 0]]
+
+
+def test_veto_drops_sequences_holding_a_token_beyond_the_bound_on_either_side():
+    # veto 10: 20 > 10 and 0.05 < 1/10 veto rows 0 and 1; row 2's 5 and 0.2 lie within
+    # [0.1, 10] (trunc makes them 2 and 0.2); row 3's unsampled X is not read
+    result = gate(
+        [[1.0, 20.0], [1.0, 0.05], [5.0, 0.2], [1.0, X]],
+        [[1, 1], [1, 1], [1, 1], [1, 0]],
+        level="token",
+        mode="trunc",
+        band=BAND,
+        veto=10.0,
+    )
+    assert result.reason == ["veto", "veto", "ok", "ok"]
+    assert result.kept.tolist() == [False, False, True, True]
+    close(result.token_weight, [[0.0, 0.0], [0.0, 0.0], [2.0, 0.2], [1.0, 0.0]])
+    assert result.tokens_masked.tolist() == [2, 2, 0, 0]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_one_catastrophic_token_is_vetoed_at_every_level_though_the_geo_mean_passes(level):
+    # seven 1s and one 100: geo 100^(1/8) ≈ 1.78 lies inside the band, the token does not
+    ratios = [[1.0] * 7 + [100.0]]
+    assert gate(ratios, [[1] * 8], level="geo", band=BAND).reason == ["ok"]
+    result = gate(ratios, [[1] * 8], level=level, band=BAND, veto=50.0)
+    assert result.reason == ["veto"]
+    assert result.token_weight.sum().item() == 0.0 and result.tokens_masked.tolist() == [8]
+
+
+def test_veto_reads_the_ratio_before_the_clamp_at_20():
+    # δ = 30: clamped to 20 it would lie within e^25, unclamped it does not
+    result = gate(
+        [[math.exp(30.0)]], [[1]], level="token", mode="clip", band=BAND, veto=math.exp(25)
+    )
+    assert result.reason == ["veto"]
+
+
+def test_stale_takes_precedence_over_veto_and_veto_over_a_ratio_reason():
+    # row 0: stale and vetoed -> stale; row 1: seq ratio 100 (high) and vetoed -> veto
+    result = gate(
+        [[100.0], [100.0]],
+        [[1], [1]],
+        [[3], [5]],
+        learner_version=5,
+        level="seq",
+        band=BAND,
+        max_staleness=1,
+        veto=50.0,
+    )
+    assert result.reason == ["stale", "veto"]
+
+
+def test_bypass_passes_an_on_policy_batch_and_refuses_a_stale_one_in_one_sentence():
+    # bypass: the learner passes the behavior log-probs as π_old, so δ = 0 and every weight is 1
+    on_policy = gate([[1.0, 1.0], [1.0, X]], [[1, 1], [1, 0]], level="geo", band=BAND, bypass=True)
+    assert on_policy.reason == ["ok", "ok"]
+    close(on_policy.token_weight, [[1.0, 1.0], [1.0, 0.0]])
+    with pytest.raises(ValueError, match=r"^gate\.bypass .* 1 sequence\(s\) .*bypass=false\.$"):
+        gate([[1.0], [1.0]], [[1], [1]], [[4], [5]], learner_version=5, bypass=True)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["gate.bypass=true", "gate.level=token", "trainer.async_depth=1"], "gate.bypass takes"),
+        (["gate.bypass=true", "gate.level=token", "rollout.partial=true"], "gate.bypass takes"),
+        (["gate.bypass=true", "engine.top_p=0.9"], "engine.top_p=1"),
+        (["gate.veto=10", "engine.top_p=0.9"], "engine.top_p=1"),
+        (["gate.level=token", "gate.token_band=[0.5,2.0]"], "gate.token_band masks tokens"),
+        (["gate.level=seq", "gate.token_band=[2.0,0.5]"], "gate.token_band=[2.0, 0.5] must be"),
+        (["gate.veto=0.5"], "gate.veto must be a ratio above 1"),
+    ],
+)
+def test_unsafe_or_invalid_corrections_are_refused_at_start_up_in_one_sentence(overrides, words):
+    with pytest.raises(ConfigError) as error:
+        compose_config(overrides)
+    assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_new_gate_keys_default_to_no_correction_so_presets_keep_their_meaning():
+    for preset in ("on_policy", "token", "seq", "geo"):
+        gate_cfg = compose_config([f"gate={preset}"]).gate
+        assert (gate_cfg.token_band, gate_cfg.veto, gate_cfg.bypass) == (None, None, False)

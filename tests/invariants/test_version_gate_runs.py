@@ -1,16 +1,19 @@
 """Policy-version semantics in real runs: δ ≈ 0 on-policy, mixed versions and stale drops when
 asynchronous, and a deliberate corruption of behavior log-probs caught and recorded by the gate."""
 
+import math
 import subprocess
 import sys
 import threading
 import time
 
 import numpy as np
+import pytest
 import torch
 from omegaconf import OmegaConf
 
 from workbench.config import compose_config
+from workbench.data import Prompts
 from workbench.engines.base import SamplingParams
 from workbench.engines.torch_engine import TorchEngine
 from workbench.learner import Learner
@@ -137,8 +140,6 @@ def test_corrupted_behavior_logprobs_are_caught_and_recorded(tmp_path, tiny_path
     OmegaConf.update(cfg, "run.id", "corrupt")
     worker = RolloutWorker(cfg, tiny_path)
     learner = Learner(cfg, tiny_path)
-    from workbench.data import Prompts
-
     segments = worker.rollout(Prompts(cfg).next_jobs(1)[0])
     for index, segment in enumerate(segments[:4]):  # shift sampled log-probs by ±1 nat per token
         shift = 1.0 if index % 2 == 0 else -1.0
@@ -226,3 +227,76 @@ def test_an_async_run_repeats_exactly_with_the_same_seed(tmp_path):
         and ids[0] == ids[1]
     )
     assert rewards[0] == rewards[1]
+
+
+def learner_batch(tiny_path, *overrides):
+    """A learner on the tiny model and one on-policy batch of 8 of its episodes."""
+    cfg = compose_config(
+        [
+            "tracking=none",
+            "engine.max_tokens=6",
+            "trainer.prompts_per_step=2",
+            "trainer.group_size=4",
+            *overrides,
+        ]
+    )
+    OmegaConf.update(cfg, "run.id", "composed")
+    segments = RolloutWorker(cfg, tiny_path).rollout(Prompts(cfg).next_jobs(1)[0])
+    return Learner(cfg, tiny_path), segments
+
+
+def test_a_corrupted_token_is_vetoed_under_a_geo_filter_and_recorded(tmp_path, tiny_path):
+    learner, segments = learner_batch(
+        tiny_path, "gate=geo_veto", "gate.veto=100", "gate.band=[0.001,1000]"
+    )
+    # one sampled token of segment 0 made 12 nats likelier than the learner's: δ = -12
+    # (e^-12 < 1/100), while the geo mean over its tokens stays inside the wide band
+    segments[0].behavior_logprob[np.flatnonzero(segments[0].loss_mask)[0]] += 12.0
+    metrics, rows = learner.train(segments)
+    writer = RunWriter(tmp_path / "veto", {"run_id": "veto", "created": 0.0, "status": "running"})
+    for name, table in step_tables("veto", 0, rows["learner_version"], segments, rows).items():
+        writer.append(name, table)
+    writer.close()
+    decisions = (
+        open_run("veto", str(tmp_path))
+        .execute("select decision, reason, geo_ratio from gate_decisions order by rollout_id")
+        .fetchall()
+    )
+    assert decisions[0][:2] == ("dropped", "veto") and 1e-3 < decisions[0][2] < 1
+    assert all(row[:2] == ("kept", "ok") for row in decisions[1:])
+    assert metrics["gate/kept_frac"] == 7 / 8
+
+
+@pytest.mark.parametrize(("bypass", "forwards"), [(False, 3), (True, 2)])
+def test_bypass_skips_the_pi_old_forward_and_takes_the_behavior_log_probs(
+    tiny_path, bypass, forwards
+):
+    learner, segments = learner_batch(
+        tiny_path, "trainer.minibatches=2", "trainer.steps=2", f"gate.bypass={bypass}"
+    )
+    calls = []
+    learner.model.register_forward_hook(lambda *_: calls.append(1))
+    metrics, rows = learner.train(segments)
+    # π_old (unless bypassed), then one forward per minibatch
+    assert len(calls) == forwards
+    behavior = np.concatenate([s.behavior_logprob for s in segments])
+    stored = np.concatenate(rows["train_logprob"])
+    assert np.array_equal(stored, behavior) == bypass
+    assert rows["gate"]["reason"] == ["ok"] * 8 and metrics["train/version"] == 2
+
+
+def test_a_run_stores_each_tokens_entropy_and_its_step_mean(tmp_path):
+    db = train(tmp_path, "trainer.steps=2")
+    counts = db.execute("select count(*), count(entropy) from tokens").fetchone()
+    assert counts[0] > 0 and counts[0] == counts[1]
+    means = db.execute(
+        "select step, avg(entropy) filter (where loss_mask = 1) from tokens group by step "
+        "order by step"
+    ).fetchall()
+    metric = db.execute(
+        "select step, value from metrics where key = 'policy/entropy' order by step"
+    ).fetchall()
+    assert [step for step, _ in metric] == [0, 1]
+    for (_, mean), (_, value) in zip(means, metric, strict=True):
+        # at most the entropy of the uniform distribution over the tiny model's 512 ids
+        assert value == pytest.approx(mean, rel=1e-5) and 0 < value <= math.log(512)

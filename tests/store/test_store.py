@@ -168,3 +168,28 @@ def test_a_steps_progress_reaches_run_json_with_the_data_it_counts(tmp_path):
     assert json.loads((tmp_path / "r2" / "run.json").read_text())["steps_done"] == 0
     writer.flush()
     assert json.loads((tmp_path / "r2" / "run.json").read_text())["steps_done"] == 4
+
+
+def test_entropy_is_stored_per_token_and_null_without_a_learner_or_in_older_shards(tmp_path):
+    # a run from before the entropy column: its shards lack it
+    writer = RunWriter(tmp_path / "r1", {"run_id": "r1", "created": 1.0, "status": "running"})
+    segments = make_segments(2, length=5)
+    old = step_tables("r1", 0, 0, segments, learner_rows(segments))["tokens"].drop(["entropy"])
+    for path in (tmp_path / "r1" / "tokens").glob("*.parquet"):
+        path.unlink()
+    writer._write_shard("tokens", old)
+    # resumed by the new code: a step with entropy, one without (molt-wb serve: no learner)
+    segments = make_segments(2, length=5, step=1)
+    rows = learner_rows(segments)
+    rows["entropy"] = [np.linspace(0.0, 0.4, 5, dtype=np.float32) + i for i in range(2)]
+    writer.append("tokens", step_tables("r1", 1, 1, segments, rows)["tokens"])
+    writer.append("tokens", step_tables("r1", 2, 2, segments, learner_rows(segments))["tokens"])
+    writer.close("finished")
+    db = open_run("r1", str(tmp_path))
+    assert db.execute(
+        "select step, count(*), count(entropy) from tokens group by step order by step"
+    ).fetchall() == [(0, 10, 0), (1, 10, 10), (2, 10, 0)]
+    entropy = db.execute(
+        "select list(entropy order by position) from tokens where step = 1 and rollout_id = 101"
+    ).fetchone()[0]
+    assert entropy == pytest.approx([1.0, 1.1, 1.2, 1.3, 1.4])

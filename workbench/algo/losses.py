@@ -27,14 +27,41 @@ def token_logprobs(logits: Tensor, token_ids: Tensor, temperature: float = 1.0) 
     out[:, 0] = 0; out[:, t] = log_softmax(logits[:, t-1] / temperature)[token_ids[:, t]],
     computed as gathered logit - logsumexp so no full log-softmax copy is made.
     """
+    return token_logprobs_entropy(logits, token_ids, temperature, entropy=False)[0]
+
+
+def token_logprobs_entropy(
+    logits: Tensor,
+    token_ids: Tensor,
+    temperature: float = 1.0,
+    entropy: bool = True,
+    entropy_grad: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """`token_logprobs`, and the entropy [B, T] of each distribution those are taken from (same
+    layout: out[:, 0] = 0; `logits_entropy` of the same scaled logits). None unless `entropy`;
+    without a graph unless `entropy_grad`."""
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}.")
     scaled = logits[:, :-1].float()  # [B, T-1, V]
     if temperature != 1.0:
         scaled = scaled / temperature
     next_ids = token_ids[:, 1:].unsqueeze(-1)  # [B, T-1, 1]
-    picked = scaled.gather(-1, next_ids).squeeze(-1) - torch.logsumexp(scaled, dim=-1)  # [B, T-1]
-    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)  # [B, T]
+    normaliser = torch.logsumexp(scaled, dim=-1)  # [B, T-1]
+    picked = scaled.gather(-1, next_ids).squeeze(-1) - normaliser  # [B, T-1]
+    first = torch.zeros_like(picked[:, :1])
+    if not entropy:
+        return torch.cat([first, picked], dim=1), None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        per_position = torch.cat([first, logits_entropy(scaled, normaliser)], dim=1)  # [B, T]
+    return torch.cat([first, picked], dim=1), per_position
+
+
+def logits_entropy(scaled: Tensor, normaliser: Tensor) -> Tensor:
+    """Entropy [...] of softmax(scaled) over the last dimension, given its logsumexp `normaliser`
+    [...]: logsumexp(s) − Σ softmax(s)·s, with softmax(s) the one more full-vocabulary tensor."""
+    probs = (scaled - normaliser.unsqueeze(-1)).exp()  # [..., V]
+    # a batched dot product: no third full-vocabulary tensor for probs * scaled
+    return normaliser - torch.einsum("...v,...v->...", probs, scaled)
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -96,6 +123,8 @@ def policy_gradient_loss(
     constant_denominator: float | None = None,
     is_weight: Tensor | None = None,
     surrogate: Callable[..., tuple[Tensor, Tensor]] = ppo_surrogate,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """A clipped policy-gradient loss over masked tokens (PPO-clip by default), and its metrics.
 
@@ -104,7 +133,8 @@ def policy_gradient_loss(
     advantages A is [B] (one per sequence) or [B, T]; is_weight [B, T] is detached (default 1).
     aggregation: token_mean = sum / number of masked tokens; seq_mean = mean, over sequences
     with at least one masked token, of each sequence's token mean; constant = sum /
-    constant_denominator.
+    constant_denominator. With `entropy_coef`, minus entropy_coef times the token mean of `entropy`
+    [B, T] over the mask (an entropy bonus; its gradient raises the entropy).
 
     metrics (python floats, over masked tokens): clip_frac = fraction of tokens the surrogate
     reports clipped (ppo: the clipped term is strictly smaller than the unclipped one, so the min
@@ -137,6 +167,8 @@ def policy_gradient_loss(
         loss = torch.where(has_tokens, seq_loss, 0.0).sum() / has_tokens.sum().clamp(min=1)
     else:
         loss = per_token.sum() / constant_denominator
+    if entropy_coef:
+        loss = loss - entropy_coef * masked_mean(entropy, mask)
 
     with torch.no_grad():
         any_token = bool(mask.any())

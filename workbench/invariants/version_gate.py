@@ -10,7 +10,13 @@ recomputed log-probs of the same ids (π_old) and the learner version. Per sampl
 - `token`: weight e^δ per token; `mask` zeroes tokens outside the band, `clip` clamps into it,
   `trunc` clamps the upper side only;
 - `seq` (e^Σδ) or `geo` (e^mean δ): a rejection filter — outside the band the sequence is dropped
-  (`ratio_low` / `ratio_high`); kept sequences carry per-token weights e^δ, capped at `token_cap`.
+  (`ratio_low` / `ratio_high`); kept sequences carry per-token weights e^δ, truncated at
+  `token_cap` and zeroed outside `token_band` (a token mask), so corrections compose.
+
+At every level a `veto` drops a sequence holding any sampled token whose unclamped ratio lies
+outside [1/veto, veto] (`veto`): one catastrophic token outweighs what a mean or product shows.
+Precedence of reasons: stale, veto, ratio. With `bypass` the learner passes the behavior log-probs
+as π_old (δ = 0 everywhere), true only on-policy: a batch holding a stale sequence is refused.
 
 `denominator` says whether rejected tokens stay in the token-mean denominator: `all` (default)
 keeps the loss scale of a batch independent of how much the gate rejected, so a batch that is
@@ -20,6 +26,7 @@ over the surviving tokens only.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +47,7 @@ class GateResult:
     loss_mask: Tensor
     # [B] bool: sequence kept
     kept: Tensor
-    # [B] ok | stale | ratio_low | ratio_high
+    # [B] ok | stale | ratio_low | ratio_high | veto
     reason: list[str]
     # [B] learner version − oldest sampled token's version (0 when none sampled)
     staleness: Tensor
@@ -64,6 +71,9 @@ def version_gate(
     max_staleness: int | None = None,
     token_cap: float | None = None,
     denominator: str = "all",
+    token_band: tuple[float, float] | None = None,
+    veto: float | None = None,
+    bypass: bool = False,
 ) -> GateResult:
     """Per-sequence decisions and per-token weights for one batch (all inputs [B, T])."""
     if level not in LEVELS or mode not in MODES or denominator not in DENOMINATORS:
@@ -77,10 +87,16 @@ def version_gate(
     geo_log_ratio = seq_log_ratio / sampled.clamp(min=1)
     oldest = torch.where(mask, behavior_version, torch.iinfo(behavior_version.dtype).max).amin(-1)
     staleness = torch.where(sampled > 0, learner_version - oldest, 0)  # [B]
+    stale = int((staleness > 0).sum())
+    if bypass and stale:
+        raise ValueError(
+            f"gate.bypass takes the behavior log-probs as π_old, but {stale} sequence(s) were "
+            f"sampled by older weights: set gate.bypass=false."
+        )
 
     ratio = delta.exp()  # [B, T]
     keep_token = mask.clone()
-    # 0 ok, 1 stale, 2 ratio_low, 3 ratio_high
+    # 0 ok, 1 stale, 2 ratio_low, 3 ratio_high, 4 veto
     reason = torch.zeros_like(sampled)
     if level == "off":
         weight = mask.float()
@@ -96,15 +112,20 @@ def version_gate(
         sequence_log_ratio = seq_log_ratio if level == "seq" else geo_log_ratio
         sequence_ratio = sequence_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
         reason = torch.where(sequence_ratio < low, 2, torch.where(sequence_ratio > high, 3, 0))
+        if token_band is not None:
+            keep_token &= (ratio >= token_band[0]) & (ratio <= token_band[1])
         if token_cap is not None:
             ratio = ratio.clamp(max=token_cap)
         weight = ratio * mask
+    if veto is not None:
+        outlier = mask & (log_ratio.abs() > math.log(veto))  # [B, T]
+        reason = torch.where(outlier.any(-1), 4, reason)
     if max_staleness is not None:
         reason = torch.where(staleness > max_staleness, 1, reason)
     kept = reason == 0
     keep_token &= kept[:, None]
     weight = weight * keep_token
-    names = ("ok", "stale", "ratio_low", "ratio_high")
+    names = ("ok", "stale", "ratio_low", "ratio_high", "veto")
     return GateResult(
         token_weight=weight,
         loss_mask=mask if denominator == "all" else keep_token,

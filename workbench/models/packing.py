@@ -18,13 +18,11 @@ packed [1, tokens, ...] layouts: the MoE routers see a packed row's tokens in th
 recorded routes replay on it as `replay_routes(model, pack_like(routes, mask))`.
 """
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 
 import torch
 
-from workbench.algo.losses import token_logprobs
+from workbench.algo.losses import token_logprobs_entropy
 
 
 def microbatches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -39,9 +37,9 @@ def microbatches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
         raise ValueError(f"max_tokens must be 0 (no budget) or positive, got {max_tokens}.")
     if max_tokens == 0:
         return [list(range(len(lengths)))]
-    groups: list[list[int]] = []
+    groups = []
     # [groups] tokens each group can still take (negative for a row over the budget)
-    room: list[int] = []
+    room = []
     for row in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
         # the first group with room, else a new one
         group = next((g for g, free in enumerate(room) if free >= lengths[row]), len(groups))
@@ -71,10 +69,12 @@ def packed_logprobs(
     mask: torch.Tensor,
     temperature: float = 1.0,
     rows: Sequence[int] | torch.Tensor | None = None,
-) -> torch.Tensor:
+    entropy: bool = False,
+    entropy_grad: bool = True,
+):
     """Log-probs [len(rows), seq] of `rows`' own ids (all rows by default) in one packed forward:
     the values and layout of `token_logprobs` on a padded forward (position 0 holds 0, padding any
-    value)."""
+    value). With `entropy`, (log-probs, entropies) as `token_logprobs_entropy` gives them."""
     if rows is not None:
         ids = ids[rows]
         mask = mask[rows]
@@ -84,5 +84,10 @@ def packed_logprobs(
     # no attention_mask and no cache: either one turns transformers' boundary detection off
     logits = model(input_ids=packed_ids, position_ids=positions, use_cache=False).logits
     # [1, tokens]; a sequence's first token would read the previous sequence's last logits
-    logprob = token_logprobs(logits, packed_ids, temperature).where(positions > 0, 0.0)
-    return unpack(logprob, mask)
+    logprob, entropies = token_logprobs_entropy(
+        logits, packed_ids, temperature, entropy, entropy_grad
+    )
+    logprob = unpack(logprob.where(positions > 0, 0.0), mask)
+    if not entropy:
+        return logprob
+    return logprob, unpack(entropies.where(positions > 0, 0.0), mask)

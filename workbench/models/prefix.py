@@ -10,15 +10,13 @@ The rollout engine prefills each distinct prompt once (`unique_rows`) and copies
 group. Dense text-only policies: MoE routing replay and images take the full path.
 """
 
-from __future__ import annotations
-
 import inspect
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from workbench.algo.losses import token_logprobs
+from workbench.algo.losses import logits_entropy, token_logprobs_entropy
 
 
 @dataclass
@@ -57,12 +55,15 @@ def shared_prefix_logprobs(
     plan: Plan,
     temperature: float = 1.0,
     packed: bool | None = None,
-) -> torch.Tensor:
+    entropy: bool = False,
+    entropy_grad: bool = True,
+):
     """Log-probs [batch, seq] of right-padded rows' own ids, as `token_logprobs` of a full forward
     gives them (padding positions hold any value), with each group's prefix computed once: `packed`
     in one forward, else in two (prefixes, then rows on their KV cache). By default packed while a
     group's packed row is at most twice the hidden size: the dense attention over a longer one costs
-    more than the second forward saves (bench/shared_prefix.py)."""
+    more than the second forward saves (bench/shared_prefix.py). With `entropy`, (log-probs,
+    entropies) as `token_logprobs_entropy` of a full forward gives them."""
     lengths = attention_mask.sum(-1)
     prefix_len = torch.from_numpy(plan.prefix_len)
     group_of = torch.from_numpy(plan.group_of)
@@ -77,12 +78,15 @@ def shared_prefix_logprobs(
             width <= 2 * model.config.get_text_config().hidden_size
             and model.config._attn_implementation in ("sdpa", "eager")
         )
+    options = (temperature, entropy, entropy_grad)
     if not packed:
-        return _cached(model, token_ids, lengths, plan, temperature)
-    return _packed(model, token_ids, lengths, group_of, temperature, own, member, width)
+        return _cached(model, token_ids, lengths, plan, *options)
+    return _packed(model, token_ids, lengths, group_of, own, member, width, *options)
 
 
-def _packed(model, token_ids, lengths, group_of, temperature, own, member, width):
+def _packed(
+    model, token_ids, lengths, group_of, own, member, width, temperature, entropy, entropy_grad
+):
     """One row per group: its prefix once, then each of its rows' own tokens, under a mask by which
     a row's tokens see the prefix and their own earlier tokens only, at their own positions."""
     groups = member.shape[1]
@@ -122,12 +126,18 @@ def _packed(model, token_ids, lengths, group_of, temperature, own, member, width
         logits = logits / temperature
     # the slot whose logits predict each next id
     source = slot[:, :-1].clamp(max=spare - 1)
+    normaliser = torch.logsumexp(logits, dim=-1)  # [slots]
     # [batch, seq - 1]
-    picked = logits[source, token_ids[:, 1:]] - torch.logsumexp(logits, dim=-1)[source]
-    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+    picked = logits[source, token_ids[:, 1:]] - normaliser[source]
+    first = torch.zeros_like(picked[:, :1])
+    logprob = torch.cat([first, picked], dim=1)
+    if not entropy:
+        return logprob
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        return logprob, torch.cat([first, logits_entropy(logits, normaliser)[source]], dim=1)
 
 
-def _cached(model, token_ids, lengths, plan, temperature):
+def _cached(model, token_ids, lengths, plan, temperature, entropy, entropy_grad):
     """The prefixes in one forward (KV cache kept, with gradient), every row's own tokens in a
     second on it."""
     prefix_len = torch.from_numpy(plan.prefix_len)
@@ -162,20 +172,26 @@ def _cached(model, token_ids, lengths, plan, temperature):
     # a row's first own token is predicted by its group's last prefix position; the rest by its
     # suffix
     last = out.logits[torch.arange(len(prefix_len)), prefix_len - 1][group_of]  # [batch, vocab]
-    # [batch, 1]
-    head = torch.log_softmax(last.float() / temperature, dim=-1).gather(-1, suffix_ids[:, :1])
-    # [batch, prefix + suffix]
-    joined = torch.cat(
-        [
-            token_logprobs(out.logits, prefix_ids, temperature)[group_of],
-            head,
-            token_logprobs(suffix, suffix_ids, temperature)[:, 1:],
-        ],
-        dim=1,
+    options = (temperature, entropy, entropy_grad)
+    # (log-probs, entropies) of each piece; the head as position 1 of the pair [last, last]
+    prefix = token_logprobs_entropy(out.logits, prefix_ids, *options)
+    head = token_logprobs_entropy(
+        last[:, None].expand(-1, 2, -1), suffix_ids[:, :1].expand(-1, 2), *options
     )
+    rest = token_logprobs_entropy(suffix, suffix_ids, *options)
     t = torch.arange(token_ids.shape[1])[None]
-    suffix_column = (longest + t - own[:, None]).clamp(max=joined.shape[1] - 1)
-    return joined.gather(1, torch.where(t < own[:, None], t, suffix_column))
+    suffix_column = (longest + t - own[:, None]).clamp(max=longest + suffix_ids.shape[1] - 1)
+    order = torch.where(t < own[:, None], t, suffix_column)  # [batch, seq]
+
+    def arranged(part: int) -> torch.Tensor:
+        """[batch, seq]: piece `part` (0: log-probs, 1: entropies) of prefix, head and own
+        tokens, in each row's order."""
+        joined = torch.cat([prefix[part][group_of], head[part][:, 1:], rest[part][:, 1:]], dim=1)
+        return joined.gather(1, order)
+
+    if not entropy:
+        return arranged(0)
+    return arranged(0), arranged(1)
 
 
 def output_cache(out):
@@ -193,6 +209,7 @@ def cache_input(model, cache) -> dict:
 
 def unique_rows(prompts: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:
     """The distinct prompts, and for each prompt the index of its copy among them."""
-    seen: dict[bytes, int] = {}
+    # prompt bytes -> index among the distinct prompts
+    seen = {}
     index = np.array([seen.setdefault(p.astype(np.int64).tobytes(), len(seen)) for p in prompts])
     return [prompts[i] for i in np.unique(index, return_index=True)[1]], index

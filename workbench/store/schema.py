@@ -53,6 +53,9 @@ TOKENS = pa.schema(
         ("behavior_version", pa.int32()),
         ("is_weight", pa.float32()),
         ("advantage", pa.float32()),
+        # the learner's entropy of the distribution the token was drawn from; null where none
+        # (molt-wb serve, runs older than the column)
+        ("entropy", pa.float32()),
     ]
 )
 
@@ -161,9 +164,10 @@ def step_tables(
 ) -> dict[str, pa.Table]:
     """Segment and token rows of one consumed batch.
 
-    `train` holds from the learner: `train_logprob` and `is_weight` (float32 arrays whose
-    concatenation is every segment's tokens in order, segment after segment), `advantage` (one float
-    per segment) and, when a learner gated them, `gate` (the version gate's per-sequence columns).
+    `train` holds from the learner: `train_logprob`, `is_weight` and optionally `entropy` (float32
+    arrays whose concatenation is every segment's tokens in order, segment after segment),
+    `advantage` (one float per segment) and, when a learner gated them, `gate` (the version gate's
+    per-sequence columns).
     """
     lengths = np.array([len(s.token_ids) for s in segments], dtype=np.int64)
     versions = [s.version_range() for s in segments]
@@ -203,7 +207,10 @@ def step_tables(
         "behavior_version": np.concatenate([s.behavior_version for s in segments]),
         "is_weight": np.concatenate(train["is_weight"]).astype(np.float32),
         "advantage": np.repeat(np.asarray(train["advantage"], dtype=np.float32), lengths),
+        "entropy": pa.nulls(total, pa.float32()),
     }
+    if train.get("entropy") is not None:
+        token_rows["entropy"] = np.concatenate(train["entropy"]).astype(np.float32)
     gate = train.get("gate") or {
         k: []
         for k in ("staleness", "seq_log_ratio", "geo_ratio", "kept", "reason", "tokens_masked")
