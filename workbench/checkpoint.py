@@ -15,8 +15,6 @@ steps, with the same data, rollout ids and weight versions.
       writer.json  Parquet shards per table at the checkpoint
 """
 
-from __future__ import annotations
-
 import json
 import os
 import random
@@ -29,15 +27,18 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from workbench.config import Config, ConfigError, validate
-from workbench.store.query import _alive, resolve_run
+from workbench.store.query import _alive, resolve_run, run_row
 from workbench.window import batches
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+def saved(run_dir) -> list[Path]:
+    """The complete checkpoints of a run, oldest first (a `.tmp` folder never counts)."""
+    return sorted(Path(run_dir, "checkpoints").glob("step-" + "[0-9]" * 6))
 
 
 def latest(run_dir) -> Path | None:
-    """The newest complete checkpoint of a run (a `.tmp` folder never counts), or None."""
-    done = sorted(Path(run_dir, "checkpoints").glob("step-" + "[0-9]" * 6))
+    """The newest complete checkpoint of a run, or None."""
+    done = saved(run_dir)
     return done[-1] if done else None
 
 
@@ -50,7 +51,8 @@ def side_files(model_path: str) -> dict[str, bytes]:
     return {
         file.name: file.read_bytes()
         for file in Path(model_path).iterdir()
-        if file.is_file() and not file.name.endswith(WEIGHT_SUFFIXES + (".index.json",))
+        if file.is_file()
+        and not file.name.endswith((".safetensors", ".bin", ".pt", ".pth", ".index.json"))
     }
 
 
@@ -124,13 +126,12 @@ def maybe_save(cfg, run_dir: Path, step: int, learner, store, data_state: dict) 
     (temporary / "writer.json").write_text(json.dumps(ray.get(marks)))
     final = folder / f"step-{version:06d}"
     # written before a crash and now again by the resumed run
-    if final.exists():
-        shutil.rmtree(final)
+    shutil.rmtree(final, ignore_errors=True)
     os.replace(temporary, final)
     # a resumed run keeps the checkpoint it started from: a rollout worker Ray restarts loads it
-    row = Path(run_dir, "run.json")
-    started_from = row.exists() and json.loads(row.read_text()).get("resumed_from")
-    for old in sorted(folder.glob("step-" + "[0-9]" * 6))[: -cfg.trainer.keep_checkpoints]:
+    # (the store wrote the row when it started, before this step's marks)
+    started_from = run_row(run_dir).get("resumed_from")
+    for old in saved(run_dir)[: -cfg.trainer.keep_checkpoints]:
         if old.name != started_from:
             shutil.rmtree(old)
     return final
@@ -153,7 +154,7 @@ def resume_config(run_id: str, overrides: list[str]):
             f"Run {run_dir.name} has no checkpoint in {run_dir}/checkpoints, so it cannot be "
             f"resumed: start a new run with trainer.checkpoint_every=N."
         )
-    row = json.loads((run_dir / "run.json").read_text())
+    row = run_row(run_dir)
     if (
         row.get("status") == "running"
         and row.get("host") == socket.gethostname()
@@ -164,11 +165,7 @@ def resume_config(run_id: str, overrides: list[str]):
             f"resuming it."
         )
     try:
-        cfg = OmegaConf.merge(
-            OmegaConf.structured(Config),
-            OmegaConf.load(run_dir / "config.yaml"),
-            OmegaConf.from_dotlist(list(overrides)),
-        )
+        cfg = saved_config(run_dir, overrides)
     except OmegaConfBaseException as error:
         raise ConfigError(
             f"Bad override for a resume ({str(error).splitlines()[0]}): give key=value pairs of "
@@ -187,29 +184,27 @@ def resume_config(run_id: str, overrides: list[str]):
     return cfg
 
 
-def reopen(cfg) -> tuple[Path, dict]:
-    """The run folder cut back to its latest checkpoint (shards past the writer's marks deleted)
-    and its runs row."""
-    run_dir = Path(cfg.run.root) / cfg.run.id
+def saved_config(run_dir: Path, overrides: list[str]):
+    """The config a run saved, with `overrides` (key=value) on top."""
+    on_disk = OmegaConf.load(run_dir / "config.yaml")
+    return OmegaConf.merge(OmegaConf.structured(Config), on_disk, OmegaConf.from_dotlist(overrides))
+
+
+def reopen(run_dir: Path) -> dict:
+    """Cut the run folder back to its latest checkpoint (shards past the writer's marks deleted);
+    its runs row, as of that checkpoint."""
     checkpoint = latest(run_dir)
     marks = json.loads((checkpoint / "writer.json").read_text())
     for table, count in marks.items():
         for shard in Path(run_dir, table).glob("*part-*"):
             if shard.name.startswith(".") or int(shard.name[5:11]) >= count:
                 shard.unlink()
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    row = json.loads((run_dir / "run.json").read_text())
-    row.update(
-        status="running",
-        pid=os.getpid(),
-        host=socket.gethostname(),
-        steps=cfg.trainer.steps,
-        steps_done=int(checkpoint.name.split("-")[1]),
-        resumes=row.get("resumes", 0) + 1,
-        resumed_from=checkpoint.name,
-        config=OmegaConf.to_container(cfg, resolve=True),
-    )
-    return run_dir, row
+    row = run_row(run_dir)
+    return row | {
+        "steps_done": int(checkpoint.name.split("-")[1]),
+        "resumes": row.get("resumes", 0) + 1,
+        "resumed_from": checkpoint.name,
+    }
 
 
 def restore(cfg, run_dir: Path, learner, workers, prompts) -> int:

@@ -5,8 +5,6 @@ The store, the learner and the rollout workers are Ray actors; `ray.*` keys give
 resources, and `ray.colocate` packs them on one node in a placement group that shares its GPUs.
 """
 
-from __future__ import annotations
-
 import contextlib
 import logging
 import math
@@ -87,25 +85,21 @@ def actor_env() -> dict[str, str]:
 def _start_ray(cfg, cpus: int) -> None:
     import ray
 
-    runtime_env = {"env_vars": actor_env()}
     # a cluster's nodes share the repository and the model cache at the same paths
-    if cfg.ray.address:
-        ray.init(
-            address=cfg.ray.address,
-            log_to_driver=False,
-            logging_level=logging.WARNING,
-            runtime_env=runtime_env,
+    where = {"address": cfg.ray.address}
+    if not cfg.ray.address:
+        where = dict(
+            address="local",
+            num_cpus=cpus,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            object_store_memory=cfg.ray.object_store_mb * 2**20,
         )
-        return
     ray.init(
-        address="local",
-        num_cpus=cpus,
-        include_dashboard=False,
+        **where,
         log_to_driver=False,
         logging_level=logging.WARNING,
-        _node_ip_address="127.0.0.1",
-        object_store_memory=cfg.ray.object_store_mb * 2**20,
-        runtime_env=runtime_env,
+        runtime_env={"env_vars": actor_env()},
     )
 
 
@@ -159,7 +153,6 @@ def start_actors(cfg, model_path: str, run_dir: Path, run_row: dict):
     store = ray.remote(num_cpus=0)(StoreActor).remote(cfg, str(run_dir), run_row)
     options = placement(cfg)
     learner = start_learner(cfg, model_path, options[: cfg.ray.learner_workers])
-    worker_options = options[cfg.ray.learner_workers :]
     # the batches in flight (at most async_depth + 1) and the weight pushes
     # a restarted worker could not rejoin the collective transport's group: its death stops the
     # run, which restarts from its checkpoint (trainer.max_restarts)
@@ -170,8 +163,8 @@ def start_actors(cfg, model_path: str, run_dir: Path, run_row: dict):
         RolloutWorker
     )
     workers = [
-        worker_cls.options(**options).remote(cfg, model_path, i)
-        for i, options in enumerate(worker_options)
+        worker_cls.options(**placed).remote(cfg, model_path, i)
+        for i, placed in enumerate(options[cfg.ray.learner_workers :])
     ]
     nodes = ray.get(
         [
@@ -204,8 +197,11 @@ def start_learner(cfg, model_path: str, options: list[dict]):
 
     if len(options) == 1:
         return ray.remote(Learner).options(**options[0]).remote(cfg, model_path)
-    where = {key: value for key, value in options[0].items() if key == "scheduling_strategy"}
-    address = ray.get(ray.remote(num_cpus=0)(free_address).options(**where).remote())
+    # several ranks are always placed in a group (`placement`)
+    where = options[0]["scheduling_strategy"]
+    address = ray.get(
+        ray.remote(num_cpus=0)(free_address).options(scheduling_strategy=where).remote()
+    )
     actors = [
         ray.remote(Learner).options(**rank_options).remote(cfg, model_path, rank, address)
         for rank, rank_options in enumerate(options)

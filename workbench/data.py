@@ -5,8 +5,6 @@ Samples are drawn in epochs, each in a seeded order, and the position in that or
 checkpoint saves, so a resumed run draws the same prompts as an uninterrupted one.
 """
 
-from __future__ import annotations
-
 import json
 import random
 from pathlib import Path
@@ -39,7 +37,7 @@ class Prompts:
             raise ConfigError(str(error)) from None
         check_samples(self.samples, plugin, cfg.data.path or f"{cfg.agent.plugin}.make_dataset")
         self.rng = random.Random(cfg.seed)
-        self.order: list[int] = []
+        self.order = []
         self.cursor = 0
         self.per_step = cfg.trainer.prompts_per_step
         self.group_size = cfg.trainer.group_size

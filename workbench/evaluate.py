@@ -6,8 +6,6 @@ accuracy) and the metrics `eval/reward` and `eval/accuracy` at that step. Nothin
 samples is trained on or stored as a segment.
 """
 
-from __future__ import annotations
-
 import os
 import re
 import time
@@ -15,16 +13,15 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from omegaconf import OmegaConf
 
 from workbench.api import load_plugin
-from workbench.checkpoint import latest
-from workbench.config import Config, validate
+from workbench.checkpoint import latest, saved, saved_config
+from workbench.config import validate
 from workbench.data import load_samples
 from workbench.model_paths import policy_path
 from workbench.rollout import Job, RolloutWorker
 from workbench.store.query import resolve_run
-from workbench.store.schema import EVAL, METRICS
+from workbench.store.schema import EVAL, METRICS, rows_table
 
 
 def eval_samples(cfg) -> tuple[str, list[dict]]:
@@ -64,30 +61,10 @@ def eval_tables(run_id: str, step: int, row: dict) -> dict[str, pa.Table]:
     """The `eval` row and its two metrics rows."""
     now = time.time()
     metrics = {"eval/reward": row["mean_reward"], "eval/accuracy": row["accuracy"]}
+    metric_rows = [{"key": key, "value": value, "time": now} for key, value in metrics.items()]
     return {
-        "eval": pa.table(
-            {
-                "run_id": [run_id],
-                "step": [step],
-                "checkpoint": [row["checkpoint"]],
-                "split": [row["split"]],
-                "n": [row["n"]],
-                "mean_reward": [row["mean_reward"]],
-                "accuracy": [row["accuracy"]],
-                "time": [now],
-            },
-            schema=EVAL,
-        ),
-        "metrics": pa.table(
-            {
-                "run_id": [run_id] * 2,
-                "step": [step] * 2,
-                "key": list(metrics),
-                "value": list(metrics.values()),
-                "time": [now] * 2,
-            },
-            schema=METRICS,
-        ),
+        "eval": rows_table(EVAL, run_id, step, [dict(row, time=now)]),
+        "metrics": rows_table(METRICS, run_id, step, metric_rows),
     }
 
 
@@ -99,26 +76,20 @@ def at_step(cfg, workers, store, step: int, weights) -> None:
     if not cfg.eval.every or (step + 1) % cfg.eval.every:
         return
     split, samples = eval_samples(cfg)
-    max_tokens = cfg.eval.max_tokens or cfg.engine.max_tokens
     rewards = ray.get(
         [
-            w.evaluate.remote(jobs, max_tokens, cfg.eval.temperature, weights)
+            w.evaluate.remote(jobs, cfg.eval, weights)
             for w, jobs in zip(workers, eval_jobs(cfg, samples, len(workers)), strict=True)
         ]
     )
-    row = dict(
-        score([r for worker in rewards for r in worker], cfg.eval.threshold),
-        checkpoint="live",
-        split=split,
-    )
-    store.write_eval.remote(step, row)
+    scored = score([r for worker in rewards for r in worker], cfg.eval.threshold)
+    store.write_eval.remote(step, dict(scored, checkpoint="live", split=split))
 
 
 def resolve_checkpoint(run_dir: Path, checkpoint: str | None) -> tuple[Path | None, int]:
     """(policy folder, learner version) of a checkpoint given as a folder, a version number
     (step-NNNNNN) or nothing (the latest one); (None, 0) when the run has no checkpoint and none
     was asked for (the starting policy)."""
-    saved = sorted(run_dir.glob("checkpoints/step-" + "[0-9]" * 6))
     if checkpoint is None:
         found = latest(run_dir)
         if found is None:
@@ -127,7 +98,7 @@ def resolve_checkpoint(run_dir: Path, checkpoint: str | None) -> tuple[Path | No
     elif checkpoint.isdigit():
         path = run_dir / "checkpoints" / f"step-{int(checkpoint):06d}" / "policy"
         if not path.exists():
-            steps = ", ".join(str(int(p.name[5:])) for p in saved) or "none"
+            steps = ", ".join(str(int(p.name[5:])) for p in saved(run_dir)) or "none"
             raise ValueError(
                 f"Run {run_dir.name} has no checkpoint at step {checkpoint} (saved steps: "
                 f"{steps}); give one of those."
@@ -143,9 +114,7 @@ def resolve_checkpoint(run_dir: Path, checkpoint: str | None) -> tuple[Path | No
                 f"config.json): give a checkpoints/step-NNNNNN/policy folder or a step number."
             )
     match = re.search(r"step-(\d{6})", str(path))
-    if match is None:
-        return path, 0
-    return path, int(match.group(1))
+    return path, int(match.group(1)) if match else 0
 
 
 def from_checkpoint(
@@ -154,11 +123,7 @@ def from_checkpoint(
     """`molt-wb eval`: score a checkpoint of a run on its held-out split, without training; the
     result joins the run's store."""
     run_dir = resolve_run(run_id, root)
-    cfg = OmegaConf.merge(
-        OmegaConf.structured(Config),
-        OmegaConf.load(run_dir / "config.yaml"),
-        OmegaConf.from_dotlist(list(overrides)),
-    )
+    cfg = saved_config(run_dir, list(overrides))
     validate(cfg)
     path, version = resolve_checkpoint(run_dir, checkpoint)
     # the loop step whose weights these are; -1 = the starting policy
@@ -174,11 +139,7 @@ def from_checkpoint(
         worker.engine.load_weights(load_file(adapter), version)
     else:
         worker = RolloutWorker(cfg, model_path)
-    rewards = worker.evaluate(
-        eval_jobs(cfg, samples, 1)[0],
-        cfg.eval.max_tokens or cfg.engine.max_tokens,
-        cfg.eval.temperature,
-    )
+    rewards = worker.evaluate(eval_jobs(cfg, samples, 1)[0], cfg.eval)
     row = dict(score(rewards, cfg.eval.threshold), checkpoint=model_path, split=split, step=step)
     # a shard of its own, written whole; not part-*: the writer and resume leave it be
     for name, table in eval_tables(run_dir.name, step, row).items():

@@ -8,8 +8,6 @@ held becomes a failure row, the restarted worker gets the learner's current weig
 and the run goes on; a batch that lost every episode is drawn again, at most three times in a row.
 """
 
-from __future__ import annotations
-
 import sys
 import time
 from dataclasses import dataclass
@@ -140,25 +138,28 @@ def _failure_rows(error: Exception, worker: int, jobs: list) -> list[dict]:
         kind = "worker_died"
     lines = str(error).strip().splitlines()
     message = lines[0] if lines else type(error).__name__
-    return [
-        {
-            "rollout_id": job.rollout_id,
-            "group_id": job.group_id,
-            "worker": worker,
-            "kind": kind,
-            "error": message,
-            "traceback": str(error),
-            "time": time.time(),
-        }
-        for job in jobs
-    ]
+    return [failure_row(job, worker, kind, message, str(error)) for job in jobs]
 
 
-def _push_when_back(worker, weights, seconds: float = 300.0) -> None:
-    """Give a (restarting) worker the current weights, once Ray has it running again."""
+def failure_row(job, worker: int, kind: str, error: str, trace: str) -> dict:
+    """The `failed_episodes` row of the episode `job` of rollout worker `worker`."""
+    return {
+        "rollout_id": job.rollout_id,
+        "group_id": job.group_id,
+        "worker": worker,
+        "kind": kind,
+        "error": error,
+        "traceback": trace,
+        "time": time.time(),
+    }
+
+
+def _push_when_back(worker, weights) -> None:
+    """Give a (restarting) worker the current weights, once Ray has it running again (within
+    5 minutes)."""
     import ray
 
-    deadline = time.monotonic() + seconds
+    deadline = time.monotonic() + 300
     while True:
         try:
             ray.get(worker.load_weights.remote(weights))

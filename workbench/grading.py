@@ -8,8 +8,6 @@ normalised text. Pure Python and fast: expressions are tokenised to floats, `pi`
 operators and brackets before evaluation.
 """
 
-from __future__ import annotations
-
 import math
 import re
 
@@ -96,9 +94,7 @@ def _latex(text: str) -> str:
             index += command.end()
             fraction = "frac" in command.group()
             # the degree of a root: \sqrt[3]{x}
-            root = None
-            if not fraction:
-                root = re.match(r"\s*\[([^\]]*)\]", text[index:])
+            root = not fraction and re.match(r"\s*\[([^\]]*)\]", text[index:])
             if root:
                 index += root.end()
             parts = []
@@ -195,10 +191,11 @@ def is_equivalent(pred: object, truth: object) -> bool:
     if pred is None or truth is None or not str(pred).strip():
         return False
     numbers = _number(pred), _number(truth)
+    # a number never equals a text; texts compare normalised
     if None in numbers:
-        if numbers != (None, None):
-            return False
-        return re.sub(r"\s+", "", _normalise(pred)) == re.sub(r"\s+", "", _normalise(truth))
+        return numbers == (None, None) and (
+            re.sub(r"\s+", "", _normalise(pred)) == re.sub(r"\s+", "", _normalise(truth))
+        )
     (value, places), (true_value, true_places) = numbers
     # a decimal matches what rounds to it
     rounded_to = true_places if true_places is not None else places
@@ -214,8 +211,8 @@ def _choice(answer: object, choices: list | None) -> object:
     if not choices:
         return answer
     letter = re.fullmatch(r"\s*(?:\\text(?:bf)?\{)?\(?([A-Ha-h])[).:]?\}?\s*", str(answer))
-    if letter and LETTERS.index(letter.group(1).upper()) < len(choices):
-        return choices[LETTERS.index(letter.group(1).upper())]
+    if letter and (index := LETTERS.index(letter.group(1).upper())) < len(choices):
+        return choices[index]
     return answer
 
 

@@ -2,8 +2,6 @@
 on-policy distillation; a new source of weights (a hub, a warm start) is added here.
 """
 
-from __future__ import annotations
-
 from pathlib import Path
 
 from workbench.api import load_plugin

@@ -2,8 +2,6 @@
 RL steps) and the step clock's `perf/` metrics; a new phase timing or progress field changes here.
 """
 
-from __future__ import annotations
-
 import contextlib
 import math
 import sys
@@ -26,7 +24,7 @@ class StepClock:
     def __init__(self):
         self.start = time.perf_counter()
         self.mark = self.start
-        self.phases: dict[str, float] = {}
+        self.phases = {}
 
     def lap(self, phase: str) -> None:
         now = time.perf_counter()
@@ -81,7 +79,7 @@ class Task:
         if self.bar:
             self.bar.stop()
 
-    def __enter__(self) -> Task:
+    def __enter__(self) -> "Task":
         return self
 
     def __exit__(self, *exc) -> None:

@@ -7,9 +7,6 @@ is a line on stderr and an entry of the run row's `recoveries` (the `recoveries`
 `open_run`): what died, the steps done by then, and the checkpoint the run went on from.
 """
 
-from __future__ import annotations
-
-import json
 import sys
 import time
 from pathlib import Path
@@ -18,6 +15,7 @@ from omegaconf import open_dict
 
 from workbench.checkpoint import latest
 from workbench.faults import ActorDied
+from workbench.store.query import run_row
 from workbench.store.writer import write_json_atomic
 
 
@@ -46,7 +44,7 @@ def supervise(cfg, run_once) -> str:
 def _record(run_dir: Path, role: str, checkpoint: Path, restart: int, most: int) -> None:
     """The recovery's line on stderr and its entry in run.json (a resume keeps the row's
     entries)."""
-    row = json.loads((run_dir / "run.json").read_text())
+    row = run_row(run_dir)
     recovery = {
         "died": role,
         "steps_done": row.get("steps_done", 0),

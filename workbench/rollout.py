@@ -10,15 +10,12 @@ only: it comes back as a `failed_episodes` row with its traceback, and none of i
 the batch.
 """
 
-from __future__ import annotations
-
 import asyncio
 import contextlib
 import copy
 import hashlib
 import inspect
 import threading
-import time
 import traceback
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +26,7 @@ import numpy as np
 from workbench.api import ChatAgent, ChatContext, Result, load_plugin
 from workbench.engines import make_engine
 from workbench.engines.base import SamplingParams, from_wire
+from workbench.faults import failure_row
 from workbench.invariants.token_identity import TokenAccumulator, reply_text, retokenize_drift
 from workbench.segment import Batch, Segment
 from workbench.server.loopback import LoopbackServer
@@ -62,7 +60,7 @@ class RolloutWorker:
         self.pool = ThreadPoolExecutor(max_workers=8)
         self._server = None
         # first prompts rendered and encoded, by messages: data repeats each epoch
-        self.openings: OrderedDict = OrderedDict()
+        self.openings = OrderedDict()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.plugin = load_plugin(cfg.agent.plugin)
         self.params = SamplingParams(
@@ -113,16 +111,15 @@ class RolloutWorker:
         """
         return self.rollout_with_failures(jobs, params, weights)[0]
 
-    def evaluate(
-        self, jobs: list[Job], max_tokens: int, temperature: float, weights: dict | None = None
-    ) -> list[float]:
-        """The reward of each held-out episode, sampled with evaluation settings.
+    def evaluate(self, jobs: list[Job], settings, weights: dict | None = None) -> list[float]:
+        """The reward of each held-out episode, sampled with the `eval.*` settings (its max_tokens,
+        else the training one, and its temperature).
 
         Nothing of it is trained.
         """
-        segments = self.rollout(
-            jobs, replace(self.params, max_tokens=max_tokens, temperature=temperature), weights
-        )
+        max_tokens = settings.max_tokens or self.params.max_tokens
+        params = replace(self.params, max_tokens=max_tokens, temperature=settings.temperature)
+        segments = self.rollout(jobs, params, weights)
         return list({s.rollout_id: s.reward for s in segments}.values())
 
     def rollout_with_failures(
@@ -137,7 +134,8 @@ class RolloutWorker:
         chat = isinstance(self.plugin.AgentRunner, type) and issubclass(
             self.plugin.AgentRunner, ChatAgent
         )
-        failures: dict[int, dict] = {}
+        # episode index -> its failure row
+        failures = {}
         with self.lock:
             if weights is not None and weights["version"] != self.engine.version:
                 self.load_weights(weights)
@@ -154,15 +152,8 @@ class RolloutWorker:
         return Batch(segments), list(failures.values())
 
     def _failed(self, job: Job, kind: str, error: BaseException) -> dict:
-        return {
-            "rollout_id": job.rollout_id,
-            "group_id": job.group_id,
-            "worker": self.worker_index,
-            "kind": kind,
-            "error": f"{type(error).__name__}: {error}",
-            "traceback": "".join(traceback.format_exception(error)),
-            "time": time.time(),
-        }
+        trace = "".join(traceback.format_exception(error))
+        return failure_row(job, self.worker_index, kind, f"{type(error).__name__}: {error}", trace)
 
     def server(self):
         """This worker's loopback server, started on first use."""
@@ -221,8 +212,7 @@ class RolloutWorker:
 
     def _start_env(self, job: Job):
         env = self.plugin.AgentRunner()
-        system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
-        messages = system + [{"role": "user", "content": env.reset(job.sample)}]
+        messages = opening_messages(env, job.sample)
         # a digest: an image's bytes are not kept twice
         key = hashlib.sha256(repr((messages, env.tools)).encode()).digest()
         # a group's episodes open on the same prompt, and so does each epoch: render it once
@@ -242,8 +232,8 @@ class RolloutWorker:
         return env, self.openings[key].fork()
 
     def _env_rollout(self, jobs: list[Job], failures: dict) -> list[Segment]:
-        envs = [None] * len(jobs)
-        episodes = [None] * len(jobs)
+        envs = {}
+        episodes = {}
         rewards = [0.0] * len(jobs)
         infos = [{} for _ in jobs]
         for index, job in enumerate(jobs):
@@ -252,7 +242,7 @@ class RolloutWorker:
                 failures[index] = self._failed(job, "env_error", started)
             else:
                 envs[index], episodes[index] = started
-        open_ = [index for index in range(len(jobs)) if index not in failures]
+        open_ = list(episodes)
         for turn in range(self.max_turns):
             if not open_:
                 break
@@ -288,10 +278,12 @@ class RolloutWorker:
                     still_open.append(i)
             open_ = still_open
         segments = []
-        ended = zip(jobs, episodes, rewards, infos, strict=True)
-        for index, (job, episode, reward, info) in enumerate(ended):
-            if index not in failures:
-                segments += self._segments(job, episode.finish(), reward, episode.last_finish, info)
+        for i, episode in episodes.items():
+            if i not in failures:
+                pieces = episode.finish()
+                segments += self._segments(
+                    jobs[i], pieces, rewards[i], episode.last_finish, infos[i]
+                )
         return segments
 
     def _seeded(self, jobs: list[Job], turn: int) -> SamplingParams:
@@ -331,6 +323,13 @@ class RolloutWorker:
                 )
             )
         return segments
+
+
+def opening_messages(env, sample: dict) -> list[dict]:
+    """The messages an Env episode opens with: its system prompt, if any, and its first
+    observation."""
+    system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
+    return system + [{"role": "user", "content": env.reset(sample)}]
 
 
 def _episode_error(result, call: str) -> BaseException:

@@ -5,8 +5,6 @@ and what its row records change here.
 the store writes as `run.json`; a resumed run is reopened by checkpoint.py instead.
 """
 
-from __future__ import annotations
-
 import contextlib
 import os
 import secrets
@@ -41,40 +39,42 @@ def code_version() -> str:
 
 def _git(*args: str) -> str:
     """What a git command run in the repository prints (5 s at most)."""
-    done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
-    return done.stdout.strip()
+    run = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
+    return run.stdout.strip()
 
 
 def start_run(cfg) -> tuple[Path, dict]:
     """Give the run an id, create its folder, save the resolved config; return (folder, row)."""
-    if cfg.run.resume:
-        return reopen(cfg)
     with open_dict(cfg):
         cfg.run.id = cfg.run.id or new_run_id()
     run_dir = Path(cfg.run.root) / cfg.run.id
-    if (run_dir / "run.json").exists():
+    if cfg.run.resume:
+        row = reopen(run_dir)
+    elif (run_dir / "run.json").exists():
         raise ConfigError(
             f"Run {cfg.run.id} already exists under {cfg.run.root}/: pick another run.id or "
             f"leave it unset."
         )
-    run_dir.mkdir(parents=True)
+    else:
+        run_dir.mkdir(parents=True)
+        row = {
+            "run_id": cfg.run.id,
+            "recipe": cfg.recipe,
+            "created": time.time(),
+            "code_version": code_version(),
+            "sweep_id": cfg.run.sweep_id,
+            "swept": dict(cfg.run.swept),
+            "steps_done": 0,
+            "reward_mean": None,
+        }
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    row = {
-        "run_id": cfg.run.id,
-        "recipe": cfg.recipe,
+    return run_dir, row | {
         "status": "running",
-        "created": time.time(),
         "pid": os.getpid(),
         "host": socket.gethostname(),
-        "code_version": code_version(),
-        "sweep_id": cfg.run.sweep_id,
-        "swept": dict(cfg.run.swept),
-        "steps_done": 0,
         "steps": cfg.trainer.steps,
-        "reward_mean": None,
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
-    return run_dir, row
 
 
 def plain(cfg):

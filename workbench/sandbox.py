@@ -20,8 +20,6 @@ as the caller's user (outside the temporary directory too), the number of proces
 and without a network namespace the socket guard can be bypassed (`import _socket`, ctypes).
 """
 
-from __future__ import annotations
-
 import functools
 import math
 import os
@@ -32,6 +30,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 # bytes of stdout (and of stderr) kept; a tool reply longer than this is useless to a policy
 OUTPUT_LIMIT = 16_384
@@ -128,13 +127,11 @@ def run_python(
         tempfile.TemporaryFile() as out,
         tempfile.TemporaryFile() as err,
     ):
-        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as handle:
-            handle.write(code)
-        env = {"PATH": os.defpath, "HOME": workdir, "LC_ALL": "C.UTF-8"}
+        Path(workdir, "main.py").write_text(code, encoding="utf-8")
         process = subprocess.Popen(
             [*_netns_prefix(), sys.executable, "-I", "-c", PRELUDE, *map(str, limits)],
             cwd=workdir,
-            env=env,
+            env={"PATH": os.defpath, "HOME": workdir, "LC_ALL": "C.UTF-8"},
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=err,

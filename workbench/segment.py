@@ -4,8 +4,6 @@
 A segment holds no text the trainer could read; `display` is for people (the TUI, logs) only.
 """
 
-from __future__ import annotations
-
 import hashlib
 import pickle
 from dataclasses import dataclass, field
@@ -46,13 +44,12 @@ class Segment:
     requests: list[dict] = field(default_factory=list)
 
     def __post_init__(self):
-        expected = {
+        for name, dtype in {
             "token_ids": np.int32,
             "loss_mask": np.uint8,
             "behavior_logprob": np.float32,
             "behavior_version": np.int32,
-        }
-        for name, dtype in expected.items():
+        }.items():
             value = getattr(self, name)
             if not isinstance(value, np.ndarray) or value.dtype != dtype or value.ndim != 1:
                 raise TypeError(

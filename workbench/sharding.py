@@ -11,15 +11,11 @@ gradients of the ranks sum to the one-rank gradient. N = 1 builds none of this: 
 answers as the identity.
 """
 
-from __future__ import annotations
-
 from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Ranks:
@@ -51,7 +47,7 @@ class Ranks:
 
         if self.world == 1:
             return
-        policy = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
+        policy = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
         layers = set(getattr(model, "_no_split_modules", None) or ())
         for module in model.modules():
             if type(module).__name__ in layers:
@@ -97,7 +93,7 @@ class Ranks:
         if self.world == 1:
             return local
         own = self.mine(rows)
-        live = local[: self.count(rows)]
+        live = local[: own.stop - own.start]
         everyone = self.gather(live, rows)
         whole = torch.cat([everyone[: own.start], live, everyone[own.stop :]])
         if not len(live):

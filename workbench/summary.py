@@ -2,13 +2,10 @@
 curve, the three invariants' figures and where the time went, read back from the run store.
 """
 
-from __future__ import annotations
-
-import json
 import time
 from collections import defaultdict
 
-from workbench.store import open_run, resolve_run
+from workbench.store.query import open_run, resolve_run, run_row
 
 SPARKS = "▁▂▃▄▅▆▇█"
 # the first and last steps the reward rise is read over
@@ -19,7 +16,7 @@ def figures(run_id: str, root: str = "runs") -> dict:
     """The summary's numbers: (step, mean reward) pairs, every metric's sum and mean over the steps,
     the run row, and the wall time."""
     folder = resolve_run(run_id, root)
-    run = json.loads((folder / "run.json").read_text())
+    run = run_row(folder)
     rewards = []
     # a metric a run never logged reads 0
     sums = defaultdict(float)
@@ -27,8 +24,9 @@ def figures(run_id: str, root: str = "runs") -> dict:
     # a run stopped before its first step has no metrics yet
     if (folder / "metrics").is_dir():
         db = open_run(folder.name, root)
-        query = "select step, value from metrics where key = 'reward/mean' order by step"
-        rewards = db.execute(query).fetchall()
+        rewards = db.execute(
+            "select step, value from metrics where key = 'reward/mean' order by step"
+        ).fetchall()
         for key, total, mean in db.execute(
             "select key, sum(value), avg(value) from metrics group by key"
         ).fetchall():
@@ -43,9 +41,8 @@ def sparkline(values: list[float], width: int = 50) -> str:
     values)."""
     # values per character, rounded up
     size = max(1, -(-len(values) // width))
-    buckets = []
-    for start in range(0, len(values), size):
-        buckets.append(sum(values[start : start + size]) / len(values[start : start + size]))
+    chunks = [values[start : start + size] for start in range(0, len(values), size)]
+    buckets = [sum(chunk) / len(chunk) for chunk in chunks]
     low = min(buckets, default=0.0)
     span = max(max(buckets, default=0.0) - low, 1e-12)
     return "".join(SPARKS[round((value - low) / span * (len(SPARKS) - 1))] for value in buckets)
@@ -71,13 +68,11 @@ def render(numbers: dict, root: str = "runs") -> str:
             f" -> last {edge} {sum(rewards[-edge:]) / edge:.3f}, best {rewards[best]:.3f} "
             f"(step {steps[best]})"
         )
-    lines.append(
+    lines += [
         f"identity   {sums['identity/violations']:.0f} violations, "
-        f"retokenize drift {means['identity/retokenize_drift']:.4f}"
-    )
-    lines.append(
-        f"gate       kept {means['gate/kept_frac']:.3f}, mismatch KL {means['mismatch/kl']:.2e}"
-    )
+        f"retokenize drift {means['identity/retokenize_drift']:.4f}",
+        f"gate       kept {means['gate/kept_frac']:.3f}, mismatch KL {means['mismatch/kl']:.2e}",
+    ]
     if "routing/mismatch_token_frac" in means:
         lines.append(
             f"routing    tokens with a flipped route {means['routing/mismatch_token_frac']:.4f}; "
@@ -92,10 +87,10 @@ def render(numbers: dict, root: str = "runs") -> str:
         f"{name} {seconds:.1f} s ({seconds / max(wall, 1e-9):.0%})"
         for name, seconds in (("rollout", rollout), ("train", train), ("overhead", overhead))
     ]
-    lines.append(f"time       {', '.join(shares)}")
     option = f" --root {root}" if root != "runs" else ""
-    lines.append(f"folder     {numbers['folder']}")
-    lines.append(
-        f"inspect    molt-wb inspect {run['run_id']}{option}   (SQL: workbench.store.open_run)"
-    )
+    lines += [
+        f"time       {', '.join(shares)}",
+        f"folder     {numbers['folder']}",
+        f"inspect    molt-wb inspect {run['run_id']}{option}   (SQL: workbench.store.open_run)",
+    ]
     return "\n".join(lines)

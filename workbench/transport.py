@@ -10,8 +10,6 @@ receive while the learner sends (window.py), and a worker hands what it received
 a push from the object store would be handed (`load_weights`: same versions, same partial swaps).
 """
 
-from __future__ import annotations
-
 from datetime import timedelta
 
 import torch

@@ -6,8 +6,6 @@ new weights travel with the batch drawn next (for step s+d+1), which Ray starts 
 every batch is sampled exactly d versions behind the learner and the driver never waits on a push.
 """
 
-from __future__ import annotations
-
 import contextlib
 from collections import deque
 

@@ -11,8 +11,6 @@ the record, per layer and token. `decode_vllm_routed_experts` reads vLLM's forma
 int16 [T, layers, top_k] array.
 """
 
-from __future__ import annotations
-
 import base64
 import contextlib
 import io
@@ -77,7 +75,7 @@ def replay_routes(model, routed_experts: torch.Tensor, enabled: bool = True):
     """
     routers = find_routers(model)
     batch, seq = routed_experts.shape[:2]
-    stats: dict[str, torch.Tensor] = {}
+    stats = {}
 
     def table(name: str, fill: int, dtype: torch.dtype, *tail: int) -> torch.Tensor:
         """stats[name], made at the first forward: [batch, seq, layers, *tail] of `fill`."""

@@ -12,8 +12,6 @@ message renders as one placeholder that the model's image codec expands to that 
 placeholder ids (mask 0); the segment keeps the image bytes in the order of their runs.
 """
 
-from __future__ import annotations
-
 import copy
 import dataclasses
 import os
@@ -48,18 +46,24 @@ class SegmentTokens:
     # int16 [t, layers, k] experts of the latest forward over positions 0..t
     routes: np.ndarray | None = None
 
-    def extend(self, ids, sampled: bool, logprobs=None, versions=None) -> None:
-        self.token_ids.extend(int(i) for i in ids)
+    def extend(self, ids, logprobs=None, versions=None) -> None:
+        """Append `ids`: sampled (mask 1) when they come with their `logprobs`, else mask 0 with
+        log-prob 0 and `versions` (default -1)."""
+        sampled = logprobs is not None
+        self.token_ids.extend(map(int, ids))
         self.loss_mask.extend([int(sampled)] * len(ids))
-        self.behavior_logprob.extend([float(x) for x in logprobs] if sampled else [0.0] * len(ids))
-        self.behavior_version.extend([int(v) for v in versions] if sampled else [-1] * len(ids))
+        self.behavior_logprob.extend(map(float, logprobs) if sampled else [0.0] * len(ids))
+        self.behavior_version.extend([-1] * len(ids) if versions is None else map(int, versions))
+
+    def copy(self) -> "SegmentTokens":
+        """A copy whose lists grow apart from this one's (their items are never mutated)."""
+        lists = {name: list(value) for name, value in vars(self).items() if isinstance(value, list)}
+        return dataclasses.replace(self, **lists)
 
     def identity_holds(self) -> bool:
         """Audit: the mask-1 ids are exactly the engine's sampled ids, in order."""
         sampled = np.asarray(self.token_ids, dtype=np.int64)[np.asarray(self.loss_mask, dtype=bool)]
-        returned = (
-            np.concatenate(self.sampled_turns) if self.sampled_turns else np.zeros(0, np.int64)
-        )
+        returned = np.concatenate([np.zeros(0, np.int64), *self.sampled_turns])
         return np.array_equal(sampled, returned)
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -149,7 +153,8 @@ class TokenAccumulator:
         self.tools = tools or None
         self.codec = codec
         self.rewrite = rewrite
-        self.sealed: list[SegmentTokens] = []
+        # the episode's segments before the open one
+        self.sealed = []
         self.last_finish = "stop"
         self._open(list(messages))
 
@@ -174,10 +179,7 @@ class TokenAccumulator:
 
     def add_forced(self, token_ids) -> None:
         """Start the next turn with ids the policy did not sample (mask 0, marked forced)."""
-        self.open.extend(token_ids, sampled=False)
-        forced = len(token_ids)
-        if forced:
-            self.open.behavior_version[-forced:] = [FORCED_VERSION] * forced
+        self.open.extend(token_ids, versions=[FORCED_VERSION] * len(token_ids))
 
     def add_sampled(
         self,
@@ -200,7 +202,7 @@ class TokenAccumulator:
             )
         start = len(self.open.token_ids)
         versions = np.broadcast_to(np.asarray(versions, dtype=np.int32), (len(token_ids),))
-        self.open.extend(token_ids, sampled=True, logprobs=logprobs, versions=versions)
+        self.open.extend(token_ids, logprobs, versions)
         self.open.turn_spans.append((start, len(self.open.token_ids)))
         self.open.sampled_turns.append(np.asarray(token_ids, dtype=np.int64).copy())
         # a sampled turn, and the stop string it was cut at: what its echo may carry
@@ -217,14 +219,15 @@ class TokenAccumulator:
         `extend` when it continues this one (our messages are its prefix and the render stays a
         prefix), else `seal` and start a new segment from its full render."""
         known = len(self.messages)
+        tools = tools or None
         if (
-            (tools or None) == self.tools
+            tools == self.tools
             and len(messages) > known
             and all(map(self._echoes, range(known), messages[:known]))
         ):
             return "extend" if self.add_messages(messages[known:]) else "seal"
-        self.seal("compaction" if (tools or None) == self.tools else "tools_changed")
-        self.tools = tools or None
+        self.seal("compaction" if tools == self.tools else "tools_changed")
+        self.tools = tools
         self._open(list(messages))
         return "seal"
 
@@ -268,7 +271,7 @@ class TokenAccumulator:
         end = previous.rfind(eos)
         tail = previous[end + len(eos) :] if self.last_finish == "stop" else previous[end:]
         images = message_images(new_messages)
-        self.open.extend(self.encode(tail + full[len(previous) :], images), sampled=False)
+        self.open.extend(self.encode(tail + full[len(previous) :], images))
         self.open.images += images
         self.messages.extend(new_messages)
         return True
@@ -292,17 +295,7 @@ class TokenAccumulator:
         """A copy to try a turn on; the original is untouched until the copy replaces it."""
         # lists are copied; their items (ints, arrays, bytes, messages) are never mutated
         twin = copy.copy(self)
-        o = self.open
-        twin.open = dataclasses.replace(
-            o,
-            token_ids=list(o.token_ids),
-            loss_mask=list(o.loss_mask),
-            behavior_logprob=list(o.behavior_logprob),
-            behavior_version=list(o.behavior_version),
-            turn_spans=list(o.turn_spans),
-            sampled_turns=list(o.sampled_turns),
-            images=list(o.images),
-        )
+        twin.open = self.open.copy()
         twin.sealed = list(self.sealed)
         twin.messages = list(self.messages)
         twin.stops = dict(self.stops)
@@ -320,7 +313,7 @@ class TokenAccumulator:
     def _open(self, messages: list[dict]) -> None:
         self.messages = messages
         # message index -> the stop string its sampled turn was cut at (None: none)
-        self.stops: dict[int, str | None] = {}
+        self.stops = {}
         prompt = self.render(messages, generation_prompt=True)
         self.open = SegmentTokens(prompt_text=prompt, images=message_images(messages))
-        self.open.extend(self.encode(prompt, self.open.images), sampled=False)
+        self.open.extend(self.encode(prompt, self.open.images))

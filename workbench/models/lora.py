@@ -8,8 +8,6 @@ second copy of the model. A checkpoint's `policy/` is the adapter as a PEFT fold
 base; a resumed run builds the base again and loads the adapter and its optimizer state.
 """
 
-from __future__ import annotations
-
 
 def peft_config(lora):
     """peft's LoraConfig of `model.lora` (a comma-separated `target_modules`, or all-linear)."""

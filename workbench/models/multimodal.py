@@ -7,8 +7,6 @@ warm start build their forward inputs with `forward_inputs`, so all three comput
 the same pixels, and the same multimodal (M-RoPE) positions for left- or right-padded rows.
 """
 
-from __future__ import annotations
-
 import io
 import json
 from functools import lru_cache
@@ -36,14 +34,13 @@ def load_policy(path: str, dtype: str = "float32"):
     logging.disable_progress_bar()
     logging.set_verbosity_error()
     if not is_vision_language(path):
-        return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=getattr(torch, dtype))
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
     # The vision markers are input only: a sampled image placeholder has no image behind it. Their
     # logits are -inf in every forward (engine, learner, warm start), so no distribution ever gives
     # them mass.
-    config = model.config
-    vocab = config.get_text_config().vocab_size
-    markers = [getattr(config, key, None) for key in VISION_MARKERS]
+    vocab = model.config.get_text_config().vocab_size
+    markers = [getattr(model.config, key, None) for key in VISION_MARKERS]
     banned = torch.tensor([i for i in markers if i is not None and i < vocab])
     model.get_output_embeddings().register_forward_hook(
         lambda module, inputs, logits: logits.index_fill(-1, banned, float("-inf"))
@@ -103,15 +100,14 @@ def forward_inputs(
     M-RoPE positions for a vision-language model) and, when any row has images, their pixels in row
     order."""
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-    flat = [image for row in images or [] for image in row]
     if codec is None:
         inputs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [batch, seq]
         return inputs
-    grid = None
+    flat = [image for row in images or [] for image in row]
     if flat:
         inputs.update(codec.pixels(flat))
-        grid = inputs["image_grid_thw"]
     kinds = (input_ids == codec.placeholder_id).int()
+    grid = inputs.get("image_grid_thw")
     # M-RoPE positions [3, batch, seq]
     inputs["position_ids"], _ = model.model.get_rope_index(input_ids, kinds, grid, attention_mask)
     return inputs

@@ -7,8 +7,7 @@ parse with, and paired with a randomly initialised Qwen3 causal LM small enough 
 hash of their spec, so every actor (and vLLM later) loads the same files by path.
 """
 
-from __future__ import annotations
-
+import contextlib
 import hashlib
 import json
 import os
@@ -214,9 +213,9 @@ def build_tokenizer(vocab_size: int, vision: bool = False):
     return tokenizer
 
 
-def build_model(spec: dict, tokenizer, seed: int = 0):
-    """A randomly initialised causal LM of the given spec (untied embeddings: vLLM reloads need
-    it)."""
+def build_model(spec: dict, tokenizer):
+    """A causal LM of the given spec, initialised at random from its `seed` (untied embeddings:
+    vLLM reloads need it)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -234,7 +233,7 @@ def build_model(spec: dict, tokenizer, seed: int = 0):
         bos_token_id=tokenizer.pad_token_id,
         max_position_embeddings=2048,
     )
-    torch.manual_seed(seed)
+    torch.manual_seed(spec["seed"])
     if "vision" not in spec:
         return AutoModelForCausalLM.from_config(CONFIG_MAPPING[spec["family"]](**fields))
     # Qwen2-VL derives head_dim; mrope sections (t, h, w) split its 16 rotary pairs
@@ -264,7 +263,7 @@ def is_moe(model_config) -> bool:
     )
 
 
-def tiny_model_path(name: str = "tiny", seed: int = 0) -> Path:
+def tiny_model_path(name: str = "tiny") -> Path:
     """Build (once) and return the folder of the tiny model `name`; safe under concurrent
     callers."""
     if name not in TINY_SPECS:
@@ -273,7 +272,7 @@ def tiny_model_path(name: str = "tiny", seed: int = 0) -> Path:
         )
     spec = dict(
         TINY_SPECS[name],
-        seed=seed,
+        seed=0,
         template=spec_hash(
             {
                 "t": CHAT_TEMPLATE,
@@ -285,30 +284,37 @@ def tiny_model_path(name: str = "tiny", seed: int = 0) -> Path:
     target = cache_root() / "models" / f"{name}-{spec_hash(spec)}"
     if (target / "config.json").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec["vocab_size"], vision="vision" in spec)
-    model = build_model(spec, tokenizer, seed)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}-"))
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    # images are resized to exactly image_pixels (no download: the processor is built here)
-    if "vision" in spec:
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-            Qwen2VLImageProcessorPil,
-        )
+    model = build_model(spec, tokenizer)
+    with built_into(target) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        # images are resized to exactly image_pixels (no download: the processor is built here)
+        if "vision" in spec:
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+                Qwen2VLImageProcessorPil,
+            )
 
-        vision = spec["vision"]
-        Qwen2VLImageProcessorPil(
-            min_pixels=spec["image_pixels"],
-            max_pixels=spec["image_pixels"],
-            patch_size=vision["patch_size"],
-            merge_size=vision["spatial_merge_size"],
-            temporal_patch_size=vision["temporal_patch_size"],
-        ).save_pretrained(staging)
+            vision = spec["vision"]
+            Qwen2VLImageProcessorPil(
+                min_pixels=spec["image_pixels"],
+                max_pixels=spec["image_pixels"],
+                patch_size=vision["patch_size"],
+                merge_size=vision["spatial_merge_size"],
+                temporal_patch_size=vision["temporal_patch_size"],
+            ).save_pretrained(staging)
+    return target
+
+
+@contextlib.contextmanager
+def built_into(target: Path):
+    """A new hidden folder beside `target` to build a model in, renamed to `target` when the block
+    ends: a half-built model is never visible. Safe under concurrent builders: when another one
+    won the race, this one's folder is dropped."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    yield staging
     try:
-        # atomic: a half-built model is never visible
         os.rename(staging, target)
     except OSError:
-        # another process won the race
         shutil.rmtree(staging, ignore_errors=True)
-    return target

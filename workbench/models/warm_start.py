@@ -5,21 +5,19 @@ number of supervised steps on completions its plugin writes (deliberately imperf
 the RL run starts from the result. The checkpoint is keyed by everything that shapes it.
 """
 
-from __future__ import annotations
-
 import hashlib
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from workbench.engines.torch_engine import load_causal_lm
 from workbench.invariants.token_identity import TokenAccumulator
 from workbench.models.multimodal import ImageCodec, forward_inputs, is_vision_language
+from workbench.models.tiny import built_into
 from workbench.progress import Task, stage
+from workbench.rollout import opening_messages
 
 
 def demonstration(
@@ -28,11 +26,7 @@ def demonstration(
     """(ids, trainable mask, images) of one demonstrated episode, built as a rollout builds it:
     `completion` is the assistant's text, or a list of turns
     `{"role": "assistant" | "tool" | "user", "content": ...}`."""
-    messages = []
-    if env.system_prompt:
-        messages.append({"role": "system", "content": env.system_prompt})
-    messages.append({"role": "user", "content": env.reset(sample)})
-    episode = TokenAccumulator(tokenizer, messages, env.tools, codec)
+    episode = TokenAccumulator(tokenizer, opening_messages(env, sample), env.tools, codec)
     turns = completion
     if isinstance(completion, str):
         turns = [{"role": "assistant", "content": completion}]
@@ -65,7 +59,8 @@ def warm_started_path(
     rng = random.Random(seed)
     samples = plugin.make_dataset(4096, seed + 1)
     env = plugin.AgentRunner()
-    cache: dict[tuple, tuple] = {}
+    # (sample index, completion) -> its demonstration
+    cache = {}
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     bar = Task(f"warm start {base.name}", steps)
     for step in range(steps):
@@ -78,16 +73,13 @@ def warm_started_path(
                     tokenizer, codec, env, samples[index], completion
                 )
             rows.append(cache[episode_key])
-        longest = max(len(ids) for ids, _, _ in rows)
-        input_ids = torch.full((len(rows), longest), tokenizer.pad_token_id)  # [batch, seq]
-        attention = torch.zeros((len(rows), longest), dtype=torch.long)
-        labels = torch.full((len(rows), longest), -100)
-        for row, (ids, mask, _) in enumerate(rows):
-            input_ids[row, : len(ids)] = torch.tensor(ids)
-            attention[row, : len(ids)] = 1
-            labels[row, : len(ids)] = torch.where(
-                torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), -100
-            )
+        ids = [torch.tensor(row_ids) for row_ids, _, _ in rows]
+        # [batch, seq], right-padded; only the demonstrated turns are labels
+        input_ids = pad_sequence(ids, batch_first=True, padding_value=tokenizer.pad_token_id)
+        attention = pad_sequence([torch.ones_like(row) for row in ids], batch_first=True)
+        masks = [torch.tensor(mask, dtype=torch.bool) for _, mask, _ in rows]
+        trained = [row.where(mask, -100) for row, mask in zip(ids, masks, strict=True)]
+        labels = pad_sequence(trained, batch_first=True, padding_value=-100)
         inputs = forward_inputs(
             model, input_ids, attention, [images for _, _, images in rows], codec
         )
@@ -97,14 +89,10 @@ def warm_started_path(
         optimizer.step()
         bar.update(step + 1, f"loss {loss.item():.3f}")
     bar.close()
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
-    with stage(f"saving {target.name}"):
-        model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    if codec is not None:
-        codec.processor.save_pretrained(staging)
-    try:
-        os.rename(staging, target)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
+    with built_into(target) as staging:
+        with stage(f"saving {target.name}"):
+            model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if codec is not None:
+            codec.processor.save_pretrained(staging)
     return target

@@ -5,14 +5,10 @@ It runs as a Ray actor that takes no CPU slot; the driver sends it each step's r
 waiting, and it runs its calls in order, so a checkpoint's shard marks follow that step's rows.
 """
 
-from __future__ import annotations
-
 import time
 
-import pyarrow as pa
-
 from workbench.evaluate import eval_tables
-from workbench.store.schema import FAILED_EPISODES, rows_table, step_tables
+from workbench.store.schema import FAILED_EPISODES, METRICS, rows_table, step_tables
 from workbench.store.writer import RunWriter
 from workbench.tracking import make_sinks
 
@@ -35,13 +31,11 @@ class StoreActor:
         # in the step's records, building rows, flushing shards, the tracking sinks. Off the
         # step's path, but on its cores
         cpu_mark = time.process_time()
-        metrics = dict(metrics, **{"perf/store_cpu_s": cpu_mark - self.cpu_mark})
+        metrics = metrics | {"perf/store_cpu_s": cpu_mark - self.cpu_mark}
         self.cpu_mark = cpu_mark
         segments = [s for batch in worker_segments for s in batch]
         self.writer.save_images([image for s in segments for image in s.images])
-        tables = step_tables(self.run_id, step, rows["learner_version"], segments, rows)
-        for name, table in tables.items():
-            self.writer.append(name, table)
+        self._append(step_tables(self.run_id, step, rows["learner_version"], segments, rows))
         self.log(step, metrics)
         self.writer.update_run(
             at_flush=True,
@@ -62,28 +56,21 @@ class StoreActor:
 
     def log(self, step: int, metrics: dict) -> None:
         now = time.time()
-        self.writer.append(
-            "metrics",
-            pa.table(
-                {
-                    "run_id": [self.run_id] * len(metrics),
-                    "step": [step] * len(metrics),
-                    "key": list(metrics),
-                    "value": [float(v) for v in metrics.values()],
-                    "time": [now] * len(metrics),
-                }
-            ),
-        )
+        rows = [{"key": key, "value": float(value), "time": now} for key, value in metrics.items()]
+        self.writer.append("metrics", rows_table(METRICS, self.run_id, step, rows))
         for sink in self.sinks:
             sink.log(metrics, step)
 
     def write_eval(self, step: int, row: dict) -> None:
         """One held-out evaluation: a row of the `eval` table and the metrics eval/reward,
         eval/accuracy."""
-        for name, table in eval_tables(self.run_id, step, row).items():
-            self.writer.append(name, table)
+        self._append(eval_tables(self.run_id, step, row))
         for sink in self.sinks:
             sink.log({"eval/reward": row["mean_reward"], "eval/accuracy": row["accuracy"]}, step)
+
+    def _append(self, tables: dict) -> None:
+        for name, table in tables.items():
+            self.writer.append(name, table)
 
     def close(self, status: str) -> None:
         self.writer.close(status)

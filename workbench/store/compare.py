@@ -1,15 +1,12 @@
 """Runs side by side: the rows of `molt-wb compare` and `molt-wb sweeps`, read back from the
 store."""
 
-from __future__ import annotations
-
-import json
 import time
 from pathlib import Path
 
 import duckdb
 
-from workbench.store.query import list_runs, resolve_run
+from workbench.store.query import list_runs, resolve_run, run_row
 
 COLUMNS = (
     "run_id",
@@ -30,7 +27,7 @@ COLUMNS = (
 
 def sweeps(root: str = "runs") -> list[dict]:
     """One row per sweep id: runs, finished, failed, swept keys, created (newest first)."""
-    table: dict[str, dict] = {}
+    table = {}
     for row in list_runs(root):
         if row.get("sweep_id"):
             entry = table.setdefault(
@@ -59,7 +56,7 @@ def compare_rows(selection: list[str], root: str = "runs") -> tuple[list[str], l
     allowed)."""
     runs = [r for r in list_runs(root) if len(selection) == 1 and r.get("sweep_id") == selection[0]]
     if not runs:
-        runs = [_run_row(resolve_run(run_id, root)) for run_id in selection]
+        runs = [run_row(resolve_run(run_id, root)) for run_id in selection]
     db = duckdb.connect()
     swept = sorted({key for run in runs for key in (run.get("swept") or {})})
     rows = []
@@ -87,18 +84,6 @@ def compare_rows(selection: list[str], root: str = "runs") -> tuple[list[str], l
     return swept, rows
 
 
-def reward_curves(run_ids: list[str], root: str = "runs") -> dict[str, list[tuple[int, float]]]:
-    db = duckdb.connect()
-    curves = {}
-    for run_id in run_ids:
-        metrics = Path(root, run_id, "metrics").resolve()
-        curves[run_id] = db.execute(
-            f"select step, value from read_parquet('{metrics}/*.parquet') "
-            "where key = 'reward/mean' order by step"
-        ).fetchall()
-    return curves
-
-
 def plot(rows: list[dict], swept: list[str], root: str, path: str):
     """Reward curves of every run, and the fraction of sampled tokens the gate kept vs final reward
     (sequence-level gates drop whole sequences, token-level ones single tokens: both count here)."""
@@ -108,9 +93,13 @@ def plot(rows: list[dict], swept: list[str], root: str, path: str):
     import matplotlib.pyplot as plt
 
     figure, (curves, tradeoff) = plt.subplots(1, 2, figsize=(11, 4.2))
-    curves_by_run = reward_curves([r["run_id"] for r in rows], root)
+    db = duckdb.connect()
     for row in rows:
-        points = curves_by_run[row["run_id"]]
+        metrics = Path(root, row["run_id"], "metrics").resolve()
+        points = db.execute(
+            f"select step, value from read_parquet('{metrics}/*.parquet') "
+            "where key = 'reward/mean' order by step"
+        ).fetchall()
         label = ", ".join(f"{k}={row[k]}" for k in swept) or row["run_id"]
         curves.plot([p[0] for p in points], [p[1] for p in points], label=label)
         kept = row["kept_token_frac"] if row["kept_token_frac"] is not None else 1.0
@@ -126,8 +115,3 @@ def plot(rows: list[dict], swept: list[str], root: str, path: str):
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
-    return curves, tradeoff
-
-
-def _run_row(folder: Path) -> dict:
-    return json.loads((folder / "run.json").read_text())

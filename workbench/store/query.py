@@ -1,7 +1,5 @@
 """Readers of the run store: DuckDB views over a run's Parquet shards, live or finished."""
 
-from __future__ import annotations
-
 import difflib
 import json
 import os
@@ -15,6 +13,11 @@ NO_RECOVERIES = (
     "SELECT NULL::VARCHAR AS died, NULL::BIGINT AS steps_done, NULL::VARCHAR AS checkpoint, "
     "NULL::DOUBLE AS time WHERE false"
 )
+
+
+def run_row(run_dir) -> dict:
+    """The `runs` row of a run folder: its run.json."""
+    return json.loads(Path(run_dir, "run.json").read_text())
 
 
 def list_runs(root: str = "runs") -> list[dict]:
@@ -82,17 +85,17 @@ def open_run(run_id: str, root: str = "runs"):
 
     folder = resolve_run(run_id, root).resolve()
     connection = duckdb.connect()
-    # a run older than a table lacks it
-    tables = [name for name in TABLES if (folder / name).is_dir()]
-    for name in tables:
-        connection.execute(
-            f"CREATE VIEW {name} AS SELECT * "
-            f"FROM read_parquet('{folder / name}/*.parquet', union_by_name = true)"
-        )
+    for name in TABLES:
+        # a run older than a table lacks it
+        if (folder / name).is_dir():
+            connection.execute(
+                f"CREATE VIEW {name} AS SELECT * "
+                f"FROM read_parquet('{folder / name}/*.parquet', union_by_name = true)"
+            )
     connection.execute(f"CREATE VIEW runs AS SELECT * FROM read_json_auto('{folder / 'run.json'}')")
     # one row per recovery from a dead learner or store (recovery.py)
     recoveries = "SELECT unnest(recoveries, recursive := true) FROM runs"
-    if not json.loads((folder / "run.json").read_text()).get("recoveries"):
+    if not run_row(folder).get("recoveries"):
         recoveries = NO_RECOVERIES
     connection.execute(f"CREATE VIEW recoveries AS {recoveries}")
     return connection

@@ -5,8 +5,6 @@ A sink is anything with `log(metrics, step)` and `close(status)` (`sink.py`); `m
 only inside their sink constructors, so importing this package stays cheap.
 """
 
-from __future__ import annotations
-
 from workbench.tracking.sink import Sink
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -16,7 +14,7 @@ def make_sinks(
     tracking, run_dir: str, run_id: str, config: dict, group: str | None = None
 ) -> list[Sink]:
     """Build one sink per enabled backend; `tracking` is read through attributes only."""
-    sinks: list[Sink] = []
+    sinks = []
     mode = tracking.wandb.mode
     if mode not in WANDB_MODES:
         raise ValueError(f"tracking.wandb.mode is {mode!r}; use one of {', '.join(WANDB_MODES)}.")

@@ -1,13 +1,9 @@
 """An mlflow sink: a run named after the workbench run id, in a sqlite store beside the run folders
 by default."""
 
-from __future__ import annotations
-
 import os
 import time
 from collections.abc import Mapping
-
-from workbench.tracking.sink import check_status
 
 # mlflow >= 3 fetches a telemetry config over HTTP when imported; only this variable stops it.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -88,4 +84,4 @@ class MlflowSink:
             self.client.log_batch(self.run_id, metrics=batch)
 
     def close(self, status: str = "finished") -> None:
-        self.client.set_terminated(self.run_id, status=RUN_STATUSES[check_status(status)])
+        self.client.set_terminated(self.run_id, status=RUN_STATUSES[status])

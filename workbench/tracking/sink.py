@@ -1,9 +1,7 @@
 """What every tracking sink is: the `Sink` protocol and the run statuses its `close` accepts.
 
-The package's `make_sinks` and each backend's sink import this module; it imports neither of them.
+A backend's sink (wandb_sink.py, mlflow_sink.py) maps each status to its own run states.
 """
-
-from __future__ import annotations
 
 from typing import Protocol
 
@@ -15,9 +13,3 @@ class Sink(Protocol):
 
     def close(self, status: str = "finished") -> None:
         """End the run; `status` is one of STATUSES."""
-
-
-def check_status(status: str) -> str:
-    if status not in STATUSES:
-        raise ValueError(f"Sink.close status is {status!r}; use one of {', '.join(STATUSES)}.")
-    return status

@@ -1,13 +1,9 @@
 """A wandb sink: a run whose id and name are the workbench run id; offline by default, its files
 under the run folder."""
 
-from __future__ import annotations
-
 import os
 
 import wandb
-
-from workbench.tracking.sink import check_status
 
 # wandb has no "interrupted" state: any non-zero exit code shows as failed; 130 is SIGINT's.
 EXIT_CODES = {"finished": 0, "failed": 1, "interrupted": 130}
@@ -21,13 +17,6 @@ class WandbSink:
         if offline:
             # wandb-core's error reporting is switched off only by this variable, not by Settings.
             os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
-        settings = wandb.Settings(
-            silent=True,
-            console="off",
-            # the system monitor may query a cloud metadata server
-            x_disable_stats=offline,
-            x_disable_machine_info=offline,
-        )
         self.run = wandb.init(
             project=wandb_config.project,
             entity=wandb_config.entity,
@@ -41,11 +30,17 @@ class WandbSink:
             mode=wandb_config.mode,
             # never finish a run someone else in this process started
             reinit="create_new",
-            settings=settings,
+            settings=wandb.Settings(
+                silent=True,
+                console="off",
+                # the system monitor may query a cloud metadata server
+                x_disable_stats=offline,
+                x_disable_machine_info=offline,
+            ),
         )
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
 
     def close(self, status: str = "finished") -> None:
-        self.run.finish(exit_code=EXIT_CODES[check_status(status)])
+        self.run.finish(exit_code=EXIT_CODES[status])
