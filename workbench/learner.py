@@ -9,6 +9,7 @@ version) to every rollout engine. The maths is in workbench.algo, found through 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
 import torch
@@ -26,6 +27,7 @@ from workbench.batch import (
     store_rows,
 )
 from workbench.checkpoint import load_learner, save_learner, side_files
+from workbench.config import GateConfig
 from workbench.engines.base import to_wire
 from workbench.engines.torch_engine import load_causal_lm, set_threads
 from workbench.invariants.routing_replay import find_routers, replay_routes
@@ -76,7 +78,6 @@ class Learner:
         self.weight_group = None
         self.bucket_bytes = cfg.ray.weight_bucket_mb * 2**20
         self.replay = cfg.algo.routing_replay
-        self.model_path = model_path
         self.side_files = side_files(model_path)
         self.estimator = ADVANTAGES[cfg.algo.advantage]
         self.policy_loss = POLICY_LOSSES[cfg.algo.policy_loss]
@@ -219,6 +220,7 @@ class Learner:
             return self.padded(model, batch, recorded, replay, entropy)
         mask = batch["attention_mask"]
         ids = batch["token_ids"].to(self.ranks.device)
+        device_mask = mask.to(self.ranks.device)
         logprob = torch.zeros(mask.shape)
         entropies = None
         if entropy:
@@ -231,7 +233,6 @@ class Learner:
             if recorded is not None:
                 routes = replay_routes(model, pack_like(recorded[run], mask[run]), replay)
             with routes as found:
-                device_mask = mask.to(self.ranks.device)
                 piece = packed_logprobs(
                     model,
                     ids,
@@ -248,12 +249,13 @@ class Learner:
                 piece = piece[0]
             logprob = logprob.index_copy(0, rows, piece.cpu())
             for key, value in found.items():
+                # padding: no expert (-1) for the live routes, false for the masks
+                fill = -1 if key == "live" else 0
                 if key not in stats:
-                    fill = -1 if key == "live" else 0
                     stats[key] = torch.full(
                         (*mask.shape, *value.shape[2:]), fill, dtype=value.dtype
                     )
-                stats[key][rows] = unpack(value, mask[rows], -1 if key == "live" else 0)
+                stats[key][rows] = unpack(value, mask[rows], fill)
         return logprob, entropies, stats
 
     def padded(self, model, batch: dict, recorded, replay: bool, entropy: bool) -> tuple:
@@ -334,13 +336,10 @@ class Learner:
             and not self.trainer.max_tokens_per_microbatch
         ):
             live = self.logprobs_entropy(batch)
-            entropy = live[1]
-            if entropy is not None:
-                entropy = entropy.detach()
             old_logprob = live[0].detach()
             if self.gate.bypass:
                 old_logprob = batch["behavior_logprob"]
-            return live, old_logprob, entropy, {}
+            return live, old_logprob, live[1].detach(), {}
         if self.gate.bypass:
             return None, batch["behavior_logprob"], None, {}
         routing: dict = {}
@@ -349,22 +348,16 @@ class Learner:
         return None, old_logprob, entropy, routing
 
     def apply_gate(self, batch: dict, old_logprob: torch.Tensor, consumed_at: int) -> GateResult:
-        """The version gate's decisions and per-token IS weights for this batch (`gate.*`)."""
+        """The version gate's decisions and per-token IS weights for this batch: every `gate.*`
+        key is one of `version_gate`'s options."""
+        options = {key.name: getattr(self.gate, key.name) for key in dataclasses.fields(GateConfig)}
         return version_gate(
             batch["behavior_logprob"],
             old_logprob,
             batch["loss_mask"],
             batch["behavior_version"],
             consumed_at,
-            level=self.gate.level,
-            mode=self.gate.mode,
-            band=tuple(self.gate.band),
-            max_staleness=self.gate.max_staleness,
-            token_cap=self.gate.token_cap,
-            denominator=self.gate.denominator,
-            token_band=self.gate.token_band,
-            veto=self.gate.veto,
-            bypass=self.gate.bypass,
+            **options,
         )
 
     def advantages(self, batch: dict, old_logprob: torch.Tensor) -> tuple[torch.Tensor, dict]:

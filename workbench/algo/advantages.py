@@ -58,8 +58,8 @@ def compute_advantages(
     n_rows = rewards.shape[0]
     if rollout_ids is None:
         rollout_ids = torch.arange(n_rows, device=rewards.device)
-    _, row_rollout = torch.unique(rollout_ids, return_inverse=True)  # [N] -> rollout index
-    n_rollouts = int(row_rollout.max()) + 1 if n_rows else 0
+    rollouts, row_rollout = torch.unique(rollout_ids, return_inverse=True)  # [N] -> rollout index
+    n_rollouts = len(rollouts)
     rows = torch.arange(n_rows, device=rewards.device)
     # [R] one representative row per rollout
     first_row = torch.full((n_rollouts,), n_rows, device=rewards.device).scatter_reduce(
@@ -75,9 +75,8 @@ def compute_advantages(
     if estimator == "reinforce_baseline":
         return (reward - reward.mean())[row_rollout]
 
-    _, rollout_group = torch.unique(group, return_inverse=True)  # [R] -> group index
-    n_groups = int(rollout_group.max()) + 1 if n_rollouts else 0
-    zeros = torch.zeros(n_groups, dtype=reward.dtype, device=reward.device)
+    groups, rollout_group = torch.unique(group, return_inverse=True)  # [R] -> group index
+    zeros = torch.zeros(len(groups), dtype=reward.dtype, device=reward.device)
     count = zeros.index_add(0, rollout_group, torch.ones_like(reward))[rollout_group]  # [R]
     total = zeros.index_add(0, rollout_group, reward)[rollout_group]  # [R]
     centered = reward - total / count  # [R]
@@ -147,12 +146,11 @@ def distill_advantages(
 def uniform_groups(rewards: Tensor, group_ids: Tensor) -> Tensor:
     """Rows [N] (bool) whose prompt group has one reward for all its rows: no relative signal, so
     dynamic filtering drops them."""
-    _, group = torch.unique(group_ids, return_inverse=True)  # [N] -> group index
-    n_groups = int(group.max()) + 1 if len(group) else 0
-    low = torch.full((n_groups,), torch.inf, dtype=rewards.dtype).scatter_reduce(
+    groups, group = torch.unique(group_ids, return_inverse=True)  # [N] -> group index
+    low = torch.full((len(groups),), torch.inf, dtype=rewards.dtype).scatter_reduce(
         0, group, rewards, reduce="amin"
     )
-    high = torch.full((n_groups,), -torch.inf, dtype=rewards.dtype).scatter_reduce(
+    high = torch.full((len(groups),), -torch.inf, dtype=rewards.dtype).scatter_reduce(
         0, group, rewards, reduce="amax"
     )
     return (low == high)[group]
@@ -175,18 +173,17 @@ def _from_rewards(estimator: str) -> Callable:
     """`compute_advantages(..., estimator)` as the learner calls it: one advantage per row."""
 
     def estimate(batch: dict, logprob: Tensor, teacher_logprob: None, algo) -> tuple[Tensor, dict]:
-        rewards = batch["rewards"]
-        rollout_ids = batch["rollout_ids"]
-        return compute_advantages(rewards, batch["group_ids"], estimator, rollout_ids), {}
+        advantages = compute_advantages(
+            batch["rewards"], batch["group_ids"], estimator, batch["rollout_ids"]
+        )
+        return advantages, {}
 
     return estimate
 
 
-advantage("reinforce", groups=False)(_from_rewards("reinforce"))
-advantage("reinforce_baseline", groups=False)(_from_rewards("reinforce_baseline"))
-advantage("rloo")(_from_rewards("rloo"))
-advantage("grpo")(_from_rewards("grpo"))
-advantage("dr_grpo")(_from_rewards("dr_grpo"))
+for name in REWARD_ESTIMATORS:
+    # reinforce and reinforce_baseline compare no two samples of a prompt
+    advantage(name, groups=not name.startswith("reinforce"))(_from_rewards(name))
 
 
 @advantage("on_policy_distill", teacher=True, groups=False)

@@ -49,11 +49,12 @@ def token_logprobs_entropy(
     normaliser = torch.logsumexp(scaled, dim=-1)  # [B, T-1]
     picked = scaled.gather(-1, next_ids).squeeze(-1) - normaliser  # [B, T-1]
     first = torch.zeros_like(picked[:, :1])
+    logprob = torch.cat([first, picked], dim=1)  # [B, T]
     if not entropy:
-        return torch.cat([first, picked], dim=1), None
+        return logprob, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         per_position = torch.cat([first, logits_entropy(scaled, normaliser)], dim=1)  # [B, T]
-    return torch.cat([first, picked], dim=1), per_position
+    return logprob, per_position
 
 
 def logits_entropy(scaled: Tensor, normaliser: Tensor) -> Tensor:
@@ -67,9 +68,8 @@ def logits_entropy(scaled: Tensor, normaliser: Tensor) -> Tensor:
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Mean of x over positions where mask is true (along dim, or over all); 0 where none are."""
     mask = mask.bool()
-    total = torch.where(mask, x, 0.0).sum() if dim is None else torch.where(mask, x, 0.0).sum(dim)
-    count = mask.sum() if dim is None else mask.sum(dim)
-    return total / count.clamp(min=1)
+    # dim None: sums over all
+    return torch.where(mask, x, 0.0).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
 def approx_kl(logp: Tensor, logq: Tensor, mask: Tensor, estimator: str = "k3") -> Tensor:
@@ -160,11 +160,11 @@ def policy_gradient_loss(
     per_token = torch.where(mask, per_token, 0.0)  # [B, T]
 
     if aggregation == "token_mean":
-        loss = per_token.sum() / mask.sum().clamp(min=1)
+        loss = masked_mean(per_token, mask)
     elif aggregation == "seq_mean":
-        seq_loss = per_token.sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
-        has_tokens = mask.any(-1)  # [B]
-        loss = torch.where(has_tokens, seq_loss, 0.0).sum() / has_tokens.sum().clamp(min=1)
+        seq_loss = masked_mean(per_token, mask, dim=-1)  # [B]
+        # over the sequences with at least one token in the mask
+        loss = masked_mean(seq_loss, mask.any(-1))
     else:
         loss = per_token.sum() / constant_denominator
     if entropy_coef:
@@ -188,9 +188,7 @@ def sequence_ratio_logprob(logprob: Tensor, old_logprob: Tensor, loss_mask: Tens
     logprob − old_logprob), while its gradient stays that of the token: s·∇log π. Clipping then
     acts on s, per sequence (GSPO uses a narrow band, e.g. clip_low 3e-4, clip_high 4e-4).
     """
-    mask = loss_mask.bool()  # [B, T]
-    log_ratio_sum = torch.where(mask, logprob - old_logprob, 0.0).sum(-1)  # [B]
-    log_seq_ratio = log_ratio_sum / mask.sum(-1).clamp(min=1)  # [B]
+    log_seq_ratio = masked_mean(logprob - old_logprob, loss_mask, dim=-1)  # [B]
     return old_logprob + log_seq_ratio.detach()[:, None] + (logprob - logprob.detach())  # [B, T]
 
 

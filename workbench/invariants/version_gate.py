@@ -98,16 +98,17 @@ def version_gate(
     keep_token = mask.clone()
     # 0 ok, 1 stale, 2 ratio_low, 3 ratio_high, 4 veto
     reason = torch.zeros_like(sampled)
+    # each level's weights; tokens outside `keep_token` (within the mask) get 0 below
+    weight = ratio
     if level == "off":
         weight = mask.float()
     elif level == "token":
         if mode == "mask":
             keep_token &= (ratio >= low) & (ratio <= high)
-            weight = ratio * keep_token
         elif mode == "clip":
-            weight = ratio.clamp(min=low, max=high) * mask
+            weight = ratio.clamp(min=low, max=high)
         else:
-            weight = ratio.clamp(max=high) * mask
+            weight = ratio.clamp(max=high)
     else:
         sequence_log_ratio = seq_log_ratio if level == "seq" else geo_log_ratio
         sequence_ratio = sequence_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
@@ -115,8 +116,7 @@ def version_gate(
         if token_band is not None:
             keep_token &= (ratio >= token_band[0]) & (ratio <= token_band[1])
         if token_cap is not None:
-            ratio = ratio.clamp(max=token_cap)
-        weight = ratio * mask
+            weight = ratio.clamp(max=token_cap)
     if veto is not None:
         outlier = mask & (log_ratio.abs() > math.log(veto))  # [B, T]
         reason = torch.where(outlier.any(-1), 4, reason)

@@ -14,137 +14,132 @@ import pyarrow as pa
 
 from workbench.segment import image_name
 
+# every table's rows carry the run and the training step they belong to
+ROW_KEY = {"run_id": pa.string(), "step": pa.int32()}
+
 SEGMENTS = pa.schema(
-    [
-        ("run_id", pa.string()),
-        ("step", pa.int32()),
-        ("rollout_id", pa.int64()),
-        ("segment_idx", pa.int32()),
-        ("group_id", pa.int64()),
-        ("reward", pa.float64()),
-        ("advantage", pa.float32()),
-        ("num_tokens", pa.int32()),
-        ("num_sampled", pa.int32()),
-        ("min_version", pa.int32()),
-        ("max_version", pa.int32()),
-        ("learner_version", pa.int32()),
-        ("finish_reason", pa.string()),
-        ("seal_reason", pa.string()),
-        ("turn_spans", pa.list_(pa.list_(pa.int32()))),
-        ("prompt_text", pa.string()),
-        ("response_text", pa.string()),
-        ("images", pa.list_(pa.string())),
+    {
+        **ROW_KEY,
+        "rollout_id": pa.int64(),
+        "segment_idx": pa.int32(),
+        "group_id": pa.int64(),
+        "reward": pa.float64(),
+        "advantage": pa.float32(),
+        "num_tokens": pa.int32(),
+        "num_sampled": pa.int32(),
+        "min_version": pa.int32(),
+        "max_version": pa.int32(),
+        "learner_version": pa.int32(),
+        "finish_reason": pa.string(),
+        "seal_reason": pa.string(),
+        "turn_spans": pa.list_(pa.list_(pa.int32())),
+        "prompt_text": pa.string(),
+        "response_text": pa.string(),
+        "images": pa.list_(pa.string()),
         # JSON: the episode's last `Result.info` (e.g. a judge's prompt and verdict)
-        ("info", pa.string()),
-    ]
+        "info": pa.string(),
+    }
 )
 
 TOKENS = pa.schema(
-    [
-        ("run_id", pa.string()),
-        ("step", pa.int32()),
-        ("rollout_id", pa.int64()),
-        ("segment_idx", pa.int32()),
-        ("position", pa.int32()),
-        ("token_id", pa.int32()),
-        ("loss_mask", pa.uint8()),
-        ("behavior_logprob", pa.float32()),
-        ("train_logprob", pa.float32()),
-        ("behavior_version", pa.int32()),
-        ("is_weight", pa.float32()),
-        ("advantage", pa.float32()),
+    {
+        **ROW_KEY,
+        "rollout_id": pa.int64(),
+        "segment_idx": pa.int32(),
+        "position": pa.int32(),
+        "token_id": pa.int32(),
+        "loss_mask": pa.uint8(),
+        "behavior_logprob": pa.float32(),
+        "train_logprob": pa.float32(),
+        "behavior_version": pa.int32(),
+        "is_weight": pa.float32(),
+        "advantage": pa.float32(),
         # the learner's entropy of the distribution the token was drawn from; null where none
         # (molt-wb serve, runs older than the column)
-        ("entropy", pa.float32()),
-    ]
+        "entropy": pa.float32(),
+    }
 )
 
 METRICS = pa.schema(
-    [
-        ("run_id", pa.string()),
-        ("step", pa.int32()),
-        ("key", pa.string()),
-        ("value", pa.float64()),
-        ("time", pa.float64()),
-    ]
+    {
+        **ROW_KEY,
+        "key": pa.string(),
+        "value": pa.float64(),
+        "time": pa.float64(),
+    }
 )
 
 GATE_DECISIONS = pa.schema(
-    [
-        ("run_id", pa.string()),
-        ("step", pa.int32()),
-        ("rollout_id", pa.int64()),
-        ("segment_idx", pa.int32()),
-        ("learner_version", pa.int32()),
-        ("min_version", pa.int32()),
-        ("max_version", pa.int32()),
-        ("staleness", pa.int32()),
-        ("seq_log_ratio", pa.float64()),
-        ("geo_ratio", pa.float64()),
-        ("decision", pa.string()),
-        ("reason", pa.string()),
-        ("tokens_masked", pa.int32()),
-    ]
+    {
+        **ROW_KEY,
+        "rollout_id": pa.int64(),
+        "segment_idx": pa.int32(),
+        "learner_version": pa.int32(),
+        "min_version": pa.int32(),
+        "max_version": pa.int32(),
+        "staleness": pa.int32(),
+        "seq_log_ratio": pa.float64(),
+        "geo_ratio": pa.float64(),
+        "decision": pa.string(),
+        "reason": pa.string(),
+        "tokens_masked": pa.int32(),
+    }
 )
 
 REQUESTS = pa.schema(
-    [
-        ("run_id", pa.string()),
-        ("step", pa.int32()),
-        ("session", pa.string()),
-        ("rollout_id", pa.int64()),
-        ("wire", pa.string()),
-        ("stream", pa.bool_()),
-        ("action", pa.string()),
-        ("prompt_tokens_reused", pa.int32()),
-        ("new_prompt_tokens", pa.int32()),
-        ("generated_tokens", pa.int32()),
-        ("latency_s", pa.float64()),
-        ("time", pa.float64()),
-    ]
+    {
+        **ROW_KEY,
+        "session": pa.string(),
+        "rollout_id": pa.int64(),
+        "wire": pa.string(),
+        "stream": pa.bool_(),
+        "action": pa.string(),
+        "prompt_tokens_reused": pa.int32(),
+        "new_prompt_tokens": pa.int32(),
+        "generated_tokens": pa.int32(),
+        "latency_s": pa.float64(),
+        "time": pa.float64(),
+    }
 )
 
 ROUTING = pa.schema(
-    [
-        ("run_id", pa.string()),
-        ("step", pa.int32()),
-        ("rollout_id", pa.int64()),
-        ("segment_idx", pa.int32()),
-        ("layer", pa.int32()),
-        ("tokens", pa.int32()),
-        ("mismatched", pa.int32()),
-        ("positions", pa.list_(pa.int32())),
-        ("rollout_experts", pa.list_(pa.list_(pa.int16()))),
-        ("learner_experts", pa.list_(pa.list_(pa.int16()))),  # at positions
-    ]
+    {
+        **ROW_KEY,
+        "rollout_id": pa.int64(),
+        "segment_idx": pa.int32(),
+        "layer": pa.int32(),
+        "tokens": pa.int32(),
+        "mismatched": pa.int32(),
+        "positions": pa.list_(pa.int32()),
+        "rollout_experts": pa.list_(pa.list_(pa.int16())),
+        "learner_experts": pa.list_(pa.list_(pa.int16())),  # at positions
+    }
 )
 
 # an episode that never reached a batch: kind env_error | agent_error | worker_died | timeout
 FAILED_EPISODES = pa.schema(
-    [
-        ("run_id", pa.string()),
-        ("step", pa.int32()),
-        ("rollout_id", pa.int64()),
-        ("group_id", pa.int64()),
-        ("worker", pa.int32()),
-        ("kind", pa.string()),
-        ("error", pa.string()),
-        ("traceback", pa.string()),
-        ("time", pa.float64()),
-    ]
+    {
+        **ROW_KEY,
+        "rollout_id": pa.int64(),
+        "group_id": pa.int64(),
+        "worker": pa.int32(),
+        "kind": pa.string(),
+        "error": pa.string(),
+        "traceback": pa.string(),
+        "time": pa.float64(),
+    }
 )
 
 EVAL = pa.schema(
-    [
-        ("run_id", pa.string()),
-        ("step", pa.int32()),
-        ("checkpoint", pa.string()),
-        ("split", pa.string()),
-        ("n", pa.int32()),
-        ("mean_reward", pa.float64()),
-        ("accuracy", pa.float64()),
-        ("time", pa.float64()),
-    ]
+    {
+        **ROW_KEY,
+        "checkpoint": pa.string(),
+        "split": pa.string(),
+        "n": pa.int32(),
+        "mean_reward": pa.float64(),
+        "accuracy": pa.float64(),
+        "time": pa.float64(),
+    }
 )
 
 TABLES: dict[str, pa.Schema] = {
@@ -169,23 +164,28 @@ def step_tables(
     `advantage` (one float per segment) and, when a learner gated them, `gate` (the version gate's
     per-sequence columns).
     """
+
+    def each(name: str) -> list:
+        """Every segment's attribute `name`, in order."""
+        return [getattr(s, name) for s in segments]
+
     lengths = np.array([len(s.token_ids) for s in segments], dtype=np.int64)
     versions = [s.version_range() for s in segments]
     segment_rows = {
         "run_id": [run_id] * len(segments),
         "step": [step] * len(segments),
-        "rollout_id": [s.rollout_id for s in segments],
-        "segment_idx": [s.segment_idx for s in segments],
-        "group_id": [s.group_id for s in segments],
-        "reward": [s.reward for s in segments],
+        "rollout_id": each("rollout_id"),
+        "segment_idx": each("segment_idx"),
+        "group_id": each("group_id"),
+        "reward": each("reward"),
         "advantage": train["advantage"],
         "num_tokens": lengths.tolist(),
-        "num_sampled": [s.num_sampled for s in segments],
+        "num_sampled": each("num_sampled"),
         "min_version": [v[0] for v in versions],
         "max_version": [v[1] for v in versions],
         "learner_version": [learner_version] * len(segments),
-        "finish_reason": [s.finish_reason for s in segments],
-        "seal_reason": [s.seal_reason for s in segments],
+        "finish_reason": each("finish_reason"),
+        "seal_reason": each("seal_reason"),
         "turn_spans": [list(map(list, s.turn_spans)) for s in segments],
         "prompt_text": [s.display.get("prompt", "") for s in segments],
         "response_text": [s.display.get("response", "") for s in segments],
@@ -197,65 +197,40 @@ def step_tables(
     token_rows = {
         "run_id": pa.repeat(pa.scalar(run_id), total),
         "step": np.full(total, step, dtype=np.int32),
-        "rollout_id": np.repeat([s.rollout_id for s in segments], lengths).astype(np.int64),
-        "segment_idx": np.repeat([s.segment_idx for s in segments], lengths).astype(np.int32),
+        "rollout_id": np.repeat(each("rollout_id"), lengths).astype(np.int64),
+        "segment_idx": np.repeat(each("segment_idx"), lengths).astype(np.int32),
         "position": np.concatenate([np.arange(n, dtype=np.int32) for n in lengths]),
-        "token_id": np.concatenate([s.token_ids for s in segments]),
-        "loss_mask": np.concatenate([s.loss_mask for s in segments]),
-        "behavior_logprob": np.concatenate([s.behavior_logprob for s in segments]),
+        "token_id": np.concatenate(each("token_ids")),
+        "loss_mask": np.concatenate(each("loss_mask")),
+        "behavior_logprob": np.concatenate(each("behavior_logprob")),
         "train_logprob": np.concatenate(train["train_logprob"]).astype(np.float32),
-        "behavior_version": np.concatenate([s.behavior_version for s in segments]),
+        "behavior_version": np.concatenate(each("behavior_version")),
         "is_weight": np.concatenate(train["is_weight"]).astype(np.float32),
         "advantage": np.repeat(np.asarray(train["advantage"], dtype=np.float32), lengths),
         "entropy": pa.nulls(total, pa.float32()),
     }
     if train.get("entropy") is not None:
         token_rows["entropy"] = np.concatenate(train["entropy"]).astype(np.float32)
-    gate = train.get("gate") or {
-        k: []
-        for k in ("staleness", "seq_log_ratio", "geo_ratio", "kept", "reason", "tokens_masked")
-    }
     # no learner (molt-wb serve): no gate decisions
-    gated = len(gate["kept"])
-    gate_rows = {
-        key: segment_rows[key][:gated]
-        for key in (
-            "run_id",
-            "step",
-            "rollout_id",
-            "segment_idx",
-            "learner_version",
-            "min_version",
-            "max_version",
-        )
-    }
-    gate_rows.update(
-        staleness=gate["staleness"],
-        seq_log_ratio=gate["seq_log_ratio"],
-        geo_ratio=gate["geo_ratio"],
-        decision=["kept" if kept else "dropped" for kept in gate["kept"]],
-        reason=gate["reason"],
-        tokens_masked=gate["tokens_masked"],
-    )
+    gate_rows = dict.fromkeys(GATE_DECISIONS.names, [])
+    gate = train.get("gate")
+    if gate:
+        # each segment's key and versions, then the gate's per-sequence columns
+        gate_rows = {name: segment_rows.get(name) for name in GATE_DECISIONS.names}
+        gate_rows.update(gate, decision=["kept" if kept else "dropped" for kept in gate["kept"]])
     return {
         "segments": pa.table(segment_rows, schema=SEGMENTS),
         "tokens": pa.table(token_rows, schema=TOKENS),
         "gate_decisions": pa.table(gate_rows, schema=GATE_DECISIONS),
-        "requests": request_table(run_id, step, [r for s in segments for r in s.requests]),
+        "requests": rows_table(REQUESTS, run_id, step, [r for s in segments for r in s.requests]),
         "routing": rows_table(ROUTING, run_id, step, train.get("routing") or []),
     }
 
 
 def rows_table(schema: pa.Schema, run_id: str, step: int, rows: list[dict]) -> pa.Table:
-    columns = {}
-    for name in schema.names:
-        if name not in ("run_id", "step"):
-            columns[name] = [row[name] for row in rows]
-    return pa.table(
-        dict(run_id=[run_id] * len(rows), step=[step] * len(rows), **columns), schema=schema
-    )
-
-
-def request_table(run_id: str, step: int, rows: list[dict]) -> pa.Table:
-    """Loopback request rows (see workbench.server.loopback) as the `requests` table."""
-    return rows_table(REQUESTS, run_id, step, rows)
+    """`rows` (each holding every column of `schema` but `ROW_KEY`'s) as a table of `schema`; the
+    loopback server's request rows (workbench.server.loopback) make the `requests` table."""
+    columns = {"run_id": [run_id] * len(rows), "step": [step] * len(rows)}
+    for name in schema.names[len(ROW_KEY) :]:
+        columns[name] = [row[name] for row in rows]
+    return pa.table(columns, schema=schema)

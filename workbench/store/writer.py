@@ -72,7 +72,8 @@ class RunWriter:
     def maybe_flush(self) -> bool:
         with self.lock:
             due = time.monotonic() - self.last_flush >= self.flush_seconds
-            if self.buffered_rows() and (due or self.buffered_rows() >= self.flush_rows):
+            rows = self.buffered_rows()
+            if rows and (due or rows >= self.flush_rows):
                 self.flush()
                 return True
             return False
@@ -95,8 +96,9 @@ class RunWriter:
             final = self.run_dir / "images" / image_name(image)
             if not final.exists():
                 final.parent.mkdir(exist_ok=True)
-                final.with_name(f".{final.name}.tmp").write_bytes(image)
-                os.replace(final.with_name(f".{final.name}.tmp"), final)
+                temporary = final.with_name(f".{final.name}.tmp")
+                temporary.write_bytes(image)
+                os.replace(temporary, final)
 
     def update_run(self, at_flush: bool = False, **fields) -> None:
         """Rewrite the `runs` row (status, steps done, last reward, ...) atomically; `at_flush`:

@@ -6,6 +6,7 @@ Nothing here loads a whole table: the segments, gate and request tables come a p
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -96,7 +97,6 @@ class RunData:
         self.db = duckdb.connect()
         self.db.execute("SET enable_progress_bar = false")
         self._present: set[str] = set()
-        self._tokenizer = None
         self.pieces: dict[int, str] = {}
         self.refresh()
 
@@ -128,6 +128,12 @@ class RunData:
     def rows(self, sql: str, *params) -> list[tuple]:
         return self.db.execute(sql, list(params)).fetchall()
 
+    def records(self, sql: str, *params) -> list[dict]:
+        """`rows`, each as {column name: value}."""
+        result = self.db.execute(sql, list(params))
+        names = [d[0] for d in result.description]
+        return [dict(zip(names, row, strict=True)) for row in result.fetchall()]
+
     # ---- overview
     def series(self, key: str) -> list[tuple[int, float]]:
         return self.rows(
@@ -135,9 +141,9 @@ class RunData:
         )
 
     def headline(self) -> dict:
-        segments, tokens, sampled = self.rows(
-            "select count(*), coalesce(sum(num_tokens), 0), coalesce(sum(num_sampled), 0) "
-            "from segments"
+        sizes = self.records(
+            "select count(*) as segments, coalesce(sum(num_tokens), 0) as tokens, "
+            "coalesce(sum(num_sampled), 0) as sampled from segments"
         )[0]
         stats = dict(
             self.rows(
@@ -150,11 +156,9 @@ class RunData:
         return {
             "status": self.run.get("status"),
             "steps": f"{self.run.get('steps_done', 0)}/{self.run.get('steps', '?')}",
-            "segments": segments,
-            "tokens": tokens,
-            "sampled": sampled,
+            **sizes,
             "reward (last)": rewards[-1] if rewards else None,
-            "reward (best)": max(rewards) if rewards else None,
+            "reward (best)": max(rewards, default=None),
             **stats,
         }
 
@@ -200,12 +204,12 @@ class RunData:
         )
 
     def segment(self, step: int, rollout_id: int, segment_idx: int) -> dict:
-        result = self.db.execute(
+        return self.records(
             "select * from segments where step = ? and rollout_id = ? and segment_idx = ?",
-            [step, rollout_id, segment_idx],
-        )
-        names = [d[0] for d in result.description]
-        return dict(zip(names, result.fetchone(), strict=True))
+            step,
+            rollout_id,
+            segment_idx,
+        )[0]
 
     def siblings(self, rollout_id: int) -> list[tuple[int, int]]:
         """(step, segment_idx) of every segment of one rollout, in order."""
@@ -219,12 +223,13 @@ class RunData:
         """The column names of one table (a run stored by older code may lack some)."""
         return {d[0] for d in self.db.execute(f"select * from {table} limit 0").description}
 
-    def tokens(self, step: int, rollout_id: int, segment_idx: int) -> list[tuple]:
+    def tokens(self, step: int, rollout_id: int, segment_idx: int) -> list[dict]:
+        """One segment's token rows in order, each as {column name: value}."""
         entropy = "entropy"
         if entropy not in self.columns("tokens"):
             # a run stored before the column
-            entropy = "null"
-        return self.rows(
+            entropy = "null as entropy"
+        return self.records(
             "select position, token_id, loss_mask, behavior_logprob, train_logprob, "
             f"behavior_version, is_weight, {entropy} "
             "from tokens where step = ? and rollout_id = ? and segment_idx = ? order by position",
@@ -273,28 +278,29 @@ class RunData:
         """The text of one token under the run's tokenizer (cached); `⟨id⟩` when the tokenizer
         cannot be found."""
         if token_id not in self.pieces:
-            tokenizer = self.tokenizer()
-            if tokenizer:
-                self.pieces[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
-            else:
-                self.pieces[token_id] = f"⟨{token_id}⟩"
+            self.pieces[token_id] = f"⟨{token_id}⟩"
+            if self.tokenizer:
+                self.pieces[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return self.pieces[token_id]
 
+    @property
+    def model(self) -> dict:
+        """The run's `model` config."""
+        return (self.run.get("config") or {}).get("model") or {}
+
+    @functools.cached_property
     def tokenizer(self):
-        if self._tokenizer is None:
-            self._tokenizer = False
-            model = (self.run.get("config") or {}).get("model") or {}
-            try:
-                from tokenizers import Tokenizer
+        """The run's tokenizer, loaded once; None where it cannot be found."""
+        try:
+            from tokenizers import Tokenizer
 
-                if model.get("path"):
-                    folder = Path(model["path"])
-                else:
-                    from workbench.models.tiny import tiny_model_path
+            if self.model.get("path"):
+                folder = Path(self.model["path"])
+            else:
+                from workbench.models.tiny import tiny_model_path
 
-                    folder = tiny_model_path(model.get("name", "tiny"))
-                self._tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-            except Exception:
-                # a model folder moved or gone: ids are still shown
-                pass
-        return self._tokenizer
+                folder = tiny_model_path(self.model.get("name", "tiny"))
+            return Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception:
+            # a model folder moved or gone: ids are still shown
+            return None

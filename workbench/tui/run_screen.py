@@ -82,19 +82,15 @@ class RunScreen(Screen):
                 with Collapsible(title="resolved config", collapsed=True):
                     yield Static(json.dumps(self.data.run.get("config"), indent=1), id="config")
                 for key in PLOTS:
-                    yield PlotextPlot(id="plot-" + key.replace("/", "-"), classes="plot")
+                    yield PlotextPlot(id=f"plot-{key.replace('/', '-')}", classes="plot")
             with TabPane("2 Segments", id="segments"):
                 yield Input(
                     placeholder="filter: dropped mismatch reward>=0.5 text (/)", id="filter"
                 )
                 yield Static(id="segments-status", classes="status")
                 yield DataTable(id="segments-table", cursor_type="row", zebra_stripes=True)
-            for name, title in (
-                ("gate", "3 Gate"),
-                ("requests", "4 Requests"),
-                ("failures", "5 Failures"),
-            ):
-                with TabPane(title, id=name):
+            for number, (name, _, _) in enumerate(PAGED_TABS, start=3):
+                with TabPane(f"{number} {name.title()}", id=name):
                     yield Static(id=f"{name}-status", classes="status")
                     yield DataTable(id=f"{name}-table", cursor_type="row", zebra_stripes=True)
                     if name == "failures":
@@ -120,14 +116,15 @@ class RunScreen(Screen):
             "  ".join(f"[b]{k}[/b] {shown(v, '-')}" for k, v in headline.items())
         )
         for key in PLOTS:
-            plot = self.query_one("#plot-" + key.replace("/", "-"), PlotextPlot)
+            plot = self.query_one(f"#plot-{key.replace('/', '-')}", PlotextPlot)
             points = self.data.series(key)
             plot.plt.clear_data()
             if points:
+                steps, values = zip(*points, strict=True)
                 plot.plt.title(key)
-                plot.plt.plot([p[0] for p in points], [p[1] for p in points], marker="braille")
+                plot.plt.plot(steps, values, marker="braille")
             else:
-                plot.plt.title(key + " (not recorded)")
+                plot.plt.title(f"{key} (not recorded)")
             plot.refresh()
         self.load_segments()
         for name, table, hint in PAGED_TABS:

@@ -32,17 +32,6 @@ if (
 ):
     SegmentImage = HalfcellImage
 
-TOKEN_FIELDS = (
-    "position",
-    "token_id",
-    "loss_mask",
-    "behavior_logprob",
-    "train_logprob",
-    "behavior_version",
-    "is_weight",
-    "entropy",
-)
-
 
 def visible(piece: str) -> str:
     """A token's text as it may be drawn: newlines kept (after a ↵), other control characters
@@ -54,7 +43,7 @@ def visible(piece: str) -> str:
 def _experts(ids) -> str:
     if ids is None:
         return "?"
-    return ",".join(str(i) for i in ids)
+    return ",".join(map(str, ids))
 
 
 class TokenScreen(Screen):
@@ -74,8 +63,9 @@ class TokenScreen(Screen):
         super().__init__()
         self.data = data
         # a LoRA run's versions are its adapter's (models/lora.py)
-        model = (data.run.get("config") or {}).get("model") or {}
-        self.version_label = "adapter" if (model.get("lora") or {}).get("rank") else "version"
+        self.version_label = "version"
+        if (data.model.get("lora") or {}).get("rank"):
+            self.version_label = "adapter"
         self.channel = next(iter(CHANNELS))
         self.cursor = 0
         self.open(step, rollout_id, segment_idx)
@@ -86,10 +76,7 @@ class TokenScreen(Screen):
         routing = self.data.routing(step, rollout_id, segment_idx)
         self.rollout_segments = self.data.siblings(rollout_id)
         self.route_layers = sorted(routing)
-        self.tokens = [
-            dict(zip(TOKEN_FIELDS, row, strict=True))
-            for row in self.data.tokens(step, rollout_id, segment_idx)
-        ]
+        self.tokens = self.data.tokens(step, rollout_id, segment_idx)
         for token in self.tokens:
             token["text"] = self.data.piece(token["token_id"])
             token["staleness"] = self.segment["learner_version"] - token["behavior_version"]
@@ -148,13 +135,14 @@ class TokenScreen(Screen):
         for _, c, label in CHANNELS[self.channel][1]:
             legend.append(f"■ {label} ", style=c)
         if s["images"]:
-            legend.append("\nimages: " + ", ".join(s["images"]), style="italic")
+            legend.append(f"\nimages: {', '.join(s['images'])}", style="italic")
         self.query_one("#legend", Static).update(legend)
         text = Text()
         starts = {a for a, _ in s["turn_spans"]}
         ends = {b for _, b in s["turn_spans"]}
         images = iter(s["images"])
-        for i, (token, style) in enumerate(zip(self.tokens, self.token_styles(), strict=True)):
+        for i, token in enumerate(self.tokens):
+            style = _style(self.channel, token)
             if i in ends:
                 text.append("◂", style="bold magenta")
             if i in starts:
@@ -241,13 +229,11 @@ class TokenScreen(Screen):
         self.render_all()
 
     def action_segment(self, delta: int) -> None:
-        index = self.rollout_segments.index((self.segment_key[0], self.segment_key[2])) + delta
+        step, rollout_id, segment_idx = self.segment_key
+        index = self.rollout_segments.index((step, segment_idx)) + delta
         if 0 <= index < len(self.rollout_segments):
-            self.open(
-                self.rollout_segments[index][0],
-                self.segment_key[1],
-                self.rollout_segments[index][1],
-            )
+            step, segment_idx = self.rollout_segments[index]
+            self.open(step, rollout_id, segment_idx)
             self.render_all()
             self.show_images()
 
