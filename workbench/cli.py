@@ -438,10 +438,12 @@ def doctor(root: str = ROOT):
     # 0 without CUDA
     gpus = torch.cuda.device_count()
     name = f" ({torch.cuda.get_device_name(0)})" if gpus else ""
-    typer.echo(f"gpu          {gpus} visible{name}")
-    typer.echo(f"cpu cores    {os.cpu_count()}")
-    typer.echo(f"runs         {os.path.abspath(root)}")
-    typer.echo(f"model cache  {cache_root()}")
+    typer.echo(
+        f"gpu          {gpus} visible{name}\n"
+        f"cpu cores    {os.cpu_count()}\n"
+        f"runs         {os.path.abspath(root)}\n"
+        f"model cache  {cache_root()}"
+    )
     broken = broken_companions()
     if broken:
         typer.echo(

@@ -4,11 +4,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import Tensor
 
 from workbench.algo.advantages import (
     ADVANTAGES,
     REWARD_ESTIMATORS,
-    _reference_advantages,
     compute_advantages,
     distill_advantages,
     uniform_groups,
@@ -18,6 +18,42 @@ EPS = 1e-6
 # Group 0 holds rewards 1, 0, 0.5; group 1 holds a single rollout with reward 2.
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 2.0], dtype=torch.float64)
 GROUPS = torch.tensor([0, 0, 0, 1])
+
+
+def _reference_advantages(
+    rewards: Tensor,
+    group_ids: Tensor,
+    estimator: str,
+    rollout_ids: Tensor | None = None,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Plain-loop `compute_advantages`: the reference its vectorised path is checked against."""
+    rollouts = list(range(len(rewards))) if rollout_ids is None else rollout_ids.tolist()
+    reward_of = {}
+    group_of = {}
+    for row, rollout in enumerate(rollouts):
+        reward_of.setdefault(rollout, rewards[row].item())
+        group_of.setdefault(rollout, group_ids[row].item())
+    batch_mean = sum(reward_of.values()) / len(reward_of)
+    advantage_of = {}
+    for rollout, r in reward_of.items():
+        group = [reward_of[o] for o in reward_of if group_of[o] == group_of[rollout]]
+        n = len(group)
+        mean = sum(group) / n
+        if estimator == "reinforce":
+            advantage_of[rollout] = r
+        elif estimator == "reinforce_baseline":
+            advantage_of[rollout] = r - batch_mean
+        elif n == 1:
+            advantage_of[rollout] = 0.0
+        elif estimator == "rloo":
+            advantage_of[rollout] = r - (sum(group) - r) / (n - 1)
+        elif estimator == "grpo":
+            std = (sum((x - mean) ** 2 for x in group) / (n - 1)) ** 0.5
+            advantage_of[rollout] = (r - mean) / (std + eps)
+        else:
+            advantage_of[rollout] = r - mean
+    return torch.tensor([advantage_of[o] for o in rollouts], dtype=rewards.dtype)
 
 
 def test_reinforce_is_the_raw_reward():

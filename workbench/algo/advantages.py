@@ -94,42 +94,6 @@ def compute_advantages(
     return torch.where(count > 1, advantage, 0.0)[row_rollout]
 
 
-def _reference_advantages(
-    rewards: Tensor,
-    group_ids: Tensor,
-    estimator: str,
-    rollout_ids: Tensor | None = None,
-    eps: float = 1e-6,
-) -> Tensor:
-    """Plain-loop `compute_advantages`, for tests only."""
-    rollouts = list(range(len(rewards))) if rollout_ids is None else rollout_ids.tolist()
-    reward_of = {}
-    group_of = {}
-    for row, rollout in enumerate(rollouts):
-        reward_of.setdefault(rollout, rewards[row].item())
-        group_of.setdefault(rollout, group_ids[row].item())
-    batch_mean = sum(reward_of.values()) / len(reward_of)
-    advantage_of = {}
-    for rollout, r in reward_of.items():
-        group = [reward_of[o] for o in reward_of if group_of[o] == group_of[rollout]]
-        n = len(group)
-        mean = sum(group) / n
-        if estimator == "reinforce":
-            advantage_of[rollout] = r
-        elif estimator == "reinforce_baseline":
-            advantage_of[rollout] = r - batch_mean
-        elif n == 1:
-            advantage_of[rollout] = 0.0
-        elif estimator == "rloo":
-            advantage_of[rollout] = r - (sum(group) - r) / (n - 1)
-        elif estimator == "grpo":
-            std = (sum((x - mean) ** 2 for x in group) / (n - 1)) ** 0.5
-            advantage_of[rollout] = (r - mean) / (std + eps)
-        else:
-            advantage_of[rollout] = r - mean
-    return torch.tensor([advantage_of[o] for o in rollouts], dtype=rewards.dtype)
-
-
 def distill_advantages(
     student_logprob: Tensor, teacher_logprob: Tensor, loss_mask: Tensor, coef: float = 1.0
 ) -> Tensor:
