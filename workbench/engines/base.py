@@ -2,8 +2,8 @@
 
 An engine never sees text. It samples continuations of exact prompt ids and reports, per sampled
 token, the log-prob under the distribution it sampled from (temperature applied), together with
-the weight version that produced it. The torch engine implements it on CPU; a vLLM engine will
-implement the same protocol.
+the weight version that produced it. The torch engine implements it on CPU, the vLLM engine on
+vLLM.
 """
 
 from __future__ import annotations
@@ -52,8 +52,11 @@ class Generation:
 class Engine(Protocol):
     version: int
 
-    def generate(self, prompts: list[np.ndarray], params: SamplingParams) -> list[Generation]:
-        """Sample one continuation per prompt (prompt: int32 [t])."""
+    def generate(
+        self, prompts: list[np.ndarray], params: SamplingParams, images=None, listener=None
+    ) -> list[Generation]:
+        """Sample one continuation per prompt (prompt: int32 [t]); `listener(i, ids)`, where given,
+        gets prompt i's ids as they are sampled (the loopback server streams them)."""
 
     def load_weights(self, state_dict: dict, version: int) -> None:
         """Replace the weights and adopt `version` for every later token: at once when idle; while a

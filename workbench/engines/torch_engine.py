@@ -137,9 +137,10 @@ class TorchEngine:
         prompts: list[np.ndarray],
         params: SamplingParams,
         images: list[list[bytes]] | None = None,
+        listener=None,
     ) -> list[Generation]:
         """`images[i]`: the images of prompt i, in the order of its placeholder runs
-        (vision-language models)."""
+        (vision-language models); `listener(i, ids)` gets prompt i's ids as they are sampled."""
         # OpenMP's thread count is per thread: the calling thread (a Ray actor thread, a loopback
         # server request) starts at OMP_NUM_THREADS or every core, not at set_threads' choice (with
         # passive waits, two threads on the tiny policy's matmuls took 1.9x as long as one)
@@ -147,18 +148,16 @@ class TorchEngine:
         self._enter()
         start = time.perf_counter()
         try:
-            return self._generate(prompts, params, images)
+            return self._generate(prompts, params, images, listener)
         finally:
             self.compute_s += time.perf_counter() - start
             self._leave()
 
-    def _generate(
-        self, prompts: list[np.ndarray], params: SamplingParams, images=None
-    ) -> list[Generation]:
+    def _generate(self, prompts, params: SamplingParams, images, listener) -> list[Generation]:
         if not self.moe:
-            return self._sample(prompts, params, images)
+            return self._sample(prompts, params, images, listener)
         with capture_routes(self.model) as forwards:
-            generations = self._sample(prompts, params, images)
+            generations = self._sample(prompts, params, images, listener)
         longest = max(len(p) for p in prompts)
         # [batch, seq, layers, k]
         prefill = forwards[0].reshape(len(prompts), longest, *forwards[0].shape[1:])
@@ -174,9 +173,7 @@ class TorchEngine:
         return generations
 
     @torch.no_grad()
-    def _sample(
-        self, prompts: list[np.ndarray], params: SamplingParams, images=None
-    ) -> list[Generation]:
+    def _sample(self, prompts, params: SamplingParams, images, listener) -> list[Generation]:
         batch = len(prompts)
         longest = max(len(p) for p in prompts)
         # a group's samples share their prompt: prefill each distinct prompt once (text-only, dense
@@ -231,6 +228,9 @@ class TorchEngine:
                 dist = torch.log_softmax(logits, dim=-1)
                 token = dist.argmax(-1)
             token = torch.where(done, self.pad_token_id, token)
+            if listener is not None:
+                for row in np.flatnonzero(~done.numpy()):
+                    listener(int(row), [int(token[row])])
             sampled.append(token)
             logprobs.append(dist.gather(-1, token[:, None]).squeeze(-1))
             done |= torch.isin(token, stop)

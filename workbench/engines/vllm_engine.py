@@ -8,13 +8,18 @@ same ids (`token_logprobs(logits, ids, temperature)`), so their difference measu
 numerical mismatch of two implementations. The default `raw_logprobs` would report the untempered
 distribution and bias every importance ratio whenever T != 1.
 
-Generation drives vLLM's `LLMEngine` one scheduler step at a time, so each token's weight version
-is the version of the forward that produced it. A weight push waits in the slot shared with the
-torch engine (hold/partial semantics identical); with `partial=True` it is swapped in between two
-steps: in-flight requests pause, the weights are reloaded in place (`collective_rpc` into the
-`WeightSync` worker extension, which works for an in-process engine and for one in other processes
-alike), and generation resumes on the kept KV cache. Prefix caching is off: cached blocks of older
-weights would otherwise serve new prompts.
+The engine's own thread drives vLLM's `LLMEngine` one scheduler step at a time, so each token's
+weight version is the version of the forward that produced it. It runs continuously: prompts of
+every caller (a rollout batch, each loopback request) join the running batch between two steps as
+they arrive and leave it as each finishes (continuous batching), and each step's new ids go to the
+caller's listener (live streaming). A weight push waits in the slot shared with the torch engine
+(hold/partial semantics identical: a push waits until no request runs); with `partial=True` it is
+swapped in between two steps: in-flight requests pause, the weights are reloaded in place
+(`collective_rpc` into the `WeightSync` worker extension, which works for an in-process engine and
+for one in other processes alike), and generation resumes on the kept KV cache. Prefix caching is
+on, each request salted (`cache_salt`) with the weights it starts on (version and push count; a
+LoRA policy's version is its adapter's): a session's later turns reuse their own earlier blocks,
+and no block computed by older weights serves a request started on newer ones.
 
 MoE routed experts (`enable_return_routed_experts`) need vLLM's Model Runner V2; on the CPU backend
 vLLM refuses them ("AuxOutput Connector requires Model Runner V2"), so there the engine asks for
@@ -29,13 +34,17 @@ not import).
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
 import os
+import queue
 import shutil
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -80,6 +89,27 @@ class WeightSync:
         ]
 
 
+@dataclass
+class Request:
+    """A prompt in the running engine: what it has sampled so far, and who waits for it."""
+
+    prompt_tokens: int
+    done: Future
+    # called with each step's new ids (on the engine's thread)
+    listener: Callable | None
+    ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    versions: list = field(default_factory=list)
+
+
+def _settle(result: Future, function, *args, **kwargs) -> None:
+    """`result` holds what `function(*args, **kwargs)` returns, or what it raises."""
+    try:
+        result.set_result(function(*args, **kwargs))
+    except BaseException as error:
+        result.set_exception(error)
+
+
 class VllmEngine(TorchEngine):
     """Same protocol, weight slot and hold/partial semantics as the torch engine; vLLM does the
     sampling."""
@@ -108,9 +138,13 @@ class VllmEngine(TorchEngine):
         self.moe = is_moe(AutoConfig.from_pretrained(model_path).get_text_config())
         # vLLM serves them with Model Runner V2 only (GPU)
         self.routes = self.moe and routed_experts and not cpu
-        # vLLM's CPU kernels keep the OpenMP settings of the thread that started them: all calls run
-        # on that thread
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix="vllm")
+        # vLLM's CPU kernels keep the OpenMP settings of the thread that started them: every call
+        # runs on the engine's own thread, queued between two steps
+        self.commands = queue.SimpleQueue()
+        # by request id, the requests in the running batch (the engine thread's alone)
+        self.running: dict[str, Request] = {}
+        self.driver = threading.Thread(target=self._drive, name="vllm", daemon=True)
+        self.driver.start()
         options = {}
         # a LoRA policy: each pushed adapter version is a LoRARequest on the base
         self.lora = lora if lora and lora.rank else None
@@ -119,6 +153,10 @@ class VllmEngine(TorchEngine):
             options.update(enable_lora=True, max_lora_rank=lora.rank)
         if vision:
             options["limit_mm_per_prompt"] = {"image": 8}
+        if cpu:
+            # a prompt prefilled in chunks rewinds its seeded generator between them, which a CPU
+            # generator refuses ("CPU Generator does not use offset"): prefill each prompt whole
+            options["enable_chunked_prefill"] = False
         self.llm = self._call(
             LLM,
             model=model_path,
@@ -127,7 +165,7 @@ class VllmEngine(TorchEngine):
             tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=cpu,
-            enable_prefix_caching=False,
+            enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
             max_logprobs=0,
             async_scheduling=False,
@@ -145,15 +183,51 @@ class VllmEngine(TorchEngine):
         self._lock = threading.Lock()
         self._pending = None
         self._busy = 0
+        # weight pushes adopted: with the version, the prefix cache's salt
+        self.swaps = 0
 
     def _call(self, function, *args, **kwargs):
-        """`function(*args, **kwargs)` on the engine's own thread."""
-        if threading.current_thread().name.startswith("vllm"):
+        """`function(*args, **kwargs)` on the engine's own thread, between two steps."""
+        if threading.current_thread() is self.driver:
             return function(*args, **kwargs)
-        return self.thread.submit(function, *args, **kwargs).result()
+        result = Future()
+        self.commands.put(functools.partial(_settle, result, function, *args, **kwargs))
+        return result.result()
 
-    def _generate(self, prompts, params, images=None) -> list[Generation]:
-        return self._call(self._steps, prompts, params, images or [[] for _ in prompts])
+    def _drive(self) -> None:
+        """The engine's thread: what callers queue (calls, new requests) runs between two steps, and
+        the engine steps while any request runs."""
+        while True:
+            # idle: wait for work; running: take what came during the last step
+            if not self.running:
+                self.commands.get()()
+            while not self.commands.empty():
+                self.commands.get()()
+            if self.running:
+                self._step()
+
+    # the weight slot and its count of holders are the engine thread's alone, so no caller waits on
+    # that thread while holding the slot's lock
+    def load_weights(self, state_dict: dict, version: int) -> None:
+        self._call(super().load_weights, state_dict, version)
+
+    def _enter(self) -> None:
+        self._call(super()._enter)
+
+    def _leave(self) -> None:
+        self._call(super()._leave)
+
+    def _generate(self, prompts, params: SamplingParams, images, listener) -> list[Generation]:
+        return [done.result() for done in self.submit(prompts, params, images, listener)]
+
+    def submit(self, prompts, params: SamplingParams, images=None, listener=None) -> list[Future]:
+        """Start the prompts in the running batch, all on the same weights; each one's Generation
+        when it ends."""
+        futures = [Future() for _ in prompts]
+        self.commands.put(
+            functools.partial(self._admit, prompts, params, images, listener, futures)
+        )
+        return futures
 
     def _swap(self) -> None:
         """Adopt pending weights, if any (the caller holds the lock); refuse a partial update when
@@ -162,14 +236,14 @@ class VllmEngine(TorchEngine):
             return
         state_dict, version = self._pending
         self._pending = None
+        self.swaps += 1
         if self.lora:
             self.lora_request = self._adapter(state_dict, version)
             self.version = version
             return
         weights = [(name, tensor.detach().cpu()) for name, tensor in state_dict.items()]
-        stale = self._call(
-            self.llm.collective_rpc, "load_policy_weights", args=(weights, self.check)
-        )
+        # on the engine's thread, as every swap
+        stale = self.llm.collective_rpc("load_policy_weights", args=(weights, self.check))
         missed = sorted({name for worker in stale for name in worker})
         if missed:
             raise RuntimeError(
@@ -198,9 +272,9 @@ class VllmEngine(TorchEngine):
         save_file(tensors, f"{folder}/adapter_model.safetensors")
         return LoRARequest(f"v{version}", version + 1, folder)
 
-    def _steps(
-        self, prompts: list[np.ndarray], params: SamplingParams, images: list[list[bytes]]
-    ) -> list[Generation]:
+    def _admit(self, prompts, params: SamplingParams, images, listener, futures) -> None:
+        """Add the prompts to the running batch (on the engine's thread), each salted with the
+        weights it starts on."""
         from vllm import SamplingParams as VllmParams
         from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -217,61 +291,87 @@ class VllmEngine(TorchEngine):
             skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA,
         )
-        engine = self.llm.llm_engine
-        rows = {}
         for row, prompt in enumerate(prompts):
+            # a push waiting for an idle engine is adopted first
+            self._enter()
             # a seed per request: the engine's own stream, or the call's seed and the row
-            sampling = sampling.clone()
+            seeded = sampling.clone()
             if params.row_seeds:
-                sampling.seed = params.row_seeds[row] % 2**63
+                seeded.seed = params.row_seeds[row] % 2**63
             elif params.seed is None:
-                sampling.seed = self.seed * 1_000_003 + next(self.ids)
+                seeded.seed = self.seed * 1_000_003 + next(self.ids)
             else:
-                sampling.seed = (params.seed * 1_000_003 + row) % 2**63
+                seeded.seed = (params.seed * 1_000_003 + row) % 2**63
+            # placeholders already expanded
+            inputs = TokensPrompt(
+                prompt_token_ids=[int(t) for t in prompt],
+                cache_salt=f"{self.version}.{self.swaps}",
+            )
+            row_listener = listener and functools.partial(listener, row)
+            request = Request(len(prompt), futures[row], row_listener)
             # outputs carry this id (add_request returns an internal one)
             request_id = f"r{next(self.ids)}"
-            # placeholders already expanded
-            inputs = TokensPrompt(prompt_token_ids=[int(t) for t in prompt])
-            if images[row]:
-                inputs["multi_modal_data"] = {
-                    "image": [Image.open(io.BytesIO(b)).convert("RGB") for b in images[row]]
-                }
-            engine.add_request(request_id, inputs, sampling, lora_request=self.lora_request)
-            rows[request_id] = row
-        parts = {row: ([], [], []) for row in range(len(prompts))}  # ids, logprobs, versions
-        finish = {}
-        routes = {}
-        while engine.has_unfinished_requests():
-            version = self.version
-            for output in engine.step():
-                row = rows[output.request_id]
-                completion = output.outputs[0]
-                ids, logprobs, versions = parts[row]
-                ids += completion.token_ids
-                logprobs += [
-                    entry[token].logprob
-                    for entry, token in zip(completion.logprobs, completion.token_ids, strict=True)
-                ]
-                versions += [version] * len(completion.token_ids)
-                if output.finished:
-                    finish[row] = completion.finish_reason
-                    routes[row] = completion.routed_experts
-            if self.partial and self._pending is not None:
-                # pause (between steps), swap, resume on the kept KV cache
-                with self._lock:
-                    self._swap()
-        generations = []
-        for row, prompt in enumerate(prompts):
-            ids, logprobs, versions = parts[row]
-            generation = Generation(
-                np.asarray(ids, dtype=np.int32),
-                np.asarray(logprobs, dtype=np.float32),
-                np.asarray(versions, dtype=np.int32),
-                "stop" if finish[row] == "stop" else "length",
-            )
-            if routes.get(row) is not None:
-                generation.extras["routed_experts"] = decode_vllm_routed_experts(
-                    routes[row], len(prompt) + len(ids)
+            try:
+                if images and images[row]:
+                    inputs["multi_modal_data"] = {
+                        "image": [Image.open(io.BytesIO(b)).convert("RGB") for b in images[row]]
+                    }
+                self.llm.llm_engine.add_request(
+                    request_id, inputs, seeded, lora_request=self.lora_request
                 )
-            generations.append(generation)
-        return generations
+            # a prompt the engine refuses fails alone
+            except Exception as error:
+                futures[row].set_exception(error)
+                self._leave()
+                continue
+            self.running[request_id] = request
+
+    def _step(self) -> None:
+        """One scheduler step: each running request's new ids, their log-probs and the version of
+        this forward; the finished ones leave the batch."""
+        engine = self.llm.llm_engine
+        version = self.version
+        try:
+            outputs = engine.step()
+        # the engine failed: every running request fails with it
+        except Exception as error:
+            engine.abort_request(list(self.running))
+            for request in self.running.values():
+                request.done.set_exception(error)
+                self._leave()
+            self.running.clear()
+            return
+        for output in outputs:
+            request = self.running[output.request_id]
+            completion = output.outputs[0]
+            ids = list(completion.token_ids)
+            request.ids += ids
+            for entry, token in zip(completion.logprobs, ids, strict=True):
+                request.logprobs.append(entry[token].logprob)
+            request.versions += [version] * len(ids)
+            if request.listener and ids:
+                request.listener(ids)
+            if output.finished:
+                del self.running[output.request_id]
+                request.done.set_result(self._generation(request, completion, output))
+                self._leave()
+        if self.partial and self._pending is not None:
+            # pause (between steps), swap, resume on the kept KV cache
+            with self._lock:
+                self._swap()
+
+    def _generation(self, request: Request, completion, output) -> Generation:
+        """A finished request as the protocol's Generation; `cached_prompt_tokens`: its prompt
+        tokens the prefix cache served."""
+        generation = Generation(
+            np.asarray(request.ids, dtype=np.int32),
+            np.asarray(request.logprobs, dtype=np.float32),
+            np.asarray(request.versions, dtype=np.int32),
+            "stop" if completion.finish_reason == "stop" else "length",
+            {"cached_prompt_tokens": output.num_cached_tokens or 0},
+        )
+        if completion.routed_experts is not None:
+            generation.extras["routed_experts"] = decode_vllm_routed_experts(
+                completion.routed_experts, request.prompt_tokens + len(request.ids)
+            )
+        return generation

@@ -7,7 +7,8 @@ object each; the server never asks which it serves) decodes into the session's
 generation continues from the exact accumulated ids; otherwise the segment is sealed and a new
 one starts. A reply goes back as the policy's response template parses it (`replies`). A turn is
 committed only after generation succeeds; an identical retry gets the cached reply and records
-nothing twice. Concurrent requests of all sessions are batched into one engine call.
+nothing twice. Requests of all sessions reach the engine together (`batcher`: the vLLM engine's
+running batch, or one call per batch), and a streamed reply goes out as it is sampled (`live`).
 
 Hostile input (fuzzed in tests/server/test_fuzz.py) gets a 4xx in the wire's error shape and
 changes nothing: bodies over MAX_BODY, prompt + max_tokens over the token limit, malformed or
@@ -21,6 +22,7 @@ import asyncio
 import functools
 import hashlib
 import hmac
+import itertools
 import json
 import secrets
 import threading
@@ -32,6 +34,8 @@ from aiohttp import web
 
 from workbench.engines.base import SamplingParams
 from workbench.invariants.token_identity import TokenAccumulator, reply_text, stream_pieces
+from workbench.server.batcher import Batcher
+from workbench.server.live import SSE_HEADERS, Live
 from workbench.server.replies import forced_text, parse_reply, shown
 from workbench.server.wires import WIRES, wire_at
 from workbench.server.wires.base import ChatReply, ChatRequest, Wire, WireError
@@ -57,66 +61,6 @@ class Session:
     # by reply id, the conversation a reply ended, for a request that continues it by naming the
     # reply (the Responses wire's previous_response_id)
     conversations: dict[str, list[dict]] = field(default_factory=dict)
-
-
-@dataclass
-class Waiting:
-    """A request in the batcher's queue: what to generate from, and the future for its output."""
-
-    prompt_ids: np.ndarray  # int32 [t]
-    params: SamplingParams
-    images: list[bytes]
-    output: asyncio.Future
-
-
-class Batcher:
-    """Requests waiting while the engine is busy go into its next call together."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.queue: asyncio.Queue[Waiting] = asyncio.Queue()
-        self.task = asyncio.get_running_loop().create_task(self._run())
-
-    async def generate(self, prompt_ids, params: SamplingParams, images: list[bytes]):
-        output = asyncio.get_running_loop().create_future()
-        waiting = Waiting(prompt_ids=prompt_ids, params=params, images=images, output=output)
-        await self.queue.put(waiting)
-        return await output
-
-    async def _run(self) -> None:
-        while True:
-            waiting = [await self.queue.get()]
-            while not self.queue.empty():
-                waiting.append(self.queue.get_nowait())
-            by_params: dict[tuple, list[Waiting]] = {}
-            for item in waiting:
-                params = item.params
-                key = (params.max_tokens, params.temperature, params.stop_token_ids)
-                by_params.setdefault(key, []).append(item)
-            for items in by_params.values():
-                await self._generate(items)
-
-    async def _generate(self, items: list[Waiting]) -> None:
-        """One engine call for requests of the same sampling params; each gets its output."""
-        params = items[0].params
-        seeds = [item.params.seed for item in items]
-        if None not in seeds:
-            # each request samples from its own seed, whichever requests it shares the call with
-            params = replace(params, seed=None, row_seeds=tuple(seeds))
-        try:
-            outputs = await asyncio.to_thread(
-                self.engine.generate,
-                [item.prompt_ids for item in items],
-                params,
-                [item.images for item in items],
-            )
-            for item, output in zip(items, outputs, strict=True):
-                item.output.set_result(output)
-        # the engine failed: every waiting request gets the error
-        except Exception as error:
-            for item in items:
-                if not item.output.done():
-                    item.output.set_exception(error)
 
 
 class LoopbackServer:
@@ -246,6 +190,8 @@ class LoopbackServer:
 
     async def _handle(self, request, wire: Wire):
         started = time.perf_counter()
+        # a streamed turn's events, written as it is sampled
+        live = Live(request, wire)
         try:
             session = self._session(request)
             body = await _json_body(request)
@@ -259,7 +205,7 @@ class LoopbackServer:
                     continued = getattr(chat, "continued", None)
                     if continued:
                         chat = continued(session.conversations)
-                    reply = await self._turn(session, chat, wire, started)
+                    reply = await self._turn(session, chat, wire, started, live)
                     if continued:
                         ended = chat.history(session.accumulator.messages)
                         session.conversations[reply.id] = ended
@@ -268,7 +214,7 @@ class LoopbackServer:
                 # a retry gets the committed reply, nothing new
                 chat, reply = session.last_response
         except WireError as error:
-            return web.json_response(wire.error(error), status=error.status)
+            return await _refuse(wire, error, live)
         # the engine failed: nothing was committed, the client may retry
         except Exception as error:
             failure = WireError(
@@ -277,15 +223,15 @@ class LoopbackServer:
                 f"retry the request.",
                 "api_error",
             )
-            return web.json_response(wire.error(failure), status=500)
+            return await _refuse(wire, failure, live)
         if not chat.stream:
             return web.json_response(wire.reply(reply))
-        events = wire.events(chat, reply)
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await response.prepare(request)
-        for event in events:
+        response = live.response
+        if response is None:
+            response = web.StreamResponse(headers=SSE_HEADERS)
+            await response.prepare(request)
+        # the events that did not go out as the reply was sampled
+        for event in itertools.islice(wire.events(chat, reply), live.written, None):
             await response.write(event)
         await response.write_eof()
         return response
@@ -323,7 +269,7 @@ class LoopbackServer:
         return session
 
     async def _turn(
-        self, session: Session, chat: ChatRequest, wire: Wire, started: float
+        self, session: Session, chat: ChatRequest, wire: Wire, started: float, live: Live
     ) -> ChatReply:
         """Extend or seal, generate, and only then commit the turn to the session."""
         episode, action, reused = self._episode(session, chat)
@@ -336,7 +282,12 @@ class LoopbackServer:
             entropy = [self.seed, session.rollout_id, session.stream, len(session.requests)]
             seed = np.random.SeedSequence([v % 2**64 for v in entropy]).generate_state(1)[0]
             params = replace(params, seed=int(seed))
-        generation = await self.batcher.generate(prompt, params, episode.open.images)
+        listener = None
+        if chat.stream and not forced:
+            live.begin(chat, self, episode.token_ids, params.stop_token_ids, len(prompt))
+            listener = live.add
+        generation = await self.batcher.generate(prompt, params, episode.open.images, listener)
+        await live.close()
         ids = generation.token_ids
         logprobs = generation.logprobs
         versions = generation.versions
@@ -396,6 +347,8 @@ class LoopbackServer:
             model=self.model_name,
             stop_sequence=stop_sequence,
         )
+        if live.pieces:
+            reply = live.final(reply)
         if chat.logprobs:
             tokens = [self.tokenizer.decode([token]) for token in ids]
             reply.token_logprobs = list(zip(tokens, map(float, logprobs), strict=True))
@@ -486,6 +439,17 @@ def _decode(wire: Wire, body: dict) -> ChatRequest:
         raise WireError(
             400, f"Malformed request ({type(error).__name__}: {error}): check the fields' types."
         ) from None
+
+
+async def _refuse(wire: Wire, error: WireError, live: Live):
+    """A refusal in the wire's shape; in a stream already under way, its last event."""
+    await live.close()
+    if live.response is None:
+        return web.json_response(wire.error(error), status=error.status)
+    event = f"event: error\ndata: {json.dumps(wire.error(error))}\n\n"
+    await live.response.write(event.encode())
+    await live.response.write_eof()
+    return live.response
 
 
 def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:

@@ -71,11 +71,11 @@ def shown(message: dict, text: str, hidden: int, pieces: list[str]) -> dict[str,
         fields[name] = [value] if value else []
         if value and start >= 0:
             after = start + len(value)
-            fields[name] = _pieces_in(pieces, max(start, hidden), after)
+            fields[name] = pieces_in(pieces, max(start, hidden), after)
     return fields
 
 
-def _pieces_in(pieces: list[str], start: int, end: int) -> list[str]:
+def pieces_in(pieces: list[str], start: int, end: int) -> list[str]:
     """The parts of `pieces` (consecutive pieces of one text) that lie in [start, end)."""
     parts = []
     offset = 0

@@ -98,7 +98,8 @@ class AnthropicMessages(Wire):
             # no signature: the reasoning is the policy's own text, echoed back as it is
             content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
         if reply.text or not reply.tool_calls:
-            content.append({"type": "text", "text": reply.text})
+            # a live reply's text went out first
+            content.insert(0 if reply.live else len(content), {"type": "text", "text": reply.text})
         for call in reply.tool_calls:
             content.append(
                 {

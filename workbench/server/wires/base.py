@@ -79,6 +79,9 @@ class ChatReply:
     # "reasoning" and "content" in the pieces they were generated in (a stream sends one each):
     # their concatenations are `reasoning` and `text`
     pieces: dict[str, list[str]] = field(default_factory=dict)
+    # its content went out as it was sampled (a stream), so it comes first, before its reasoning
+    # and tool calls
+    live: bool = False
 
 
 class Wire(abc.ABC):

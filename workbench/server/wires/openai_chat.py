@@ -59,6 +59,8 @@ FIELDS = {
     *NO_OPS,
 }
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# a streamed delta's key for each part of the reply
+DELTA_KEYS = {"reasoning": "reasoning_content", "content": "content"}
 
 
 class OpenAIChat(Wire):
@@ -125,10 +127,12 @@ class OpenAIChat(Wire):
         """Chunks: role, one per generated piece of reasoning and of text, tool calls, finish,
         usage, [DONE]."""
         yield _delta(reply, {"role": "assistant", "content": ""})
-        for piece in reply.pieces["reasoning"]:
-            yield _delta(reply, {"reasoning_content": piece})
-        for piece in reply.pieces["content"]:
-            yield _delta(reply, {"content": piece})
+        order = ["reasoning", "content"]
+        if reply.live:
+            order.reverse()
+        for name in order:
+            for piece in reply.pieces[name]:
+                yield _delta(reply, {DELTA_KEYS[name]: piece})
         if reply.tool_calls:
             yield _delta(reply, {"tool_calls": _tool_calls(reply, with_index=True)})
         finish = {"index": 0, "delta": {}, "finish_reason": _finish_reason(reply)}

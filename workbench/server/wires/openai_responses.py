@@ -158,14 +158,16 @@ class OpenAIResponses(Wire):
             )
         if reply.text or not reply.tool_calls:
             text = {"type": "output_text", "text": reply.text, "annotations": [], "logprobs": []}
-            output.append(
+            # a live reply's message went out first
+            output.insert(
+                0 if reply.live else len(output),
                 {
                     "type": "message",
                     "id": f"msg_{reply.id}",
                     "role": "assistant",
                     "status": status,
                     "content": [text],
-                }
+                },
             )
         for call in reply.tool_calls:
             output.append(

@@ -1,0 +1,106 @@
+"""How the loopback server's requests reach the engine: into its running batch as they arrive where
+the engine keeps one (the vLLM engine's `submit`: continuous batching), else batched by call (the
+requests that arrive while the engine is busy go into its next call together).
+
+Either way a request gets its own Generation, and its sampled ids as they come where it listens
+for them and the engine hands them out (a streamed reply goes out as it is sampled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from workbench.engines.base import SamplingParams
+
+
+@dataclass
+class Waiting:
+    """A request in the batcher's queue: what to generate from, and the future for its output."""
+
+    prompt_ids: np.ndarray  # int32 [t]
+    params: SamplingParams
+    images: list[bytes]
+    output: asyncio.Future
+    # called on the event loop with each step's new ids
+    listener: object = None
+
+
+class Batcher:
+    """The server's requests into the engine, and their outputs back to the event loop."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Waiting] = asyncio.Queue()
+        self.task = self.loop.create_task(self._run())
+        # an engine that hands out ids as they are sampled takes a listener
+        self.streams = "listener" in inspect.signature(engine.generate).parameters
+
+    async def generate(
+        self, prompt_ids, params: SamplingParams, images: list[bytes], listener=None
+    ):
+        """The request's Generation; `listener(ids)`, where given, gets its ids as they are sampled
+        (on the event loop)."""
+        if params.seed is not None:
+            # the request samples from its own seed, whichever requests it shares a batch with
+            params = replace(params, seed=None, row_seeds=(params.seed,))
+        if hasattr(self.engine, "submit"):
+            extra = self._relay([listener])
+            (done,) = self.engine.submit([prompt_ids], params, [images], **extra)
+            return await asyncio.wrap_future(done)
+        output = self.loop.create_future()
+        await self.queue.put(Waiting(prompt_ids, params, images, output, listener))
+        return await output
+
+    def _relay(self, listeners: list) -> dict:
+        """The engine's listener argument: each row's new ids to that row's listener, on the loop
+        (none when no row listens or the engine takes none)."""
+        if not self.streams or not any(listeners):
+            return {}
+
+        def relay(row: int, ids: list[int]) -> None:
+            if listeners[row] is not None:
+                self.loop.call_soon_threadsafe(listeners[row], ids)
+
+        return {"listener": relay}
+
+    async def _run(self) -> None:
+        while True:
+            waiting = [await self.queue.get()]
+            while not self.queue.empty():
+                waiting.append(self.queue.get_nowait())
+            by_params: dict[tuple, list[Waiting]] = {}
+            for item in waiting:
+                params = item.params
+                key = (params.max_tokens, params.temperature, params.stop_token_ids)
+                by_params.setdefault(key, []).append(item)
+            for items in by_params.values():
+                await self._generate(items)
+
+    async def _generate(self, items: list[Waiting]) -> None:
+        """One engine call for requests of the same sampling params; each gets its output."""
+        params = items[0].params
+        seeds = [item.params.row_seeds for item in items]
+        params = replace(params, row_seeds=())
+        if all(seeds):
+            # each request samples from its own seed, whichever requests it shares the call with
+            params = replace(params, row_seeds=tuple(seed for (seed,) in seeds))
+        try:
+            outputs = await asyncio.to_thread(
+                self.engine.generate,
+                [item.prompt_ids for item in items],
+                params,
+                [item.images for item in items],
+                **self._relay([item.listener for item in items]),
+            )
+            for item, output in zip(items, outputs, strict=True):
+                item.output.set_result(output)
+        # the engine failed: every waiting request gets the error
+        except Exception as error:
+            for item in items:
+                if not item.output.done():
+                    item.output.set_exception(error)
