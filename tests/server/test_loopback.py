@@ -65,6 +65,8 @@ def server(tiny_path, tokenizer):
         engine,
         tokenizer,
         SamplingParams(max_tokens=12, temperature=1.0, stop_token_ids=(tokenizer.eos_token_id,)),
+        # each turn draws from its session's own seed, whatever else shares its batch
+        seed=0,
     )
     yield loopback
     loopback.stop()

@@ -6,8 +6,6 @@ the weight version that produced it. The torch engine implements it on CPU, the 
 vLLM.
 """
 
-from __future__ import annotations
-
 import warnings
 from dataclasses import dataclass, field
 from typing import Protocol

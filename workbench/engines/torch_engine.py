@@ -10,8 +10,6 @@ in between two token steps (pause, swap, resume: the KV cache of earlier tokens 
 sequence can hold tokens of several versions, each recorded.
 """
 
-from __future__ import annotations
-
 import contextlib
 import os
 import threading
@@ -83,13 +81,17 @@ class TorchEngine:
         if self.lora:
             self.model = with_adapter(self.model, lora).eval()
         self.codec = ImageCodec(model_path) if is_vision_language(model_path) else None
-        config = self.model.config.get_text_config()
-        self.pad_token_id = config.pad_token_id or 0
+        self.pad_token_id = self.model.config.get_text_config().pad_token_id or 0
         self.generator = torch.Generator().manual_seed(seed)
-        self.version = 0
-        self.partial = partial
         # then every Generation carries its routed experts
         self.moe = bool(find_routers(self.model))
+        self._open_slot(partial)
+
+    def _open_slot(self, partial: bool) -> None:
+        """The weight slot, empty: pushed weights wait in it while generations or holds are under
+        way (with `partial`, only until the next token step)."""
+        self.version = 0
+        self.partial = partial
         self._lock = threading.Lock()
         self._pending = None
         # generations and holds under way

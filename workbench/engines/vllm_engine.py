@@ -32,8 +32,6 @@ exists, so this path is not exercised here (config validation refuses it where t
 not import).
 """
 
-from __future__ import annotations
-
 import functools
 import io
 import itertools
@@ -177,12 +175,8 @@ class VllmEngine(TorchEngine):
         self.codec = ImageCodec(model_path) if vision else None
         self.seed = seed
         self.check = check_weight_sync
-        self.version = 0
-        self.partial = partial
+        self._open_slot(partial)
         self.ids = itertools.count()
-        self._lock = threading.Lock()
-        self._pending = None
-        self._busy = 0
         # weight pushes adopted: with the version, the prefix cache's salt
         self.swaps = 0
 
@@ -239,18 +233,17 @@ class VllmEngine(TorchEngine):
         self.swaps += 1
         if self.lora:
             self.lora_request = self._adapter(state_dict, version)
-            self.version = version
-            return
-        weights = [(name, tensor.detach().cpu()) for name, tensor in state_dict.items()]
-        # on the engine's thread, as every swap
-        stale = self.llm.collective_rpc("load_policy_weights", args=(weights, self.check))
-        missed = sorted({name for worker in stale for name in worker})
-        if missed:
-            raise RuntimeError(
-                f"Weight sync to version {version} left {len(missed)} vLLM parameter(s) not "
-                f"updated (e.g. {missed[0]}): the pushed state dict does not cover the engine's "
-                "model."
-            )
+        else:
+            weights = [(name, tensor.detach().cpu()) for name, tensor in state_dict.items()]
+            # on the engine's thread, as every swap
+            stale = self.llm.collective_rpc("load_policy_weights", args=(weights, self.check))
+            missed = sorted({name for worker in stale for name in worker})
+            if missed:
+                raise RuntimeError(
+                    f"Weight sync to version {version} left {len(missed)} vLLM parameter(s) not "
+                    f"updated (e.g. {missed[0]}): the pushed state dict does not cover the "
+                    "engine's model."
+                )
         self.version = version
 
     def _adapter(self, state_dict: dict, version: int):

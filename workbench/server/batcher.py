@@ -6,8 +6,6 @@ Either way a request gets its own Generation, and its sampled ids as they come w
 for them and the engine hands them out (a streamed reply goes out as it is sampled).
 """
 
-from __future__ import annotations
-
 import asyncio
 import inspect
 from dataclasses import dataclass, replace
@@ -49,8 +47,7 @@ class Batcher:
             # the request samples from its own seed, whichever requests it shares a batch with
             params = replace(params, seed=None, row_seeds=(params.seed,))
         if hasattr(self.engine, "submit"):
-            extra = self._relay([listener])
-            (done,) = self.engine.submit([prompt_ids], params, [images], **extra)
+            (done,) = self.engine.submit([prompt_ids], params, [images], **self._relay([listener]))
             return await asyncio.wrap_future(done)
         output = self.loop.create_future()
         await self.queue.put(Waiting(prompt_ids, params, images, output, listener))
@@ -83,9 +80,8 @@ class Batcher:
 
     async def _generate(self, items: list[Waiting]) -> None:
         """One engine call for requests of the same sampling params; each gets its output."""
-        params = items[0].params
         seeds = [item.params.row_seeds for item in items]
-        params = replace(params, row_seeds=())
+        params = replace(items[0].params, row_seeds=())
         if all(seeds):
             # each request samples from its own seed, whichever requests it shares the call with
             params = replace(params, row_seeds=tuple(seed for (seed,) in seeds))

@@ -10,8 +10,6 @@ call), goes out when it ends. A live reply's content comes first in its events, 
 reasoning and tool calls (`ChatReply.live`).
 """
 
-from __future__ import annotations
-
 import asyncio
 from dataclasses import replace
 
@@ -86,8 +84,7 @@ class Live:
     def final(self, reply: ChatReply) -> ChatReply:
         """The turn's reply as it went out: the opening's id, and its content in the pieces sent,
         then the rest."""
-        content = reply.pieces["content"]
-        rest = pieces_in(content, len("".join(self.pieces)), len(reply.text))
+        rest = pieces_in(reply.pieces["content"], len("".join(self.pieces)), len(reply.text))
         pieces = dict(reply.pieces, content=[*self.pieces, *rest])
         return replace(reply, id=self.reply.id, pieces=pieces, live=True)
 

@@ -16,8 +16,6 @@ deeply nested JSON, wrong types, unknown routes. Keys are compared in constant t
 request says is read from or written to a file.
 """
 
-from __future__ import annotations
-
 import asyncio
 import functools
 import hashlib
@@ -108,8 +106,9 @@ class LoopbackServer:
         app.router.add_get("/s/{session}/v1/models/{model}", self._model)
         app.router.add_post("/s/{session}/v1/messages/count_tokens", self._count_tokens)
         for wire in self.wires:
-            handler = functools.partial(self._handle, wire=wire)
-            app.router.add_post(f"/s/{{session}}{wire.path}", handler)
+            app.router.add_post(
+                f"/s/{{session}}{wire.path}", functools.partial(self._handle, wire=wire)
+            )
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -161,12 +160,12 @@ class LoopbackServer:
     async def _model(self, request):
         if request.match_info["model"] != self.model_name:
             missing = WireError(
-                404,
                 f"No model {request.match_info['model']!r}: this server serves "
                 f"{self.model_name!r}.",
+                404,
                 "not_found_error",
             )
-            return web.json_response(self.wires[0].error(missing), status=404)
+            return _error_response(self.wires[0], missing)
         return web.json_response(self._model_card())
 
     def _model_card(self) -> dict:
@@ -182,10 +181,10 @@ class LoopbackServer:
             chat = _decode(wire, dict(body, max_tokens=1))
             episode = TokenAccumulator(self.tokenizer, chat.messages, chat.tools, self.codec)
         except WireError as error:
-            return web.json_response(wire.error(error), status=error.status)
+            return _error_response(wire, error)
         except Exception as error:
-            refused = WireError(400, f"The chat template refused these messages ({error}).")
-            return web.json_response(wire.error(refused), status=400)
+            refused = WireError(f"The chat template refused these messages ({error}).")
+            return _error_response(wire, refused)
         return web.json_response({"input_tokens": len(episode.token_ids)})
 
     async def _handle(self, request, wire: Wire):
@@ -218,9 +217,9 @@ class LoopbackServer:
         # the engine failed: nothing was committed, the client may retry
         except Exception as error:
             failure = WireError(
-                500,
                 f"Generation failed ({type(error).__name__}: {error}); nothing was recorded, "
                 f"retry the request.",
+                500,
                 "api_error",
             )
             return await _refuse(wire, failure, live)
@@ -249,23 +248,22 @@ class LoopbackServer:
             if error.status == 404:
                 kind = "not_found_error"
             message = f"{error.reason}: {request.method} is not served at this path."
-            refused = WireError(error.status, message, kind)
-            wire = wire_at(self.wires, request.path)
-            return web.json_response(wire.error(refused), status=error.status)
+            refused = WireError(message, error.status, kind)
+            return _error_response(wire_at(self.wires, request.path), refused)
 
     def _session(self, request) -> Session:
         """The session the request's path names, if the request holds that session's key."""
         session = self.sessions.get(request.match_info["session"])
         if session is None:
             raise WireError(
-                404, "Unknown session: use the base URL handed to this episode.", "not_found_error"
+                "Unknown session: use the base URL handed to this episode.", 404, "not_found_error"
             )
         bearer = request.headers.get("Authorization", "").removeprefix("Bearer ")
         given = request.headers.get("x-api-key") or bearer
         if not hmac.compare_digest(
             given.encode("utf-8", "surrogateescape"), session.api_key.encode()
         ):
-            raise WireError(401, "Invalid API key for this session.", "authentication_error")
+            raise WireError("Invalid API key for this session.", 401, "authentication_error")
         return session
 
     async def _turn(
@@ -373,13 +371,12 @@ class LoopbackServer:
                 action = episode.continue_with(chat.messages, chat.tools)
         # e.g. an image sent to a text-only policy
         except ValueError as error:
-            raise WireError(400, str(error)) from None
+            raise WireError(str(error)) from None
         # the chat template refused these messages (a role order, a tool call, ...)
         except Exception as error:
             raise WireError(
-                400,
                 f"The policy's chat template cannot render these messages "
-                f"({type(error).__name__}: {error}).",
+                f"({type(error).__name__}: {error})."
             ) from None
         if action != "extend":
             reused = 0
@@ -395,10 +392,9 @@ class LoopbackServer:
         params = replace(self.params, max_tokens=max_tokens, temperature=temperature)
         if prompt_tokens + params.max_tokens > self.max_total_tokens:
             raise WireError(
-                400,
                 f"The prompt ({prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) "
                 f"exceeds this server's limit of {self.max_total_tokens} tokens: shorten the "
-                f"conversation or lower max_tokens.",
+                f"conversation or lower max_tokens."
             )
         return params
 
@@ -416,8 +412,8 @@ async def _json_body(request) -> dict:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise WireError(
-            413,
             f"Request body over {MAX_BODY} bytes: send a shorter conversation.",
+            413,
             "request_too_large",
         ) from None
     try:
@@ -426,7 +422,7 @@ async def _json_body(request) -> dict:
         body = None
     if not isinstance(body, dict):
         raise WireError(
-            400, "Malformed JSON: the body must be one JSON object (UTF-8, not nested too deep)."
+            "Malformed JSON: the body must be one JSON object (UTF-8, not nested too deep)."
         )
     return body
 
@@ -437,15 +433,19 @@ def _decode(wire: Wire, body: dict) -> ChatRequest:
         return wire.decode(body)
     except MALFORMED as error:
         raise WireError(
-            400, f"Malformed request ({type(error).__name__}: {error}): check the fields' types."
+            f"Malformed request ({type(error).__name__}: {error}): check the fields' types."
         ) from None
+
+
+def _error_response(wire: Wire, error: WireError) -> web.Response:
+    return web.json_response(wire.error(error), status=error.status)
 
 
 async def _refuse(wire: Wire, error: WireError, live: Live):
     """A refusal in the wire's shape; in a stream already under way, its last event."""
     await live.close()
     if live.response is None:
-        return web.json_response(wire.error(error), status=error.status)
+        return _error_response(wire, error)
     event = f"event: error\ndata: {json.dumps(wire.error(error))}\n\n"
     await live.response.write(event.encode())
     await live.response.write_eof()

@@ -7,8 +7,6 @@ the agent sees exactly what was generated, and the call is counted as malformed.
 call opens as the policy's chat template renders one.
 """
 
-from __future__ import annotations
-
 import os
 import uuid
 
@@ -118,8 +116,7 @@ def forced_text(tokenizer, render, messages: list[dict], chat: ChatRequest) -> s
     literal = response_template(tokenizer)["fields"].get("tool_calls", {}).get("open")
     if not isinstance(literal, str):
         raise WireError(
-            400,
             "tool_choice cannot be forced: the policy's chat template renders no tool call and its "
-            "response template opens none with a literal.",
+            "response template opens none with a literal."
         )
     return literal

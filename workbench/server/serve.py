@@ -1,7 +1,5 @@
 """`molt-wb serve`: the loopback server standalone, with every session recorded as a run."""
 
-from __future__ import annotations
-
 import numpy as np
 
 from workbench.model_paths import policy_path

@@ -5,8 +5,6 @@ Its content blocks become chat-template messages: a `tool_result` block is a `to
 the system prompt a leading system message.
 """
 
-from __future__ import annotations
-
 import json
 from collections.abc import Iterator
 
@@ -19,34 +17,22 @@ from workbench.server.wires.base import (
     is_text,
     number,
     objects,
-    refuse_changes,
     refuse_top_p,
-    refuse_unknown,
+    refuse_unsupported,
     strings,
     text_of,
     tool_arguments,
     user_content,
 )
 
-FIELDS = {
-    "model",
-    "messages",
-    "max_tokens",
-    "system",
-    "temperature",
-    "top_p",
-    "stop_sequences",
-    "stream",
-    "tools",
-    "tool_choice",
-    "metadata",
-    "thinking",
-    "service_tier",
-}
 # fields accepted at the values that change nothing: (whether a value does, the values accepted)
 NO_OPS = {
     "thinking": (lambda value: value == {"type": "disabled"}, '{"type": "disabled"}'),
     "service_tier": (is_text, "a string"),
+}
+FIELDS = {
+    *"model messages max_tokens system temperature top_p stop_sequences stream".split(),
+    *"tools tool_choice metadata".split(),
 }
 STOP_REASONS = {"length": "max_tokens", "stop_sequence": "stop_sequence"}
 # a block streamed as generated: the reply's pieces it takes, and its delta type
@@ -60,14 +46,13 @@ class AnthropicMessages(Wire):
     base_url_suffix = ""
 
     def decode(self, body: dict) -> ChatRequest:
-        refuse_unknown(body, FIELDS)
-        refuse_changes(body, NO_OPS)
+        refuse_unsupported(body, FIELDS, NO_OPS)
         refuse_top_p(body)
         if not isinstance(body.get("max_tokens"), int):
-            raise WireError(400, "max_tokens: Field required (an integer).")
+            raise WireError("max_tokens: Field required (an integer).")
         raw = body.get("messages")
         if not isinstance(raw, list) or not raw:
-            raise WireError(400, "messages: must be a non-empty list.")
+            raise WireError("messages: must be a non-empty list.")
         system = body.get("system")
         messages = []
         if system:
@@ -78,7 +63,7 @@ class AnthropicMessages(Wire):
         # a last assistant message is a prefill: the reply continues it
         if messages and messages[-1]["role"] == "assistant":
             if messages[-1].get("tool_calls"):
-                raise WireError(400, "messages: a prefilled assistant turn holds text only.")
+                raise WireError("messages: a prefilled assistant turn holds text only.")
             prefill = messages.pop()["content"]
         tools = _tools(body)
         return ChatRequest(
@@ -150,13 +135,13 @@ def _messages(index: int, message) -> list[dict]:
     user's text and images (if any) or the assistant's text and tool calls."""
     role = message.get("role") if isinstance(message, dict) else None
     if role not in ("user", "assistant"):
-        raise WireError(400, f"messages.{index}.role: must be user or assistant.")
+        raise WireError(f"messages.{index}.role: must be user or assistant.")
     where = f"messages.{index}.content"
     blocks = message.get("content")
     if isinstance(blocks, str):
         blocks = [{"type": "text", "text": blocks}]
     if not isinstance(blocks, list):
-        raise WireError(400, f"{where}: must be a string or a list of blocks.")
+        raise WireError(f"{where}: must be a string or a list of blocks.")
     text = []
     thinking = []
     calls = []
@@ -176,7 +161,7 @@ def _messages(index: int, message) -> list[dict]:
         elif kind == "tool_result" and role == "user":
             results.append(_tool_result(block, index))
         else:
-            raise WireError(400, f"{where}: block type {kind!r} is not supported for role {role}.")
+            raise WireError(f"{where}: block type {kind!r} is not supported for role {role}.")
     if role == "assistant":
         assistant = {"role": "assistant", "content": "".join(text)}
         if thinking:
@@ -220,9 +205,9 @@ def _tools(body: dict) -> list[dict]:
     ]
     choice = body.get("tool_choice") or {}
     if not isinstance(choice, dict):
-        raise WireError(400, 'tool_choice: must be an object such as {"type": "auto"}.')
+        raise WireError('tool_choice: must be an object such as {"type": "auto"}.')
     if choice.get("type", "auto") not in ("auto", "none", "any", "tool"):
-        raise WireError(400, "tool_choice: type must be auto, none, any or tool.")
+        raise WireError("tool_choice: type must be auto, none, any or tool.")
     if choice.get("type") == "none":
         return []
     return tools
@@ -233,7 +218,7 @@ def _forced_tool(choice: dict, tools: list[dict]) -> str | None:
     if choice.get("type", "auto") in ("auto", "none"):
         return None
     if not tools:
-        raise WireError(400, "tool_choice: forcing a tool call needs the tools it may call.")
+        raise WireError("tool_choice: forcing a tool call needs the tools it may call.")
     if choice["type"] == "any":
         return ""
     return forced_tool(choice.get("name"), tools, "tool_choice.name")

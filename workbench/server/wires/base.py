@@ -7,8 +7,6 @@ or as that wire's server-sent events. A field the server does not support is ref
 own error shape.
 """
 
-from __future__ import annotations
-
 import abc
 import base64
 import binascii
@@ -22,7 +20,7 @@ from dataclasses import dataclass, field
 class WireError(Exception):
     """A refused request: its HTTP status, the sentence the client reads, and the error's type."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error"):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -52,9 +50,9 @@ class ChatRequest:
 
     def __post_init__(self):
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise WireError(400, "max_tokens must be at least 1.")
+            raise WireError("max_tokens must be at least 1.")
         if self.temperature is not None and not 0 <= self.temperature <= 100:
-            raise WireError(400, "temperature must be a number from 0 to 100.")
+            raise WireError("temperature must be a number from 0 to 100.")
 
 
 @dataclass
@@ -110,9 +108,11 @@ class Wire(abc.ABC):
     def events(self, request: ChatRequest, reply: ChatReply) -> Iterator[bytes]:
         """The reply as server-sent events (its reasoning and text in `reply.pieces`)."""
 
-    @abc.abstractmethod
     def error(self, error: WireError) -> dict:
-        """A refusal's JSON body."""
+        """A refusal's JSON body (OpenAI's shape unless the wire has its own)."""
+        return {
+            "error": {"message": error.message, "type": error.kind, "param": None, "code": None}
+        }
 
 
 def forced_tool(name, tools: list[dict] | None, where: str) -> str:
@@ -120,9 +120,7 @@ def forced_tool(name, tools: list[dict] | None, where: str) -> str:
     functions = [tool.get("function") for tool in tools or []]
     names = [function.get("name") for function in functions if isinstance(function, dict)]
     if not isinstance(name, str) or name not in names:
-        raise WireError(
-            400, f"{where}: name one of the request's tools ({', '.join(map(str, names))})."
-        )
+        raise WireError(f"{where}: name one of the request's tools ({', '.join(map(str, names))}).")
     return name
 
 
@@ -136,7 +134,7 @@ def text_of(content, where: str) -> str:
         isinstance(p, dict) and p.get("type") == "text" for p in content
     ):
         return "".join(p.get("text", "") for p in content)
-    raise WireError(400, f"{where}: only text content is supported here.")
+    raise WireError(f"{where}: only text content is supported here.")
 
 
 def _image(data: str, where: str) -> dict:
@@ -155,9 +153,8 @@ def _image(data: str, where: str) -> dict:
         Image.open(io.BytesIO(raw)).verify()
     except (ValueError, binascii.Error, OSError):
         raise WireError(
-            400,
             f"{where}: an image must be inline base64 data of a PNG or JPEG "
-            f"(data:image/png;base64,...); URLs are not fetched.",
+            f"(data:image/png;base64,...); URLs are not fetched."
         ) from None
     return {"type": "image", "image": raw}
 
@@ -178,9 +175,8 @@ def user_content(content, where: str):
             parts.append(_image(str(part["source"].get("data", "")), where))
         else:
             raise WireError(
-                400,
                 f"{where}: content part type {kind!r} is not supported "
-                f"(text and inline images are).",
+                f"(text and inline images are)."
             )
     if any(p["type"] == "image" for p in parts):
         return parts
@@ -193,7 +189,7 @@ def number(body: dict, key: str, kind=float):
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise WireError(400, f"'{key}' must be a number.")
+        raise WireError(f"'{key}' must be a number.")
     return kind(value)
 
 
@@ -203,7 +199,7 @@ def strings(value, key: str) -> list[str]:
     if isinstance(value, str):
         values = [value]
     if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-        raise WireError(400, f"'{key}' must be a string or a list of strings.")
+        raise WireError(f"'{key}' must be a string or a list of strings.")
     return values
 
 
@@ -212,38 +208,35 @@ def objects(value, key: str) -> list[dict]:
     if value is not None and not (
         isinstance(value, list) and all(isinstance(v, dict) for v in value)
     ):
-        raise WireError(400, f"'{key}' must be a list of objects.")
+        raise WireError(f"'{key}' must be a list of objects.")
     return value or []
 
 
 def tool_arguments(value, where: str) -> dict:
     """A tool call's arguments, which must be a JSON object."""
     if not isinstance(value, dict):
-        raise WireError(400, f"{where}: tool call arguments must be a JSON object.")
+        raise WireError(f"{where}: tool call arguments must be a JSON object.")
     return value
 
 
-def refuse_unknown(body: dict, allowed: set[str]) -> None:
-    """Refuse a body holding a field the wire does not list in `allowed`."""
+def refuse_unsupported(body: dict, fields: set[str], no_ops: dict) -> None:
+    """Refuse a body holding a field the wire lists neither in `fields` nor in `no_ops`, or a field
+    of `no_ops` at a value that changes something here: `no_ops` maps it to (whether a value
+    changes nothing, the values accepted)."""
+    allowed = fields | set(no_ops)
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise WireError(
-            400,
             f"Unsupported field(s) {', '.join(unknown)}: this server samples exact token ids and "
-            f"supports only {', '.join(sorted(allowed))}.",
+            f"supports only {', '.join(sorted(allowed))}."
         )
 
-
-def refuse_changes(body: dict, no_ops: dict) -> None:
-    """Accept a field of `no_ops` only at a value that changes nothing here: `no_ops` maps it to
-    (whether a value changes nothing, the values accepted)."""
     for key, (changes_nothing, accepted) in no_ops.items():
         if body.get(key) is not None and not changes_nothing(body[key]):
             shown = json.dumps(body[key])[:60]
             raise WireError(
-                400,
                 f"{key}={shown} is not supported: this server samples the policy as it is, so "
-                f"only {accepted} (which changes nothing) is accepted.",
+                f"only {accepted} (which changes nothing) is accepted."
             )
 
 
@@ -260,5 +253,5 @@ def refuse_top_p(body: dict) -> None:
     vocabulary."""
     if body.get("top_p", 1) != 1:
         raise WireError(
-            400, "Only top_p=1 is supported: the learner must be able to recompute every log-prob."
+            "Only top_p=1 is supported: the learner must be able to recompute every log-prob."
         )

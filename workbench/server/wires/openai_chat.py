@@ -1,8 +1,6 @@
 """The OpenAI chat-completions wire: `POST /v1/chat/completions`, whole or streamed, in OpenAI's
 shapes."""
 
-from __future__ import annotations
-
 import json
 import time
 from collections.abc import Iterator
@@ -17,9 +15,8 @@ from workbench.server.wires.base import (
     is_zero,
     number,
     objects,
-    refuse_changes,
     refuse_top_p,
-    refuse_unknown,
+    refuse_unsupported,
     strings,
     text_of,
     tool_arguments,
@@ -39,24 +36,8 @@ NO_OPS = {
     "service_tier": (is_text, "a string"),
 }
 FIELDS = {
-    "model",
-    "messages",
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "stop",
-    "n",
-    "stream",
-    "stream_options",
-    "tools",
-    "tool_choice",
-    "user",
-    "seed",
-    "metadata",
-    "parallel_tool_calls",
-    "logprobs",
-    *NO_OPS,
+    *"model messages max_tokens max_completion_tokens temperature top_p stop n stream".split(),
+    *"stream_options tools tool_choice user seed metadata parallel_tool_calls logprobs".split(),
 }
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # a streamed delta's key for each part of the reply
@@ -70,16 +51,15 @@ class OpenAIChat(Wire):
     base_url_suffix = "/v1"
 
     def decode(self, body: dict) -> ChatRequest:
-        refuse_unknown(body, FIELDS)
-        refuse_changes(body, NO_OPS)
+        refuse_unsupported(body, FIELDS, NO_OPS)
         if not isinstance(body.get("logprobs", False), bool):
-            raise WireError(400, "'logprobs' must be true or false.")
+            raise WireError("'logprobs' must be true or false.")
         if body.get("n", 1) != 1:
-            raise WireError(400, "Only n=1 is supported: send one request per sample.")
+            raise WireError("Only n=1 is supported: send one request per sample.")
         refuse_top_p(body)
         raw = body.get("messages")
         if not isinstance(raw, list) or not raw:
-            raise WireError(400, "'messages' must be a non-empty list.")
+            raise WireError("'messages' must be a non-empty list.")
         messages = [_message(index, message) for index, message in enumerate(raw)]
         tools = None
         if body.get("tool_choice") != "none":
@@ -87,7 +67,7 @@ class OpenAIChat(Wire):
         forced = _forced_tool(body.get("tool_choice", "auto"), tools)
         stream_options = body.get("stream_options") or {}
         if not isinstance(stream_options, dict):
-            raise WireError(400, "'stream_options' must be an object.")
+            raise WireError("'stream_options' must be an object.")
         return ChatRequest(
             messages=messages,
             tools=tools or None,
@@ -144,23 +124,18 @@ class OpenAIChat(Wire):
             yield _chunk(reply, [], usage=_usage(reply))
         yield b"data: [DONE]\n\n"
 
-    def error(self, error: WireError) -> dict:
-        return {
-            "error": {"message": error.message, "type": error.kind, "param": None, "code": None}
-        }
-
 
 def _forced_tool(choice, tools: list[dict]) -> str | None:
     """tool_choice as a forced call: None (auto, none), "" (required) or the named function."""
     if choice in ("auto", "none"):
         return None
     if not tools:
-        raise WireError(400, "tool_choice forces a tool call: give the tools it may call.")
+        raise WireError("tool_choice forces a tool call: give the tools it may call.")
     if choice == "required":
         return ""
     if isinstance(choice, dict) and choice.get("type") == "function":
         return forced_tool((choice.get("function") or {}).get("name"), tools, "tool_choice")
-    raise WireError(400, 'tool_choice must be auto, none, required or {"type": "function", ...}.')
+    raise WireError('tool_choice must be auto, none, required or {"type": "function", ...}.')
 
 
 def _message(index: int, message) -> dict:
@@ -168,7 +143,7 @@ def _message(index: int, message) -> dict:
     role = message.get("role") if isinstance(message, dict) else None
     if role not in ROLES:
         raise WireError(
-            400, f"messages[{index}].role must be system, developer, user, assistant or tool."
+            f"messages[{index}].role must be system, developer, user, assistant or tool."
         )
     read = text_of
     if role == "user":
@@ -202,7 +177,7 @@ def _decode_tool_calls(index: int, tool_calls) -> list[dict]:
         ]
     except (KeyError, TypeError, ValueError, RecursionError):
         raise WireError(
-            400, f"messages[{index}].tool_calls must be function calls with JSON arguments."
+            f"messages[{index}].tool_calls must be function calls with JSON arguments."
         ) from None
 
 
@@ -258,5 +233,5 @@ def _chunk(reply: ChatReply, choices: list[dict], **extra) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
-def _delta(reply: ChatReply, delta: dict, finish: str | None = None) -> bytes:
-    return _chunk(reply, [{"index": 0, "delta": delta, "finish_reason": finish}])
+def _delta(reply: ChatReply, delta: dict) -> bytes:
+    return _chunk(reply, [{"index": 0, "delta": delta, "finish_reason": None}])

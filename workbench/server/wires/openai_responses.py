@@ -9,8 +9,6 @@ assistant message after it (a summary is not the reasoning: an item with none ca
 exactly as one that echoes every item back.
 """
 
-from __future__ import annotations
-
 import itertools
 import json
 import time
@@ -27,9 +25,8 @@ from workbench.server.wires.base import (
     is_zero,
     number,
     objects,
-    refuse_changes,
     refuse_top_p,
-    refuse_unknown,
+    refuse_unsupported,
     text_of,
     tool_arguments,
     user_content,
@@ -65,7 +62,6 @@ NO_OPS = {
     "prompt_cache_key": (is_text, "a string"),
 }
 FIELDS = {
-    *NO_OPS,
     *"model input instructions max_output_tokens temperature top_p stream".split(),
     *"tools tool_choice previous_response_id metadata parallel_tool_calls user".split(),
 }
@@ -83,16 +79,15 @@ class ResponsesRequest(ChatRequest):
     instructions: list[dict] = field(default_factory=list)
     previous_response_id: str | None = None
 
-    def continued(self, conversations: dict[str, list[dict]]) -> ResponsesRequest:
+    def continued(self, conversations: dict[str, list[dict]]) -> "ResponsesRequest":
         """This request with the conversation its previous response ended before its input."""
         if self.previous_response_id is None:
             return self
         history = conversations.get(self.previous_response_id.removeprefix("resp_"))
         if history is None:
             raise WireError(
-                400,
                 f"Unknown previous_response_id {self.previous_response_id!r}: only a response "
-                f"of this session can be continued.",
+                f"of this session can be continued."
             )
         given = self.messages[len(self.instructions) :]
         return replace(self, messages=self.instructions + history + given)
@@ -111,12 +106,11 @@ class OpenAIResponses(Wire):
     base_url_suffix = "/v1"
 
     def decode(self, body: dict) -> ChatRequest:
-        refuse_unknown(body, FIELDS)
-        refuse_changes(body, NO_OPS)
+        refuse_unsupported(body, FIELDS, NO_OPS)
         refuse_top_p(body)
         previous = body.get("previous_response_id")
         if previous is not None and not isinstance(previous, str):
-            raise WireError(400, "'previous_response_id' must be a string.")
+            raise WireError("'previous_response_id' must be a string.")
         instructions = []
         if body.get("instructions"):
             system = text_of(body["instructions"], "instructions")
@@ -125,12 +119,12 @@ class OpenAIResponses(Wire):
         if isinstance(items, str):
             items = [{"role": "user", "content": items}]
         if not isinstance(items, list):
-            raise WireError(400, "'input' must be a string or a list of items.")
+            raise WireError("'input' must be a string or a list of items.")
         messages = _messages(items)
         # a turn follows something new; without it the episode would seal (an empty input names
         # no new user turn or function output to answer)
         if not messages:
-            raise WireError(400, "'input' must hold a message or a function_call_output item.")
+            raise WireError("'input' must hold a message or a function_call_output item.")
         tools = _tools(body)
         return ResponsesRequest(
             messages=instructions + messages,
@@ -219,16 +213,15 @@ class OpenAIResponses(Wire):
         for index, item in enumerate(whole["output"]):
             yield event("response.output_item.added", output_index=index, item=_started(item))
             at = {"output_index": index, "item_id": item["id"]}
+            in_part = dict(at, content_index=0)
             if item["type"] == "message":
                 part = item["content"][0]
-                in_part = dict(at, content_index=0)
                 yield event("response.content_part.added", **in_part, part=_started(part))
                 for piece in reply.pieces["content"]:
                     yield event("response.output_text.delta", **in_part, delta=piece, logprobs=[])
                 yield event("response.output_text.done", **in_part, text=part["text"], logprobs=[])
                 yield event("response.content_part.done", **in_part, part=part)
             elif item["type"] == "reasoning":
-                in_part = dict(at, content_index=0)
                 for piece in reply.pieces["reasoning"]:
                     yield event("response.reasoning_text.delta", **in_part, delta=piece)
                 yield event("response.reasoning_text.done", **in_part, text=reply.reasoning)
@@ -239,11 +232,6 @@ class OpenAIResponses(Wire):
                 yield event("response.function_call_arguments.done", **done)
             yield event("response.output_item.done", output_index=index, item=item)
         yield event(f"response.{whole['status']}", response=whole)
-
-    def error(self, error: WireError) -> dict:
-        return {
-            "error": {"message": error.message, "type": error.kind, "param": None, "code": None}
-        }
 
 
 def _started(part: dict) -> dict:
@@ -281,9 +269,8 @@ def _messages(items: list) -> list[dict]:
             continue
         else:
             raise WireError(
-                400,
                 f"{where}: item type {kind!r} is not supported (message, function_call, "
-                f"function_call_output and reasoning are).",
+                f"function_call_output and reasoning are)."
             )
         if reasoning and messages[-1]["role"] == "assistant":
             messages[-1]["reasoning_content"] = reasoning
@@ -295,7 +282,7 @@ def _message(item: dict, where: str) -> dict:
     """A message item (a developer message is a system one)."""
     role = item.get("role")
     if role not in ROLES:
-        raise WireError(400, f"{where}.role must be user, assistant, system or developer.")
+        raise WireError(f"{where}.role must be user, assistant, system or developer.")
     content = _parts(item.get("content"), where)
     if role == "user":
         return {"role": "user", "content": user_content(content, where)}
@@ -321,9 +308,8 @@ def _part(part, where: str) -> dict:
     if kind == "input_image":
         return {"type": "image_url", "image_url": {"url": str(part.get("image_url") or "")}}
     raise WireError(
-        400,
         f"{where}: content part type {kind!r} is not supported "
-        f"(input_text, output_text and inline input_image are).",
+        f"(input_text, output_text and inline input_image are)."
     )
 
 
@@ -332,7 +318,7 @@ def _call(item: dict, where: str) -> dict:
     try:
         arguments = json.loads(item.get("arguments") or "{}")
     except (TypeError, ValueError, RecursionError):
-        raise WireError(400, f"{where}: arguments must be a JSON object as a string.") from None
+        raise WireError(f"{where}: arguments must be a JSON object as a string.") from None
     return {
         "id": str(item.get("call_id", "")),
         "name": str(item.get("name", "")),
@@ -346,11 +332,11 @@ def _tools(body: dict) -> list[dict] | None:
     for index, tool in enumerate(objects(body.get("tools"), "tools")):
         if tool.get("type") != "function":
             raise WireError(
-                400, f"tools[{index}]: only function tools are supported, not {tool.get('type')!r}."
+                f"tools[{index}]: only function tools are supported, not {tool.get('type')!r}."
             )
         parameters = tool.get("parameters") or {}
         if not isinstance(parameters, dict):
-            raise WireError(400, f"tools[{index}].parameters must be a JSON schema object.")
+            raise WireError(f"tools[{index}].parameters must be a JSON schema object.")
         # `strict` is accepted but not enforced: a call is what the policy samples, and a
         # malformed one stays text
         function = {
@@ -369,9 +355,9 @@ def _forced_tool(choice, tools: list[dict] | None) -> str | None:
     if choice in (None, "auto", "none"):
         return None
     if not tools:
-        raise WireError(400, "tool_choice forces a tool call: give the tools it may call.")
+        raise WireError("tool_choice forces a tool call: give the tools it may call.")
     if choice == "required":
         return ""
     if isinstance(choice, dict) and choice.get("type") == "function":
         return forced_tool(choice.get("name"), tools, "tool_choice")
-    raise WireError(400, 'tool_choice must be auto, none, required or {"type": "function", ...}.')
+    raise WireError('tool_choice must be auto, none, required or {"type": "function", ...}.')
