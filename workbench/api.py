@@ -15,8 +15,6 @@ RL when a tiny random model would otherwise never earn a reward, or a list of tu
 plugin names the Env plugin whose demonstrations it shares as `WARM_START_AS`.
 """
 
-from __future__ import annotations
-
 import importlib
 import importlib.util
 import sys

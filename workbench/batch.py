@@ -2,8 +2,6 @@
 (token ids only), the token-identity audit, the batch's metrics and the rows the run store keeps.
 """
 
-from __future__ import annotations
-
 import numpy as np
 import torch
 

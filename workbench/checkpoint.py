@@ -186,8 +186,11 @@ def resume_config(run_id: str, overrides: list[str]):
 
 def saved_config(run_dir: Path, overrides: list[str]):
     """The config a run saved, with `overrides` (key=value) on top."""
-    on_disk = OmegaConf.load(run_dir / "config.yaml")
-    return OmegaConf.merge(OmegaConf.structured(Config), on_disk, OmegaConf.from_dotlist(overrides))
+    return OmegaConf.merge(
+        OmegaConf.structured(Config),
+        OmegaConf.load(run_dir / "config.yaml"),
+        OmegaConf.from_dotlist(overrides),
+    )
 
 
 def reopen(run_dir: Path) -> dict:

@@ -10,7 +10,7 @@ import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -171,7 +171,7 @@ def tune(
     metric: str = typer.Option("best", help="What a trial maximises: best, final or per_second."),
     startup: int = typer.Option(4, help="Trials that finish before the pruner stops any."),
     warmup: int = typer.Option(10, help="Steps every trial runs before it can be pruned."),
-    resume: Optional[str] = typer.Option(None, help="Continue this study (a .optuna.db file)."),
+    resume: str | None = typer.Option(None, help="Continue this study (a .optuna.db file)."),
 ):
     """Search config keys with an Optuna study: `+recipe=arith 'gate.band.0=interval(0.3,0.99)'
     'gate.max_staleness=int(interval(0,3))' --trials 12`.
@@ -237,7 +237,7 @@ def serve(
 
 @app.command()
 def runs(
-    run_id: Optional[str] = typer.Argument(
+    run_id: str | None = typer.Argument(
         None, help="A run id or a unique prefix: print its summary instead of the list."
     ),
     root: str = ROOT,
@@ -246,24 +246,15 @@ def runs(
     """List runs: id, recipe, status, steps, mean reward, created; or one run's summary: reward
     curve, invariants, where the time went."""
     from workbench import summary
-    from workbench.store import list_runs
+    from workbench.store.query import RUN_COLUMNS, list_runs, run_cells
 
     if run_id:
         with user_errors():
             typer.echo(summary.render(summary.figures(run_id, root), root))
         return
-    table = Table("id", "recipe", "status", "steps", "reward", "created", "sweep")
+    table = Table(*RUN_COLUMNS)
     for row in list_runs(root)[:limit]:
-        reward = row.get("reward_mean")
-        table.add_row(
-            row["run_id"],
-            str(row.get("recipe") or "-"),
-            row.get("status", "?"),
-            f"{row.get('steps_done', 0)}/{row.get('steps', '?')}",
-            "-" if reward is None else f"{reward:.3f}",
-            datetime.datetime.fromtimestamp(row.get("created", 0)).strftime("%Y-%m-%d %H:%M"),
-            row.get("sweep_id") or "",
-        )
+        table.add_row(*run_cells(row, "%Y-%m-%d %H:%M"))
     console().print(table)
 
 
@@ -293,7 +284,7 @@ def compare(
     root: str = ROOT,
     csv: bool = typer.Option(False, "--csv", help="CSV on stdout."),
     json_out: bool = typer.Option(False, "--json", help="JSON (one object per run) on stdout."),
-    plot_path: Optional[str] = typer.Option(
+    plot_path: str | None = typer.Option(
         None, "--plot", help="Write reward curves and kept-vs-reward to PNG."
     ),
 ):
@@ -336,7 +327,7 @@ def _cell(value) -> str:
 def eval_command(
     ctx: typer.Context,
     run_id: str = typer.Argument(..., help="Run id (a unique prefix is enough)."),
-    checkpoint: Optional[str] = typer.Argument(
+    checkpoint: str | None = typer.Argument(
         None,
         help="A checkpoint folder or step number; default the latest, else the run's starting "
         "policy.",
@@ -402,7 +393,7 @@ def export(
 
 @app.command()
 def inspect(
-    run_id: Optional[str] = typer.Argument(
+    run_id: str | None = typer.Argument(
         None, help="A run id or a unique prefix; none lists the runs."
     ),
     root: str = ROOT,
@@ -486,7 +477,7 @@ for command in app.registered_commands + prepare_app.registered_commands:
     command.callback.__doc__ = _unwrap(command.callback.__doc__)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     app(args=argv)
 
 

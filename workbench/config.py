@@ -6,8 +6,6 @@ per job; `validate(cfg)` refuses unsafe or unsupported combinations at start-up 
 that says what to change.
 """
 
-from __future__ import annotations
-
 import importlib.util
 import json
 import os

@@ -6,8 +6,6 @@ version) to every rollout engine. The maths is in workbench.algo, found through 
 (`ADVANTAGES`, `POLICY_LOSSES`); this module only batches and calls them.
 """
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import time
@@ -342,7 +340,7 @@ class Learner:
             return live, old_logprob, live[1].detach(), {}
         if self.gate.bypass:
             return None, batch["behavior_logprob"], None, {}
-        routing: dict = {}
+        routing = {}
         with torch.no_grad():
             old_logprob, entropy = self.logprobs_entropy(batch, routing=routing)
         return None, old_logprob, entropy, routing
@@ -374,8 +372,7 @@ class Learner:
         if not self.algo.filter_uniform_groups:
             return loss_mask, {}
         dropped = uniform_groups(batch["rewards"], batch["group_ids"])  # [batch]
-        metrics = {"filter/dropped_frac": float(dropped.float().mean())}
-        return loss_mask & ~dropped[:, None], metrics
+        return loss_mask & ~dropped[:, None], {"filter/dropped_frac": float(dropped.float().mean())}
 
     def optimizer_steps(self, batch: dict, live: tuple | None, targets: dict) -> tuple[list, float]:
         """`trainer.minibatches` optimizer steps, one per slice of the batch's rows; their

@@ -2,8 +2,6 @@
 flows one way (rollout -> learner -> store); only weights and their version flow back, to rollouts
 up to `trainer.async_depth` versions behind (window.py; the version gate corrects for it)."""
 
-from __future__ import annotations
-
 from workbench import checkpoint, cluster, evaluate, faults, model_paths, recovery, run_folder
 from workbench.data import Prompts
 from workbench.progress import Progress, StepClock

@@ -119,8 +119,7 @@ class RolloutWorker:
         """
         max_tokens = settings.max_tokens or self.params.max_tokens
         params = replace(self.params, max_tokens=max_tokens, temperature=settings.temperature)
-        segments = self.rollout(jobs, params, weights)
-        return list({s.rollout_id: s.reward for s in segments}.values())
+        return list({s.rollout_id: s.reward for s in self.rollout(jobs, params, weights)}.values())
 
     def rollout_with_failures(
         self, jobs: list[Job], params: SamplingParams | None = None, weights: dict | None = None

@@ -10,8 +10,6 @@ is kept, status interrupted). The study lives beside the runs, in `<run.root>/<s
 and `--resume` continues it.
 """
 
-from __future__ import annotations
-
 import datetime
 import multiprocessing
 import os
@@ -132,7 +130,7 @@ class Tuner:
             self.study.tell(trial.number, state=TrialState.FAIL)
 
     @classmethod
-    def new(cls, line: list[str], metric: str, startup: int, warmup: int) -> Tuner:
+    def new(cls, line: list[str], metric: str, startup: int, warmup: int) -> "Tuner":
         """A new study of the line's searched keys in its run.root, refused at once if a key or
         the metric is unknown."""
         if metric not in METRICS:

@@ -59,10 +59,9 @@ def compute_advantages(
     if rollout_ids is None:
         rollout_ids = torch.arange(n_rows, device=rewards.device)
     rollouts, row_rollout = torch.unique(rollout_ids, return_inverse=True)  # [N] -> rollout index
-    n_rollouts = len(rollouts)
     rows = torch.arange(n_rows, device=rewards.device)
     # [R] one representative row per rollout
-    first_row = torch.full((n_rollouts,), n_rows, device=rewards.device).scatter_reduce(
+    first_row = torch.full((len(rollouts),), n_rows, device=rewards.device).scatter_reduce(
         0, row_rollout, rows, reduce="amin"
     )
     reward = rewards[first_row]  # [R]

@@ -24,8 +24,6 @@ mostly rejected moves the policy less instead of amplifying its few survivors; `
 over the surviving tokens only.
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 

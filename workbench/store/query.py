@@ -1,5 +1,6 @@
 """Readers of the run store: DuckDB views over a run's Parquet shards, live or finished."""
 
+import datetime
 import difflib
 import json
 import os
@@ -18,6 +19,23 @@ NO_RECOVERIES = (
 def run_row(run_dir) -> dict:
     """The `runs` row of a run folder: its run.json."""
     return json.loads(Path(run_dir, "run.json").read_text())
+
+
+RUN_COLUMNS = ("id", "recipe", "status", "steps", "reward", "created", "sweep")
+
+
+def run_cells(row: dict, created_format: str) -> list[str]:
+    """A `runs` row as the cells under RUN_COLUMNS (`molt-wb runs` and `molt-wb inspect`)."""
+    reward = row.get("reward_mean")
+    return [
+        row["run_id"],
+        str(row.get("recipe") or "-"),
+        row.get("status", "?"),
+        f"{row.get('steps_done', 0)}/{row.get('steps', '?')}",
+        "-" if reward is None else f"{reward:.3f}",
+        datetime.datetime.fromtimestamp(row.get("created", 0)).strftime(created_format),
+        row.get("sweep_id") or "",
+    ]
 
 
 def list_runs(root: str = "runs") -> list[dict]:

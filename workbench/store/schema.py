@@ -5,8 +5,6 @@ and one folder of Parquet shards per table. Shards are written whole and renamed
 reader (DuckDB in another process, the TUI) never sees half a file.
 """
 
-from __future__ import annotations
-
 import json
 
 import numpy as np

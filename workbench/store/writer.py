@@ -6,8 +6,6 @@ never leaves half a file behind. `flush_every` adds a timer, so rows reach disk 
 `flush_seconds` even while a long step is running.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import threading
@@ -38,7 +36,7 @@ class RunWriter:
         # the flush timer runs on its own thread
         self.lock = threading.RLock()
         self.closed = False
-        self.next_shard: dict[str, int] = {}
+        self.next_shard = {}
         for name, schema in TABLES.items():
             folder = self.run_dir / name
             folder.mkdir(parents=True, exist_ok=True)

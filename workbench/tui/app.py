@@ -6,8 +6,6 @@ sampled token is coloured by a chosen channel (`channels.py`). This module holds
 and its help.
 """
 
-from __future__ import annotations
-
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.screen import ModalScreen

@@ -4,8 +4,6 @@ A channel is (value of a sampled token, [(upper bound, colour, legend)]); a toke
 bin its value is below. Add a channel here: the token view cycles through CHANNELS in this order.
 """
 
-from __future__ import annotations
-
 import math
 
 CHANNELS = {

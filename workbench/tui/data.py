@@ -4,8 +4,6 @@ Nothing here loads a whole table: the segments, gate and request tables come a p
 (LIMIT/OFFSET under a stable order), and a token view reads one segment's rows.
 """
 
-from __future__ import annotations
-
 import functools
 import json
 import math
@@ -96,8 +94,8 @@ class RunData:
         self.folder = resolve_run(run_id, root).resolve()
         self.db = duckdb.connect()
         self.db.execute("SET enable_progress_bar = false")
-        self._present: set[str] = set()
-        self.pieces: dict[int, str] = {}
+        self._present = set()
+        self.pieces = {}
         self.refresh()
 
     def refresh(self) -> bool:

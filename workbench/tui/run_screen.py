@@ -4,8 +4,6 @@ The segments tab filters, sorts and pages; a row of the segments, gate or reques
 token view of its segment.
 """
 
-from __future__ import annotations
-
 import json
 
 from textual.app import ComposeResult
@@ -111,9 +109,8 @@ class RunScreen(Screen):
             self.load()
 
     def load(self) -> None:
-        headline = self.data.headline()
         self.query_one("#headline", Static).update(
-            "  ".join(f"[b]{k}[/b] {shown(v, '-')}" for k, v in headline.items())
+            "  ".join(f"[b]{k}[/b] {shown(v, '-')}" for k, v in self.data.headline().items())
         )
         for key in PLOTS:
             plot = self.query_one(f"#plot-{key.replace('/', '-')}", PlotextPlot)

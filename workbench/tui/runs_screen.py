@@ -1,15 +1,12 @@
 """The first screen of `molt-wb inspect`: every run under the root, newest first, filterable by
 sweep id; enter opens a run."""
 
-from __future__ import annotations
-
-import datetime
-
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input
 
+from workbench.store.query import RUN_COLUMNS, run_cells
 from workbench.tui.data import RunData, read_runs
 from workbench.tui.run_screen import RunScreen
 
@@ -27,9 +24,7 @@ class RunsScreen(Screen):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one(DataTable).add_columns(
-            "id", "recipe", "status", "steps", "reward", "created", "sweep"
-        )
+        self.query_one(DataTable).add_columns(*RUN_COLUMNS)
         self.load()
         self.set_interval(self.app.poll, self.load)
         self.query_one(DataTable).focus()
@@ -43,18 +38,8 @@ class RunsScreen(Screen):
         self.shown = rows
         cursor = table.cursor_row
         table.clear()
-        for r in rows:
-            reward = r.get("reward_mean")
-            table.add_row(
-                r["run_id"],
-                str(r.get("recipe") or "-"),
-                r.get("status", "?"),
-                f"{r.get('steps_done', 0)}/{r.get('steps', '?')}",
-                "-" if reward is None else f"{reward:.3f}",
-                datetime.datetime.fromtimestamp(r.get("created", 0)).strftime("%m-%d %H:%M"),
-                r.get("sweep_id") or "",
-                key=r["run_id"],
-            )
+        for row in rows:
+            table.add_row(*run_cells(row, "%m-%d %H:%M"), key=row["run_id"])
         table.move_cursor(row=cursor)
         subtitle = f"{len(rows)} runs under {self.app.root}"
         if sweep:

@@ -5,8 +5,6 @@ Prompt and environment tokens are dim; ▸ ◂ mark a sampled turn, ▣ an image
 `channels.py`. A vision-language segment's images are drawn under the side panel by textual-image.
 """
 
-from __future__ import annotations
-
 import os
 
 import textual_image.renderable
