@@ -66,6 +66,7 @@ def write_run(root: Path, segments: int, length: int, steps: int, layers: int = 
                 behavior_version=np.full(n * length, step, np.int32),
                 is_weight=rng.uniform(0.5, 1.5, n * length).astype(np.float32),
                 advantage=np.zeros(n * length, np.float32),
+                entropy=rng.exponential(1.0, n * length).astype(np.float32),
             ),
             "gate_decisions": dict(
                 step=[step] * n,
