@@ -32,6 +32,8 @@ def write_run(root: Path, segments: int, length: int, steps: int, layers: int = 
     prompt = length // 4
     for step in range(steps):
         rollout = np.arange(step * n, (step + 1) * n)
+        reward = rng.integers(0, 2, n).astype(float)
+        sampled = np.tile(np.arange(length) >= prompt, n)
         # one step's shard of each table
         columns = {
             "segments": dict(
@@ -39,7 +41,7 @@ def write_run(root: Path, segments: int, length: int, steps: int, layers: int = 
                 rollout_id=rollout,
                 segment_idx=[0] * n,
                 group_id=rollout // 8,
-                reward=rng.integers(0, 2, n).astype(float),
+                reward=reward,
                 advantage=rng.normal(size=n).astype(np.float32),
                 num_tokens=[length] * n,
                 num_sampled=[length - prompt] * n,
@@ -49,6 +51,7 @@ def write_run(root: Path, segments: int, length: int, steps: int, layers: int = 
                 finish_reason=["stop"] * n,
                 seal_reason=["end"] * n,
                 turn_spans=[[[prompt, length]]] * n,
+                turn_rewards=reward[:, None].tolist(),
                 prompt_text=[f"What is {i % 9} + {i % 7}?" for i in rollout],
                 response_text=["42"] * n,
                 images=[[]] * n,
@@ -60,13 +63,15 @@ def write_run(root: Path, segments: int, length: int, steps: int, layers: int = 
                 segment_idx=np.zeros(n * length, np.int32),
                 position=np.tile(np.arange(length, dtype=np.int32), n),
                 token_id=rng.integers(0, 500, n * length).astype(np.int32),
-                loss_mask=np.tile((np.arange(length) >= prompt).astype(np.uint8), n),
+                loss_mask=sampled.astype(np.uint8),
                 behavior_logprob=-rng.exponential(1.0, n * length).astype(np.float32),
                 train_logprob=-rng.exponential(1.0, n * length).astype(np.float32),
                 behavior_version=np.full(n * length, step, np.int32),
                 is_weight=rng.uniform(0.5, 1.5, n * length).astype(np.float32),
                 advantage=np.zeros(n * length, np.float32),
                 entropy=rng.exponential(1.0, n * length).astype(np.float32),
+                # one sampled turn, the episode's first
+                turn=pa.array(np.zeros(n * length, np.int32), mask=~sampled),
             ),
             "gate_decisions": dict(
                 step=[step] * n,

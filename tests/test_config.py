@@ -50,6 +50,8 @@ def test_group_options_select_presets():
         ("gate.level=geo gate.mode=clip", "gate.mode=mask"),
         ("gate.band=[2.0,0.5]", "gate.band"),
         ("trainer.timeout_s=0", "trainer.timeout_s"),
+        ("algo.turn_discount=0.9", "set algo.advantage=turn or algo.turn_discount=1"),
+        ("algo.advantage=turn algo.turn_discount=1.5", "algo.turn_discount must be between 0"),
         ("gate.level=tokens", "gate.level=tokens is unknown"),
         ("engine.name=sglang", "engine=sglang is unknown"),
         ("agent.history_rewrite=merge", "agent.history_rewrite=merge is unknown: use seal or"),
@@ -100,7 +102,7 @@ def test_sweep_grammar_lists_ranges_and_swept_values():
 # registry in workbench/algo/ they come from, and what a run with each name needs besides.
 ACCEPTED = {
     "algo.advantage": (
-        ["reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "on_policy_distill"],
+        ["reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "on_policy_distill", "turn"],
         ADVANTAGES,
     ),
     "algo.policy_loss": (["ppo", "gspo", "cispo"], POLICY_LOSSES),
@@ -128,7 +130,7 @@ def test_the_registries_hold_exactly_the_names_config_accepts(key):
         (
             "algo.advantage=ppo",
             "algo.advantage=ppo is unknown: use one of reinforce, reinforce_baseline, rloo, grpo, "
-            "dr_grpo, on_policy_distill.",
+            "dr_grpo, on_policy_distill, turn.",
         ),
         ("algo.policy_loss=dpo", "algo.policy_loss=dpo is unknown: use ppo, gspo or cispo."),
         (

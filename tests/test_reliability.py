@@ -294,6 +294,28 @@ def test_a_chat_agent_that_raises_or_returns_no_result_fails_only_its_episode(ti
     assert not worker.server().sessions
 
 
+def test_a_chat_agents_turn_rewards_reach_its_segments_and_a_miscount_fails_its_episode(tiny_path):
+    cfg = compose_config([f"agent.plugin={FAULTY_CHAT}", "engine.max_tokens=4"])
+    worker = RolloutWorker(cfg, tiny_path)
+    # one policy call each: one turn reward, two, none given
+    turn_rewards = [[0.25], [0.25, 0.75], None]
+    jobs = [Job({"problem": "Say 1.", "turn_rewards": t}, k, k) for k, t in enumerate(turn_rewards)]
+    segments, failures = worker.rollout_with_failures(jobs)
+    # none given: the episode's reward at its last turn
+    assert [(s.rollout_id, s.reward, s.turn_rewards) for s in segments] == [
+        (0, 1.0, [0.25]),
+        (2, 1.0, [1.0]),
+    ]
+    assert [(f["rollout_id"], f["kind"], f["error"]) for f in failures] == [
+        (
+            1,
+            "agent_error",
+            "ValueError: FaultyChat.run returned 2 turn_rewards for 1 policy calls: give one "
+            "reward per call.",
+        )
+    ]
+
+
 @pytest.mark.slow
 def test_sigterm_stops_a_run_cleanly_marked_interrupted(tmp_path, in_process):
     data = data_file(tmp_path / "d.jsonl", rows(4, hang_at=5))  # the 2nd step never ends

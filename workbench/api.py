@@ -57,6 +57,9 @@ class Result:
     terminated: bool = True
     truncated: bool = False
     info: dict = field(default_factory=dict)
+    # a ChatAgent's reward of each of its policy calls, in order (None: `reward` at the last); an
+    # Env's turn rewards are its steps' `reward`, and its episode's reward is their sum
+    turn_rewards: list[float] | None = None
 
 
 class Env:

@@ -4,6 +4,7 @@
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from workbench.algo.losses import approx_kl, masked_mean
 from workbench.invariants.token_identity import SEAL_REASONS
@@ -44,6 +45,15 @@ def collate(segments: list[Segment]) -> dict[str, torch.Tensor]:
     batch["rewards"] = torch.tensor([s.reward for s in segments], dtype=torch.float32)  # [batch]
     batch["group_ids"] = torch.tensor([s.group_id for s in segments])
     batch["rollout_ids"] = torch.tensor([s.rollout_id for s in segments])
+    # [batch, seq] the episode's turn of each token, -1 outside sampled turns
+    batch["turns"] = padded("turns", np.int64, -1)
+    # [batch, most turns + 1] the rewards of each row's episode by turn, NaN after its last (a
+    # column at least, even in a batch of no turns)
+    batch["turn_rewards"] = pad_sequence(
+        [torch.tensor([*s.turn_rewards, torch.nan]) for s in segments],
+        batch_first=True,
+        padding_value=torch.nan,
+    )
     return batch
 
 
@@ -168,17 +178,20 @@ def store_rows(
     routing_rows: list[dict],
     entropy: torch.Tensor | None = None,
 ) -> dict:
-    """What the run store keeps of one batch: per-token log-probs, IS weights and entropies (where
-    computed), each segment's advantage and gate decision, the learner version that consumed it
-    and the routing table."""
+    """What the run store keeps of one batch: per-token log-probs, IS weights, entropies and
+    advantages (where computed), each segment's advantage (its sampled tokens' mean) and gate
+    decision, the learner version that consumed it and the routing table."""
     # right-padded: each segment's tokens in order, segment after segment
     real = batch["attention_mask"].bool()
+    token_advantage = None
     if advantages.dim() == 2:
+        token_advantage = [advantages[real].numpy()]
         advantages = masked_mean(advantages, batch["loss_mask"], dim=-1)
     rows = {
         "train_logprob": [old_logprob[real].numpy()],
         "is_weight": [gate.token_weight[real].numpy()],
         "advantage": advantages.tolist(),
+        "token_advantage": token_advantage,
         "learner_version": consumed_at,
         "routing": routing_rows,
         "gate": {

@@ -118,7 +118,10 @@ class DataConfig:
 class AlgoConfig:
     advantage: str = "grpo"
     """Advantage estimator (workbench/algo/advantages.py): reinforce | reinforce_baseline | rloo |
-    grpo | dr_grpo | on_policy_distill (per token, no reward)."""
+    grpo | dr_grpo | on_policy_distill (per token, no reward) | turn (per turn: its discounted
+    return less the group's mean at that turn)."""
+    turn_discount: float = 1.0
+    """algo.advantage=turn: γ of a turn's return Σ_{k≥t} γ^(k−t)·r_k over the episode's turns."""
     clip_low: float = 0.2
     """PPO clip: ratios below 1 - clip_low stop contributing gradient for negative advantages."""
     clip_high: float = 0.2
@@ -526,6 +529,12 @@ def _refuse_unsafe_combinations(cfg) -> None:
         f"algo.advantage={algo.advantage} compares samples of one prompt: set trainer.group_size "
         f"to 2 or more.",
     )
+    # the discount acts on turn returns only: under another estimator it would be silently ignored
+    _need(
+        algo.turn_discount == 1 or algo.advantage == "turn",
+        "algo.turn_discount discounts turn returns under algo.advantage=turn only: set "
+        "algo.advantage=turn or algo.turn_discount=1.",
+    )
     # vLLM re-prefills a request it preempts: after a partial-rollout weight swap, its earlier
     # tokens' routes are recomputed by newer weights, and replay would force routes that never
     # sampled them. Safe on engine=torch: it never preempts, and a swap leaves captured routes be.
@@ -597,6 +606,7 @@ def _refuse_out_of_range(cfg) -> None:
         f"algo.advantage={algo.advantage} needs a teacher: set algo.teacher_path or "
         f"algo.teacher_warm_start_steps.",
     )
+    _need(0 <= algo.turn_discount <= 1, "algo.turn_discount must be between 0 and 1.")
     _need(cfg.sweep.parallel >= 1, "sweep.parallel must be at least 1.")
     _need(
         trainer.steps >= 1 and trainer.prompts_per_step >= 1,

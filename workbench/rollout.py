@@ -3,7 +3,8 @@
 Episodes of one call advance together, one batched `generate` per turn, so a worker's engine
 always sees a full batch. Weight pushes may arrive (on another thread) while a call runs: with
 `rollout.partial` they take effect between token steps, otherwise after the call. Rewards are
-summed over an episode's turns; every segment of an episode carries the episode's reward.
+summed over an episode's turns; every segment of an episode carries the episode's reward, and its
+reward of each turn.
 
 An exception in a plugin's code (Env.reset / Env.step, ChatAgent.run, its reward) fails that episode
 only: it comes back as a `failed_episodes` row with its traceback, and none of its segments reach
@@ -181,12 +182,24 @@ class RolloutWorker:
         for index, (job, session, judge, result) in enumerate(episodes):
             server.close_session(judge["session"])
             pieces, requests = server.close_session(session["session"])
+            runner = f"{self.plugin.AgentRunner.__name__}.run"
+            turns = sum(len(piece.turn_spans) for piece in pieces)
+            counted = isinstance(result, Result) and result.turn_rewards is not None
+            if counted and len(result.turn_rewards) != turns:
+                result = ValueError(
+                    f"{runner} returned {len(result.turn_rewards)} turn_rewards for {turns} "
+                    f"policy calls: give one reward per call."
+                )
             if not isinstance(result, Result):
-                runner = f"{self.plugin.AgentRunner.__name__}.run"
                 failures[index] = self._failed(job, "agent_error", _episode_error(result, runner))
                 continue
             episode = self._segments(
-                job, pieces, result.reward, pieces[-1].finish if pieces else "", result.info
+                job,
+                pieces,
+                result.reward,
+                pieces[-1].finish if pieces else "",
+                result.info,
+                result.turn_rewards,
             )
             if episode:
                 episode[0].requests = requests
@@ -233,7 +246,8 @@ class RolloutWorker:
     def _env_rollout(self, jobs: list[Job], failures: dict) -> list[Segment]:
         envs = {}
         episodes = {}
-        rewards = [0.0] * len(jobs)
+        # each episode's reward of each turn
+        rewards = [[] for _ in jobs]
         infos = [{} for _ in jobs]
         for index, job in enumerate(jobs):
             started = _caught(self._start_env, job)
@@ -268,7 +282,7 @@ class RolloutWorker:
                     generation.finish_reason,
                     generation.extras.get("routed_experts"),
                 )
-                rewards[i] += result.reward
+                rewards[i].append(result.reward)
                 infos[i] = result.info
                 if not (result.terminated or result.truncated) and turn + 1 < self.max_turns:
                     episodes[i].add_messages(
@@ -281,7 +295,7 @@ class RolloutWorker:
             if i not in failures:
                 pieces = episode.finish()
                 segments += self._segments(
-                    jobs[i], pieces, rewards[i], episode.last_finish, infos[i]
+                    jobs[i], pieces, sum(rewards[i], 0.0), episode.last_finish, infos[i], rewards[i]
                 )
         return segments
 
@@ -296,10 +310,20 @@ class RolloutWorker:
         return replace(self.active, seed=int(np.random.SeedSequence(entropy).generate_state(1)[0]))
 
     def _segments(
-        self, job: Job, pieces: list, reward: float, finish_reason: str, info: dict | None = None
+        self,
+        job: Job,
+        pieces: list,
+        reward: float,
+        finish_reason: str,
+        info: dict | None = None,
+        turn_rewards: list[float] | None = None,
     ) -> list[Segment]:
         """Segment records of one episode, each audited: are its sampled ids intact, and would
-        its text round-trip?"""
+        its text round-trip? `turn_rewards`: one per sampled turn; None: `reward` at the last."""
+        turns = sum(len(piece.turn_spans) for piece in pieces)
+        if turn_rewards is None:
+            turn_rewards = [0.0] * (turns - 1) + [reward]
+        first_turn = 0
         segments = []
         for index, piece in enumerate(pieces):
             prompt_end = piece.turn_spans[0][0] if piece.turn_spans else len(piece.token_ids)
@@ -314,6 +338,8 @@ class RolloutWorker:
                     **piece.arrays(),
                     reward=reward,
                     turn_spans=piece.turn_spans,
+                    turn_rewards=turn_rewards,
+                    first_turn=first_turn,
                     finish_reason=finish_reason,
                     seal_reason=piece.seal_reason,
                     images=piece.images,
@@ -321,6 +347,7 @@ class RolloutWorker:
                     audit={"identity": piece.identity_holds(), "retokenize_drift": drift},
                 )
             )
+            first_turn += len(piece.turn_spans)
         return segments
 
 

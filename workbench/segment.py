@@ -28,6 +28,10 @@ class Segment:
     reward: float = 0.0
     # [start, end) of each sampled turn
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
+    # the episode's reward of each sampled turn, in order (turn_spans[j] is turn first_turn + j)
+    turn_rewards: list[float] = field(default_factory=list)
+    # the episode's index of this segment's first sampled turn
+    first_turn: int = 0
     # the last turn's: stop | length
     finish_reason: str = ""
     # why the segment closed: end (episode over) | compaction | ...
@@ -64,6 +68,14 @@ class Segment:
     @property
     def num_sampled(self) -> int:
         return int(self.loss_mask.sum())
+
+    @property
+    def turns(self) -> np.ndarray:
+        """int32 [T]: the episode's index of each token's sampled turn, -1 outside them."""
+        turns = np.full(len(self.token_ids), -1, dtype=np.int32)
+        for turn, (start, end) in enumerate(self.turn_spans, self.first_turn):
+            turns[start:end] = turn
+        return turns
 
     def version_range(self) -> tuple[int, int]:
         """(oldest, newest) weight version among sampled tokens; (-1, -1) when none was sampled."""

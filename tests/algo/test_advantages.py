@@ -11,6 +11,7 @@ from workbench.algo.advantages import (
     REWARD_ESTIMATORS,
     compute_advantages,
     distill_advantages,
+    turn_advantages,
     uniform_groups,
 )
 
@@ -207,4 +208,56 @@ def test_registered_on_policy_distill_reads_the_teacher_and_reports_its_kl():
 
 def test_the_registry_says_which_estimators_need_a_teacher_or_a_group():
     assert [name for name, e in ADVANTAGES.items() if e.teacher] == ["on_policy_distill"]
-    assert [name for name, e in ADVANTAGES.items() if e.groups] == ["rloo", "grpo", "dr_grpo"]
+    assert [name for name, e in ADVANTAGES.items() if e.groups] == [
+        "rloo",
+        "grpo",
+        "dr_grpo",
+        "turn",
+    ]
+
+
+NAN = float("nan")
+
+
+def test_turn_advantage_is_the_discounted_return_less_the_groups_mean_at_that_turn():
+    # group 0: rollout 10 (rewards 1, 0, 2; its third turn in a second segment: row 2), rollout
+    # 11 (0, 2), rollout 12 (3); group 1: rollout 13 (1, 1) alone. γ = 0.5:
+    # returns 10: 1.5, 1, 2   11: 1, 2   12: 3   13: 1.5, 1
+    # group 0's mean return at turn 0: (1.5 + 1 + 3) / 3 = 11/6, at turn 1: (1 + 2) / 2 = 1.5;
+    # turn 2 only rollout 10 reached, and rollout 13 has no other: advantage 0
+    turn_rewards = torch.tensor([[1, 0, 2], [1, 0, 2], [0, 2, NAN], [3, NAN, NAN], [1, 1, NAN]])
+    turns = torch.tensor(
+        [
+            [-1, -1, 0, 0, -1, 1],
+            [-1, -1, 2, 2, -1, -1],
+            [-1, 0, -1, 1, 1, -1],
+            [-1, 0, 0, -1, -1, -1],
+            [-1, 0, -1, 1, -1, -1],
+        ]
+    )
+    groups = torch.tensor([0, 0, 0, 0, 1])
+    rollouts = torch.tensor([10, 10, 11, 12, 13])
+    advantages = turn_advantages(turn_rewards, turns, groups, rollouts, discount=0.5)
+    expected = [
+        [0, 0, -1 / 3, -1 / 3, 0, -0.5],
+        [0, 0, 0, 0, 0, 0],
+        [0, -5 / 6, 0, 0.5, 0.5, 0],
+        [0, 7 / 6, 7 / 6, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0],
+    ]
+    torch.testing.assert_close(advantages, torch.tensor(expected))
+
+
+def test_turn_advantage_with_no_discount_and_a_final_reward_is_dr_grpo_at_every_turn():
+    # REWARDS at the second of two turns; each row's tokens: prompt, turn 0, turn 1
+    batch = {
+        "turn_rewards": torch.stack([torch.zeros(4), REWARDS.float()], dim=1),
+        "turns": torch.tensor([[-1, 0, 1]]).repeat(4, 1),
+        "group_ids": GROUPS,
+        "rollout_ids": torch.arange(4),
+    }
+    algo = SimpleNamespace(turn_discount=1.0)
+    advantages, metrics = ADVANTAGES["turn"].estimate(batch, None, None, algo)
+    dr_grpo = [[0.0, a, a] for a in (0.5, -0.5, 0.0, 0.0)]
+    torch.testing.assert_close(advantages, torch.tensor(dr_grpo))
+    assert metrics == {}

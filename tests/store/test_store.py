@@ -193,3 +193,41 @@ def test_entropy_is_stored_per_token_and_null_without_a_learner_or_in_older_shar
         "select list(entropy order by position) from tokens where step = 1 and rollout_id = 101"
     ).fetchone()[0]
     assert entropy == pytest.approx([1.0, 1.1, 1.2, 1.3, 1.4])
+
+
+def test_each_tokens_turn_and_the_episodes_turn_rewards_are_stored_and_null_in_older_shards(
+    tmp_path,
+):
+    # a run from before the columns: its shards lack them
+    writer = RunWriter(tmp_path / "r1", {"run_id": "r1", "created": 1.0, "status": "running"})
+    segments = make_segments(1, length=6)
+    tables = step_tables("r1", 0, 0, segments, learner_rows(segments))
+    for name, column in (("tokens", "turn"), ("segments", "turn_rewards")):
+        for path in (tmp_path / "r1" / name).glob("*.parquet"):
+            path.unlink()
+        writer._write_shard(name, tables[name].drop([column]))
+    # resumed by the new code: an episode of three turns, its third in a second segment
+    first, second = make_segments(2, length=6, step=1)
+    second.rollout_id = first.rollout_id
+    second.segment_idx = 1
+    first.turn_spans = [(2, 4), (4, 6)]
+    second.turn_spans = [(2, 6)]
+    second.first_turn = 2
+    for segment in (first, second):
+        segment.turn_rewards = [0.5, 0.0, 1.0]
+    tables = step_tables("r1", 1, 1, [first, second], learner_rows([first, second]))
+    for name in ("tokens", "segments"):
+        writer.append(name, tables[name])
+    writer.close("finished")
+    db = open_run("r1", str(tmp_path))
+    assert db.execute(
+        "select step, segment_idx, list(turn order by position) from tokens "
+        "group by step, segment_idx order by step, segment_idx"
+    ).fetchall() == [
+        (0, 0, [None] * 6),
+        (1, 0, [None, None, 0, 0, 1, 1]),
+        (1, 1, [None, None, 2, 2, 2, 2]),
+    ]
+    assert db.execute(
+        "select step, segment_idx, turn_rewards from segments order by step, segment_idx"
+    ).fetchall() == [(0, 0, None), (1, 0, [0.5, 0.0, 1.0]), (1, 1, [0.5, 0.0, 1.0])]

@@ -180,13 +180,14 @@ def test_segments_filters_match_sql_counts_and_sorting_and_paging_work(made_run,
 def test_token_view_shows_pieces_values_and_colours_of_a_known_segment(made_run):
     root, run_id = made_run
     db = open_run(run_id, root)
-    step, rollout, segment, prompt, spans = db.execute(
-        "select step, rollout_id, segment_idx, prompt_text, turn_spans from segments "
+    step, rollout, segment, prompt, spans, turn_rewards = db.execute(
+        "select step, rollout_id, segment_idx, prompt_text, turn_spans, turn_rewards from segments "
         "order by step, rollout_id limit 1"
     ).fetchone()
     first_sampled = spans[0][0]
-    token_id, behavior, train, version = db.execute(
-        "select token_id, behavior_logprob, train_logprob, behavior_version from tokens "
+    token_id, behavior, train, version, advantage, turn = db.execute(
+        "select token_id, behavior_logprob, train_logprob, behavior_version, advantage, turn "
+        "from tokens "
         "where step = ? and rollout_id = ? and segment_idx = ? and position = ?",
         [step, rollout, segment, first_sampled],
     ).fetchone()
@@ -225,6 +226,9 @@ def test_token_view_shows_pieces_values_and_colours_of_a_known_segment(made_run)
         f"train     {train:.4f}" in seen["side"]
         and f"δ         {train - behavior:+.4f}" in seen["side"]
     )
+    # the episode's first turn, and its reward: the ChatAgent's, at its last (here only) turn
+    assert turn == 0 and f"turn      1 (reward {turn_rewards[0]:.4g})" in seen["side"]
+    assert f"advantage {advantage:+.4f}" in seen["side"]
     # tiny-moe: 3 sparse layers, replay agrees
     assert "routing   L0✓ L1✓ L2✓" in seen["side"]
     # colour of the known token under the logprob channel, by hand: p < .1 red, < .5 orange,
@@ -574,8 +578,9 @@ def test_the_entropy_channel_and_plot_show_stored_entropies_and_a_run_stored_wit
         "time": [0.0] * 3,
     }
     pq.write_table(pa.table(metrics, schema=METRICS), scored / "metrics" / "part-999999.parquet")
-    # the run as stored before the column and the metric existed
-    rewrite(old, "tokens", without_entropy)
+    # the run as stored before the columns and the metric existed
+    rewrite(old, "tokens", lambda table: without_entropy(table).drop_columns(["turn"]))
+    rewrite(old, "segments", lambda table: table.drop_columns(["turn_rewards"]))
     rewrite(
         old, "metrics", lambda table: table.filter(pc.not_equal(table["key"], "policy/entropy"))
     )
@@ -610,6 +615,7 @@ def test_the_entropy_channel_and_plot_show_stored_entropies_and_a_run_stored_wit
 
     seen = drive(InspectApp(str(old.parent), run_id), script)
     assert seen["title"] == "policy/entropy (not recorded)"
-    # opens; its sampled tokens grey under the channel, no entropy in the side panel
+    # opens; its sampled tokens grey under the channel, no entropy or turn in the side panel
     assert {seen["styles"][p] for p in seen["sampled"]} == {"grey50"}
     assert "IS weight" in seen["side"] and "entropy" not in seen["side"]
+    assert "turn " not in seen["side"]

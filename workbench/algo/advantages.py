@@ -93,6 +93,39 @@ def compute_advantages(
     return torch.where(count > 1, advantage, 0.0)[row_rollout]
 
 
+def turn_advantages(
+    turn_rewards: Tensor,
+    turns: Tensor,
+    group_ids: Tensor,
+    rollout_ids: Tensor,
+    discount: float,
+) -> Tensor:
+    """Per-token advantage [N, T] from the rewards of each row's episode by turn [N, K] (NaN
+    after its last), the episode's turn of each token [N, T] (-1 outside sampled turns: advantage
+    0), prompt groups [N] and rollouts [N].
+
+    A turn's return is G_t = Σ_{k≥t} γ^(k−t)·r_k; its advantage is dr_grpo's of G_t among the
+    group's episodes that reached turn t: G_t less their mean G_t, 0 where only one did. The
+    baseline is taken at the same turn index, not from whole-episode returns: a later turn has
+    fewer rewards ahead of it, and would otherwise look worse for that alone. With γ = 1 and a
+    reward at the last turn only, episodes of one length get dr_grpo's advantage at every turn.
+    """
+    reached = turn_rewards.isfinite()  # [N, K]
+    rewards = turn_rewards.nan_to_num()  # [N, K]
+    returns = torch.zeros_like(rewards)  # [N, K]
+    ahead = torch.zeros(len(rewards))  # [N] the return of the turn after
+    for turn in reversed(range(rewards.shape[1])):
+        ahead = rewards[:, turn] + discount * ahead
+        returns[:, turn] = ahead
+    advantages = torch.zeros_like(rewards)  # [N, K]
+    for turn in range(rewards.shape[1]):
+        rows = reached[:, turn]
+        advantages[rows, turn] = compute_advantages(
+            returns[rows, turn], group_ids[rows], "dr_grpo", rollout_ids[rows]
+        )
+    return torch.where(turns >= 0, advantages.gather(1, turns.clamp(min=0)), 0.0)
+
+
 def distill_advantages(
     student_logprob: Tensor, teacher_logprob: Tensor, loss_mask: Tensor, coef: float = 1.0
 ) -> Tensor:
@@ -156,3 +189,10 @@ def on_policy_distill(batch: dict, logprob: Tensor, teacher_logprob: Tensor, alg
     advantages = distill_advantages(logprob, teacher_logprob, mask, algo.distill_coef)  # [B, T]
     distill_kl = masked_mean(logprob - teacher_logprob, mask)
     return advantages, {"distill/kl": float(distill_kl)}
+
+
+@advantage("turn")
+def turn(batch: dict, logprob: Tensor, teacher_logprob: None, algo):
+    """`turn_advantages` of the batch, γ = `algo.turn_discount`."""
+    keys = ("turn_rewards", "turns", "group_ids", "rollout_ids")
+    return turn_advantages(*map(batch.get, keys), algo.turn_discount), {}

@@ -31,6 +31,8 @@ SEGMENTS = pa.schema(
         "finish_reason": pa.string(),
         "seal_reason": pa.string(),
         "turn_spans": pa.list_(pa.list_(pa.int32())),
+        # the episode's reward of each sampled turn, in order (absent from older runs)
+        "turn_rewards": pa.list_(pa.float64()),
         "prompt_text": pa.string(),
         "response_text": pa.string(),
         "images": pa.list_(pa.string()),
@@ -55,6 +57,8 @@ TOKENS = pa.schema(
         # the learner's entropy of the distribution the token was drawn from; null where none
         # (molt-wb serve, runs older than the column)
         "entropy": pa.float32(),
+        # the episode's index of the token's sampled turn; null outside them (and in older runs)
+        "turn": pa.int32(),
     }
 )
 
@@ -157,9 +161,10 @@ def step_tables(
 ) -> dict[str, pa.Table]:
     """Segment and token rows of one consumed batch.
 
-    `train` holds from the learner: `train_logprob`, `is_weight` and optionally `entropy` (float32
-    arrays whose concatenation is every segment's tokens in order, segment after segment),
-    `advantage` (one float per segment) and, when a learner gated them, `gate` (the version gate's
+    `train` holds from the learner: `train_logprob`, `is_weight` and optionally `entropy` and
+    `token_advantage` (float32 arrays whose concatenation is every segment's tokens in order,
+    segment after segment), `advantage` (one float per segment; each token's where no
+    `token_advantage`) and, when a learner gated them, `gate` (the version gate's
     per-sequence columns).
     """
 
@@ -185,6 +190,7 @@ def step_tables(
         "finish_reason": each("finish_reason"),
         "seal_reason": each("seal_reason"),
         "turn_spans": [list(map(list, s.turn_spans)) for s in segments],
+        "turn_rewards": each("turn_rewards"),
         "prompt_text": [s.display.get("prompt", "") for s in segments],
         "response_text": [s.display.get("response", "") for s in segments],
         # files under images/
@@ -192,6 +198,7 @@ def step_tables(
         "info": [json.dumps(s.display.get("info") or {}, default=str) for s in segments],
     }
     total = int(lengths.sum())
+    turns = np.concatenate(each("turns"))
     token_rows = {
         "run_id": pa.repeat(pa.scalar(run_id), total),
         "step": np.full(total, step, dtype=np.int32),
@@ -206,9 +213,11 @@ def step_tables(
         "is_weight": np.concatenate(train["is_weight"]).astype(np.float32),
         "advantage": np.repeat(np.asarray(train["advantage"], dtype=np.float32), lengths),
         "entropy": pa.nulls(total, pa.float32()),
+        "turn": pa.array(turns, mask=turns < 0),
     }
-    if train.get("entropy") is not None:
-        token_rows["entropy"] = np.concatenate(train["entropy"]).astype(np.float32)
+    for name in ("entropy", "token_advantage"):
+        if train.get(name) is not None:
+            token_rows[name.removeprefix("token_")] = np.concatenate(train[name]).astype(np.float32)
     # no learner (molt-wb serve): no gate decisions
     gate_rows = dict.fromkeys(GATE_DECISIONS.names, [])
     gate = train.get("gate")

@@ -223,13 +223,12 @@ class RunData:
 
     def tokens(self, step: int, rollout_id: int, segment_idx: int) -> list[dict]:
         """One segment's token rows in order, each as {column name: value}."""
-        entropy = "entropy"
-        if entropy not in self.columns("tokens"):
-            # a run stored before the column
-            entropy = "null as entropy"
+        stored = self.columns("tokens")
+        # null where a run was stored before the column
+        optional = [name if name in stored else f"null as {name}" for name in ("entropy", "turn")]
         return self.records(
             "select position, token_id, loss_mask, behavior_logprob, train_logprob, "
-            f"behavior_version, is_weight, {entropy} "
+            f"behavior_version, is_weight, advantage, {', '.join(optional)} "
             "from tokens where step = ? and rollout_id = ? and segment_idx = ? order by position",
             step,
             rollout_id,

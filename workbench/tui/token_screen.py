@@ -195,6 +195,10 @@ class TokenScreen(Screen):
             ]
             if t["entropy"] is not None:
                 lines.append(f"entropy   {t['entropy']:.4f}")
+            if t["turn"] is not None:
+                reward = self.segment["turn_rewards"][t["turn"]]
+                lines.append(f"turn      {t['turn'] + 1} (reward {reward:.4g})")
+            lines.append(f"advantage {t['advantage']:+.4f}")
         else:
             lines.append(f"train     {t['train_logprob']:.4f}")
         if self.route_layers:
