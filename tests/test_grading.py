@@ -1,6 +1,8 @@
 """Answer extraction and numeric equivalence: notations that mean the same number match, nothing
 else does."""
 
+import time
+
 import pytest
 
 from workbench.grading import extract_answer, format_ok, geo3k_reward, grade, is_equivalent
@@ -56,6 +58,8 @@ EQUIVALENT = [
     ("1,234", "1234"),
     ("12,345,678", "12345678"),
     ("2(3)", "6"),
+    ("(2)(3)", "6"),
+    ("√12", "2\\sqrt{3}"),
     ("2^3", "8"),
     ("3^{2}", "9"),
     ("5.", "5"),
@@ -193,3 +197,12 @@ def test_a_hostile_answer_is_graded_quickly_and_safely():
     assert not is_equivalent("__import__('os').system('echo hi')", "0")
     assert extract_answer("\\boxed{" * 5000 + "x") is None  # never closed
     assert extract_answer("\\boxed{" * 2 + "5" + "}" * 2) == "5"
+
+
+def test_power_towers_and_deep_brackets_are_graded_in_milliseconds():
+    # latex2sympy2_extended 1.11 (math-verify's parser): 5 s on the brackets, hangs on the tower
+    start = time.perf_counter()
+    assert not is_equivalent("9^{9^{9^{9}}}", "1")
+    assert not is_equivalent("[" * 20 + "1" + "]" * 20, "1")
+    assert is_equivalent("{" * 20 + "1" + "}" * 20, "1")
+    assert time.perf_counter() - start < 1.0
