@@ -55,6 +55,7 @@ class Session:
     # the last request's (ChatRequest, ChatReply), handed again to its retry
     last_response: tuple | None = None
     requests: list[dict] = field(default_factory=list)
+    # made on the worker's thread, bound to the server's event loop when first used
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # by reply id, the conversation a reply ended, for a request that continues it by naming the
     # reply (the Responses wire's previous_response_id)
@@ -100,10 +101,9 @@ class LoopbackServer:
 
     async def _start(self) -> int:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._route_errors])
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/s/{session}/v1/models", self._models)
-        app.router.add_get("/v1/models/{model}", self._model)
-        app.router.add_get("/s/{session}/v1/models/{model}", self._model)
+        for prefix in ("", "/s/{session}"):
+            app.router.add_get(f"{prefix}/v1/models", self._models)
+            app.router.add_get(f"{prefix}/v1/models/{{model}}", self._model)
         app.router.add_post("/s/{session}/v1/messages/count_tokens", self._count_tokens)
         for wire in self.wires:
             app.router.add_post(
@@ -125,15 +125,11 @@ class LoopbackServer:
             rollout_id=rollout_id,
             stream=stream,
         )
-        asyncio.run_coroutine_threadsafe(self._add(session), self.loop).result()
+        self.sessions[session.session_id] = session
         base = f"{self.url}/s/{session.session_id}"
         # each wire's SDK appends its own path to its base URL
         base_urls = {wire.base_url_key: base + wire.base_url_suffix for wire in self.wires}
         return {"session": session.session_id, **base_urls, "api_key": session.api_key}
-
-    async def _add(self, session: Session) -> None:
-        session.lock = asyncio.Lock()
-        self.sessions[session.session_id] = session
 
     def close_session(self, session_id: str) -> tuple[list, list[dict]]:
         """End a session: its token-exact segments (none if it never generated) and its request

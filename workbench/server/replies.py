@@ -11,7 +11,7 @@ import os
 import uuid
 
 from workbench.models.tiny import RESPONSE_TEMPLATE
-from workbench.server.wires.base import ChatRequest, WireError
+from workbench.server.wires.base import ChatRequest, WireError, field_of
 
 # two tool calls that differ first where the policy writes: in the name (tool_choice required) or,
 # under one name, in the arguments (a named tool)
@@ -47,7 +47,7 @@ def parse_reply(tokenizer, text: str, prompt_ids, tools: list[dict] | None) -> t
 def _tool_call(call) -> dict | None:
     """A parsed call as the chat template's tool call; None for a malformed one (no name, or
     arguments that are not an object)."""
-    function = call.get("function") if isinstance(call, dict) else None
+    function = field_of(call, "function")
     if not isinstance(function, dict):
         return None
     name = function.get("name")

@@ -9,12 +9,14 @@ import json
 from collections.abc import Iterator
 
 from workbench.server.wires.base import (
+    ANY_STRING,
     ChatReply,
     ChatRequest,
     Wire,
     WireError,
+    chat_message,
+    field_of,
     forced_tool,
-    is_text,
     number,
     objects,
     refuse_top_p,
@@ -22,13 +24,14 @@ from workbench.server.wires.base import (
     strings,
     text_of,
     tool_arguments,
-    user_content,
+    tool_call,
+    tool_message,
 )
 
 # fields accepted at the values that change nothing: (whether a value does, the values accepted)
 NO_OPS = {
     "thinking": (lambda value: value == {"type": "disabled"}, '{"type": "disabled"}'),
-    "service_tier": (is_text, "a string"),
+    "service_tier": ANY_STRING,
 }
 FIELDS = {
     *"model messages max_tokens system temperature top_p stop_sequences stream".split(),
@@ -56,7 +59,7 @@ class AnthropicMessages(Wire):
         system = body.get("system")
         messages = []
         if system:
-            messages.append({"role": "system", "content": text_of(system, "system")})
+            messages.append(chat_message("system", system, "system"))
         for index, message in enumerate(raw):
             messages += _messages(index, message)
         prefill = ""
@@ -65,11 +68,11 @@ class AnthropicMessages(Wire):
             if messages[-1].get("tool_calls"):
                 raise WireError("messages: a prefilled assistant turn holds text only.")
             prefill = messages.pop()["content"]
-        tools = _tools(body)
+        tools, forced = _tools(body)
         return ChatRequest(
             messages=messages,
             tools=tools or None,
-            forced_tool=_forced_tool(body.get("tool_choice") or {}, tools),
+            forced_tool=forced,
             prefill=prefill,
             max_tokens=body["max_tokens"],
             temperature=number(body, "temperature"),
@@ -133,7 +136,7 @@ class AnthropicMessages(Wire):
 def _messages(index: int, message) -> list[dict]:
     """One request message as chat-template messages: a `tool` message per tool result, then the
     user's text and images (if any) or the assistant's text and tool calls."""
-    role = message.get("role") if isinstance(message, dict) else None
+    role = field_of(message, "role")
     if role not in ("user", "assistant"):
         raise WireError(f"messages.{index}.role: must be user or assistant.")
     where = f"messages.{index}.content"
@@ -142,56 +145,41 @@ def _messages(index: int, message) -> list[dict]:
         blocks = [{"type": "text", "text": blocks}]
     if not isinstance(blocks, list):
         raise WireError(f"{where}: must be a string or a list of blocks.")
-    text = []
+    # text and image blocks, as the content of the message
+    parts = []
     thinking = []
     calls = []
-    parts = []
     results = []
     for block in blocks:
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
-            text.append(block.get("text", ""))
+        kind = field_of(block, "type")
+        if kind == "text" or (kind == "image" and role == "user"):
             parts.append(block)
         elif kind == "thinking" and role == "assistant":
             thinking.append(text_of(block.get("thinking"), where))
-        elif kind == "image" and role == "user":
-            parts.append(block)
         elif kind == "tool_use" and role == "assistant":
-            calls.append(_tool_use(block, where))
+            arguments = block.get("input") or {}
+            calls.append(tool_call(block.get("id", ""), block.get("name", ""), arguments, where))
         elif kind == "tool_result" and role == "user":
-            results.append(_tool_result(block, index))
+            answered = block.get("tool_use_id", "")
+            result = tool_message(block.get("content"), answered, f"messages.{index}.tool_result")
+            results.append(result)
         else:
             raise WireError(f"{where}: block type {kind!r} is not supported for role {role}.")
     if role == "assistant":
-        assistant = {"role": "assistant", "content": "".join(text)}
+        assistant = chat_message(role, parts, where)
         if thinking:
             assistant["reasoning_content"] = "".join(thinking)
         if calls:
             assistant["tool_calls"] = calls
-        return results + [assistant]
+        return [assistant]
     if parts:
-        return results + [{"role": "user", "content": user_content(parts, where)}]
+        return results + [chat_message(role, parts, where)]
     return results
 
 
-def _tool_use(block: dict, where: str) -> dict:
-    return {
-        "id": str(block.get("id", "")),
-        "name": str(block.get("name", "")),
-        "arguments": tool_arguments(block.get("input") or {}, where),
-    }
-
-
-def _tool_result(block: dict, index: int) -> dict:
-    return {
-        "role": "tool",
-        "content": text_of(block.get("content"), f"messages.{index}.tool_result"),
-        "tool_call_id": str(block.get("tool_use_id", "")),
-    }
-
-
-def _tools(body: dict) -> list[dict]:
-    """The request's tools as the chat template's function tools (none for tool_choice none)."""
+def _tools(body: dict) -> tuple[list[dict], str | None]:
+    """The request's tools as the chat template's function tools (none for tool_choice none), and
+    the call tool_choice forces: None (auto, none), "" (any) or the named tool."""
     tools = [
         {
             "type": "function",
@@ -206,39 +194,35 @@ def _tools(body: dict) -> list[dict]:
     choice = body.get("tool_choice") or {}
     if not isinstance(choice, dict):
         raise WireError('tool_choice: must be an object such as {"type": "auto"}.')
-    if choice.get("type", "auto") not in ("auto", "none", "any", "tool"):
+    kind = choice.get("type", "auto")
+    if kind not in ("auto", "none", "any", "tool"):
         raise WireError("tool_choice: type must be auto, none, any or tool.")
-    if choice.get("type") == "none":
-        return []
-    return tools
-
-
-def _forced_tool(choice: dict, tools: list[dict]) -> str | None:
-    """tool_choice as a forced call: None (auto, none), "" (any) or the named tool."""
-    if choice.get("type", "auto") in ("auto", "none"):
-        return None
+    if kind == "none":
+        return [], None
+    if kind == "auto":
+        return tools, None
     if not tools:
         raise WireError("tool_choice: forcing a tool call needs the tools it may call.")
-    if choice["type"] == "any":
-        return ""
-    return forced_tool(choice.get("name"), tools, "tool_choice.name")
+    if kind == "any":
+        return tools, ""
+    return tools, forced_tool(choice.get("name"), tools, "tool_choice.name")
 
 
 def _block_events(index: int, block: dict, pieces: dict[str, list[str]]) -> Iterator[bytes]:
     """A content block's start, its deltas (the reasoning or text as generated, or the tool input
     whole), and its stop."""
-    if block["type"] in STREAMED:
-        field, delta = STREAMED[block["type"]]
-        opened = dict(block, **{block["type"]: ""})
-        yield _event("content_block_start", {"index": index, "content_block": opened})
-        for piece in pieces[field]:
-            streamed = {"type": delta, block["type"]: piece}
-            yield _event("content_block_delta", {"index": index, "delta": streamed})
+    kind = block["type"]
+    if kind in STREAMED:
+        field, delta = STREAMED[kind]
+        opened = dict(block, **{kind: ""})
+        # drawn as the pieces are: a live reply's content goes out as it is sampled
+        deltas = ({"type": delta, kind: piece} for piece in pieces[field])
     else:
         opened = dict(block, input={})
-        yield _event("content_block_start", {"index": index, "content_block": opened})
-        json_delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-        yield _event("content_block_delta", {"index": index, "delta": json_delta})
+        deltas = [{"type": "input_json_delta", "partial_json": json.dumps(block["input"])}]
+    yield _event("content_block_start", {"index": index, "content_block": opened})
+    for streamed in deltas:
+        yield _event("content_block_delta", {"index": index, "delta": streamed})
     yield _event("content_block_stop", {"index": index})
 
 

@@ -124,6 +124,39 @@ def forced_tool(name, tools: list[dict] | None, where: str) -> str:
     return name
 
 
+def openai_forced_tool(choice, tools: list[dict] | None, name_of) -> str | None:
+    """OpenAI's tool_choice as a forced call: None (absent, auto, none), "" (required) or the
+    function a {"type": "function", ...} choice names (`name_of(choice)`: each OpenAI wire names it
+    in its own place)."""
+    if choice in (None, "auto", "none"):
+        return None
+    if not tools:
+        raise WireError("tool_choice forces a tool call: give the tools it may call.")
+    if choice == "required":
+        return ""
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return forced_tool(name_of(choice), tools, "tool_choice")
+    raise WireError('tool_choice must be auto, none, required or {"type": "function", ...}.')
+
+
+def chat_message(role: str, content, where: str) -> dict:
+    """A message of text in the chat template's form: a user's may hold images too, and a
+    developer message is a system one."""
+    read = text_of
+    if role == "user":
+        read = user_content
+    if role == "developer":
+        role = "system"
+    return {"role": role, "content": read(content, where)}
+
+
+def field_of(value, key: str, default=None):
+    """A JSON object's field (`default` where it has none); None when `value` is no object."""
+    if not isinstance(value, dict):
+        return None
+    return value.get(key, default)
+
+
 def text_of(content, where: str) -> str:
     """A message's text content: a string, or a list of text parts joined."""
     if content is None:
@@ -166,7 +199,7 @@ def user_content(content, where: str):
         return text_of(content, where)
     parts = []
     for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
+        kind = field_of(part, "type")
         if kind == "text":
             parts.append({"type": "text", "text": str(part.get("text", ""))})
         elif kind == "image_url":
@@ -219,6 +252,16 @@ def tool_arguments(value, where: str) -> dict:
     return value
 
 
+def tool_message(content, call_id, where: str) -> dict:
+    """A tool's result, answering the call `call_id`, in the chat template's form."""
+    return {"role": "tool", "content": text_of(content, where), "tool_call_id": str(call_id)}
+
+
+def tool_call(call_id, name, arguments, where: str) -> dict:
+    """A tool call in the chat template's form."""
+    return {"id": str(call_id), "name": str(name), "arguments": tool_arguments(arguments, where)}
+
+
 def refuse_unsupported(body: dict, fields: set[str], no_ops: dict) -> None:
     """Refuse a body holding a field the wire lists neither in `fields` nor in `no_ops`, or a field
     of `no_ops` at a value that changes something here: `no_ops` maps it to (whether a value
@@ -244,8 +287,10 @@ def is_zero(value) -> bool:
     return not isinstance(value, bool) and value == 0
 
 
-def is_text(value) -> bool:
-    return isinstance(value, str)
+# (whether a value changes nothing, the values accepted) of no-op fields several wires have: any
+# string (a hint the policy's template does not read), any boolean (the provider's bookkeeping)
+ANY_STRING = (lambda value: isinstance(value, str), "a string")
+ANY_BOOLEAN = (lambda value: isinstance(value, bool), "true or false")
 
 
 def refuse_top_p(body: dict) -> None:

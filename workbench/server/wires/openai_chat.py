@@ -6,21 +6,23 @@ import time
 from collections.abc import Iterator
 
 from workbench.server.wires.base import (
+    ANY_BOOLEAN,
+    ANY_STRING,
     ChatReply,
     ChatRequest,
     Wire,
     WireError,
-    forced_tool,
-    is_text,
+    chat_message,
+    field_of,
     is_zero,
     number,
     objects,
+    openai_forced_tool,
     refuse_top_p,
     refuse_unsupported,
     strings,
     text_of,
-    tool_arguments,
-    user_content,
+    tool_call,
 )
 
 # fields accepted at the values that change nothing: (whether a value does, the values accepted);
@@ -30,10 +32,10 @@ NO_OPS = {
     "presence_penalty": (is_zero, "0"),
     "top_logprobs": (is_zero, "0 (the engine returns the sampled token's log-prob only)"),
     "response_format": (lambda value: value == {"type": "text"}, '{"type": "text"}'),
-    "store": (lambda value: isinstance(value, bool), "true or false"),
-    "reasoning_effort": (is_text, "a string"),
-    "verbosity": (is_text, "a string"),
-    "service_tier": (is_text, "a string"),
+    "store": ANY_BOOLEAN,
+    "reasoning_effort": ANY_STRING,
+    "verbosity": ANY_STRING,
+    "service_tier": ANY_STRING,
 }
 FIELDS = {
     *"model messages max_tokens max_completion_tokens temperature top_p stop n stream".split(),
@@ -64,7 +66,12 @@ class OpenAIChat(Wire):
         tools = None
         if body.get("tool_choice") != "none":
             tools = objects(body.get("tools"), "tools")
-        forced = _forced_tool(body.get("tool_choice", "auto"), tools)
+        # a named function: {"type": "function", "function": {"name": ...}}
+        forced = openai_forced_tool(
+            body.get("tool_choice"),
+            tools,
+            lambda choice: (choice.get("function") or {}).get("name"),
+        )
         stream_options = body.get("stream_options") or {}
         if not isinstance(stream_options, dict):
             raise WireError("'stream_options' must be an object.")
@@ -114,7 +121,9 @@ class OpenAIChat(Wire):
             for piece in reply.pieces[name]:
                 yield _delta(reply, {DELTA_KEYS[name]: piece})
         if reply.tool_calls:
-            yield _delta(reply, {"tool_calls": _tool_calls(reply, with_index=True)})
+            # numbered in a streamed delta
+            calls = [{"index": index, **call} for index, call in enumerate(_tool_calls(reply))]
+            yield _delta(reply, {"tool_calls": calls})
         finish = {"index": 0, "delta": {}, "finish_reason": _finish_reason(reply)}
         if request.logprobs:
             # every sampled token's log-prob, with the last chunk (pieces are not tokens)
@@ -125,71 +134,47 @@ class OpenAIChat(Wire):
         yield b"data: [DONE]\n\n"
 
 
-def _forced_tool(choice, tools: list[dict]) -> str | None:
-    """tool_choice as a forced call: None (auto, none), "" (required) or the named function."""
-    if choice in ("auto", "none"):
-        return None
-    if not tools:
-        raise WireError("tool_choice forces a tool call: give the tools it may call.")
-    if choice == "required":
-        return ""
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        return forced_tool((choice.get("function") or {}).get("name"), tools, "tool_choice")
-    raise WireError('tool_choice must be auto, none, required or {"type": "function", ...}.')
-
-
 def _message(index: int, message) -> dict:
     """One request message in the chat template's form (a developer message is a system one)."""
-    role = message.get("role") if isinstance(message, dict) else None
+    role = field_of(message, "role")
     if role not in ROLES:
         raise WireError(
             f"messages[{index}].role must be system, developer, user, assistant or tool."
         )
-    read = text_of
-    if role == "user":
-        read = user_content
-    entry = {"role": role, "content": read(message.get("content"), f"messages[{index}]")}
-    if role == "developer":
-        entry["role"] = "system"
+    where = f"messages[{index}]"
+    entry = chat_message(role, message.get("content"), where)
     # the policy's reasoning, for a template that renders it
     if role == "assistant" and message.get("reasoning_content"):
-        entry["reasoning_content"] = text_of(message["reasoning_content"], f"messages[{index}]")
+        entry["reasoning_content"] = text_of(message["reasoning_content"], where)
     if role == "assistant" and message.get("tool_calls"):
-        entry["tool_calls"] = _decode_tool_calls(index, message["tool_calls"])
+        entry["tool_calls"] = _decode_tool_calls(where, message["tool_calls"])
     if role == "tool":
         entry["tool_call_id"] = str(message.get("tool_call_id", ""))
     return entry
 
 
-def _decode_tool_calls(index: int, tool_calls) -> list[dict]:
+def _decode_tool_calls(where: str, tool_calls) -> list[dict]:
     """An assistant message's function calls, their JSON arguments parsed."""
-    where = f"messages[{index}]"
     try:
         return [
-            {
-                "id": str(call["id"]),
-                "name": str(call["function"]["name"]),
-                "arguments": tool_arguments(
-                    json.loads(call["function"]["arguments"] or "{}"), where
-                ),
-            }
+            tool_call(
+                call["id"],
+                call["function"]["name"],
+                json.loads(call["function"]["arguments"] or "{}"),
+                where,
+            )
             for call in tool_calls
         ]
     except (KeyError, TypeError, ValueError, RecursionError):
-        raise WireError(
-            f"messages[{index}].tool_calls must be function calls with JSON arguments."
-        ) from None
+        raise WireError(f"{where}.tool_calls must be function calls with JSON arguments.") from None
 
 
-def _tool_calls(reply: ChatReply, with_index: bool = False) -> list[dict]:
-    """The reply's tool calls as OpenAI function calls (numbered in a streamed delta)."""
+def _tool_calls(reply: ChatReply) -> list[dict]:
+    """The reply's tool calls as OpenAI function calls."""
     calls = []
-    for index, call in enumerate(reply.tool_calls):
+    for call in reply.tool_calls:
         function = {"name": call["name"], "arguments": json.dumps(call["arguments"])}
-        encoded = {"id": call["id"], "type": "function", "function": function}
-        if with_index:
-            encoded = {"index": index, **encoded}
-        calls.append(encoded)
+        calls.append({"id": call["id"], "type": "function", "function": function})
     return calls
 
 

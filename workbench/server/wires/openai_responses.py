@@ -16,20 +16,23 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from workbench.server.wires.base import (
+    ANY_BOOLEAN,
+    ANY_STRING,
     ChatReply,
     ChatRequest,
     Wire,
     WireError,
-    forced_tool,
-    is_text,
+    chat_message,
+    field_of,
     is_zero,
     number,
     objects,
+    openai_forced_tool,
     refuse_top_p,
     refuse_unsupported,
     text_of,
-    tool_arguments,
-    user_content,
+    tool_call,
+    tool_message,
 )
 
 
@@ -45,7 +48,7 @@ def _plain_text(value) -> bool:
 # fields accepted at the values that change nothing: (whether a value does, the values accepted);
 # reasoning effort, service tier and the cache key are hints the policy's template does not read
 NO_OPS = {
-    "store": (lambda value: isinstance(value, bool), "true or false"),
+    "store": ANY_BOOLEAN,
     "truncation": (lambda value: value == "disabled", '"disabled"'),
     # a reasoning item this server returns holds its text: nothing is encrypted
     "include": (
@@ -58,8 +61,8 @@ NO_OPS = {
         '{"effort": ...}',
     ),
     "top_logprobs": (is_zero, "0"),
-    "service_tier": (is_text, "a string"),
-    "prompt_cache_key": (is_text, "a string"),
+    "service_tier": ANY_STRING,
+    "prompt_cache_key": ANY_STRING,
 }
 FIELDS = {
     *"model input instructions max_output_tokens temperature top_p stream".split(),
@@ -83,14 +86,14 @@ class ResponsesRequest(ChatRequest):
         """This request with the conversation its previous response ended before its input."""
         if self.previous_response_id is None:
             return self
-        history = conversations.get(self.previous_response_id.removeprefix("resp_"))
-        if history is None:
+        earlier = conversations.get(self.previous_response_id.removeprefix("resp_"))
+        if earlier is None:
             raise WireError(
                 f"Unknown previous_response_id {self.previous_response_id!r}: only a response "
                 f"of this session can be continued."
             )
-        given = self.messages[len(self.instructions) :]
-        return replace(self, messages=self.instructions + history + given)
+        given = self.history(self.messages)
+        return replace(self, messages=self.instructions + earlier + given)
 
     def history(self, messages: list[dict]) -> list[dict]:
         """What a later response continues: the conversation `messages` without the
@@ -113,8 +116,7 @@ class OpenAIResponses(Wire):
             raise WireError("'previous_response_id' must be a string.")
         instructions = []
         if body.get("instructions"):
-            system = text_of(body["instructions"], "instructions")
-            instructions = [{"role": "system", "content": system}]
+            instructions = [chat_message("system", body["instructions"], "instructions")]
         items = body.get("input")
         if isinstance(items, str):
             items = [{"role": "user", "content": items}]
@@ -133,7 +135,10 @@ class OpenAIResponses(Wire):
             temperature=number(body, "temperature"),
             stop=[],
             stream=bool(body.get("stream")),
-            forced_tool=_forced_tool(body.get("tool_choice"), tools),
+            # a named function: {"type": "function", "name": ...}
+            forced_tool=openai_forced_tool(
+                body.get("tool_choice"), tools, lambda choice: choice.get("name")
+            ),
             instructions=instructions,
             previous_response_id=previous,
         )
@@ -250,9 +255,7 @@ def _messages(items: list) -> list[dict]:
     reasoning = ""
     for index, item in enumerate(items):
         where = f"input[{index}]"
-        kind = None
-        if isinstance(item, dict):
-            kind = item.get("type", "message")
+        kind = field_of(item, "type", "message")
         if kind == "message":
             messages.append(_message(item, where))
         elif kind == "function_call":
@@ -261,9 +264,8 @@ def _messages(items: list) -> list[dict]:
                 messages.append({"role": "assistant", "content": ""})
             messages[-1].setdefault("tool_calls", []).append(_call(item, where))
         elif kind == "function_call_output":
-            content = text_of(_parts(item.get("output"), where), where)
-            call_id = str(item.get("call_id", ""))
-            messages.append({"role": "tool", "content": content, "tool_call_id": call_id})
+            output = _parts(item.get("output"), where)
+            messages.append(tool_message(output, item.get("call_id", ""), where))
         elif kind == "reasoning":
             reasoning += text_of(_parts(item.get("content"), where), where)
             continue
@@ -283,12 +285,7 @@ def _message(item: dict, where: str) -> dict:
     role = item.get("role")
     if role not in ROLES:
         raise WireError(f"{where}.role must be user, assistant, system or developer.")
-    content = _parts(item.get("content"), where)
-    if role == "user":
-        return {"role": "user", "content": user_content(content, where)}
-    if role == "developer":
-        role = "system"
-    return {"role": role, "content": text_of(content, where)}
+    return chat_message(role, _parts(item.get("content"), where), where)
 
 
 def _parts(content, where: str):
@@ -300,9 +297,7 @@ def _parts(content, where: str):
 
 def _part(part, where: str) -> dict:
     """A content part in the form the shared decoders read (text, or an inline image)."""
-    kind = None
-    if isinstance(part, dict):
-        kind = part.get("type")
+    kind = field_of(part, "type")
     if kind in ("input_text", "output_text", "reasoning_text"):
         return {"type": "text", "text": str(part.get("text", ""))}
     if kind == "input_image":
@@ -319,11 +314,7 @@ def _call(item: dict, where: str) -> dict:
         arguments = json.loads(item.get("arguments") or "{}")
     except (TypeError, ValueError, RecursionError):
         raise WireError(f"{where}: arguments must be a JSON object as a string.") from None
-    return {
-        "id": str(item.get("call_id", "")),
-        "name": str(item.get("name", "")),
-        "arguments": tool_arguments(arguments, where),
-    }
+    return tool_call(item.get("call_id", ""), item.get("name", ""), arguments, where)
 
 
 def _tools(body: dict) -> list[dict] | None:
@@ -348,16 +339,3 @@ def _tools(body: dict) -> list[dict] | None:
     if body.get("tool_choice") == "none":
         return None
     return tools or None
-
-
-def _forced_tool(choice, tools: list[dict] | None) -> str | None:
-    """tool_choice as a forced call: None (auto, none), "" (required) or the named function."""
-    if choice in (None, "auto", "none"):
-        return None
-    if not tools:
-        raise WireError("tool_choice forces a tool call: give the tools it may call.")
-    if choice == "required":
-        return ""
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        return forced_tool(choice.get("name"), tools, "tool_choice")
-    raise WireError('tool_choice must be auto, none, required or {"type": "function", ...}.')
