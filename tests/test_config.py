@@ -47,7 +47,7 @@ def test_group_options_select_presets():
         ("trainer.async_depth=2", "gate.level=token, seq or geo"),
         ("rollout.partial=true", "gate.level=token, seq or geo"),
         ("gate.level=token", "engine.top_p=1"),
-        ("gate.level=geo gate.mode=clip", "gate.mode=mask"),
+        ("gate.level=geo gate.mode=clip", "unset gate.mode"),
         ("gate.band=[2.0,0.5]", "gate.band"),
         ("trainer.timeout_s=0", "trainer.timeout_s"),
         ("algo.turn_discount=0.9", "set algo.advantage=turn or algo.turn_discount=1"),

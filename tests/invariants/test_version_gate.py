@@ -329,9 +329,13 @@ TOKEN_MASK = [[1, 1, 1], [1, 1, 0]]
 
 
 def test_denominator_all_keeps_the_input_mask_and_kept_keeps_only_surviving_tokens():
-    for_all = gate(TOKEN_RATIOS, TOKEN_MASK, level="token", band=BAND, denominator="all")
+    for_all = gate(
+        TOKEN_RATIOS, TOKEN_MASK, level="token", mode="mask", band=BAND, denominator="all"
+    )
     assert for_all.loss_mask.tolist() == [[True, True, True], [True, True, False]]
-    for_kept = gate(TOKEN_RATIOS, TOKEN_MASK, level="token", band=BAND, denominator="kept")
+    for_kept = gate(
+        TOKEN_RATIOS, TOKEN_MASK, level="token", mode="mask", band=BAND, denominator="kept"
+    )
     assert for_kept.loss_mask.tolist() == [[True, False, True], [False, True, False]]
     # the denominator changes no weight
     assert torch.equal(for_all.token_weight, for_kept.token_weight)
@@ -350,7 +354,9 @@ def test_token_mean_loss_divides_by_all_sampled_tokens_or_by_kept_tokens():
     advantages = torch.tensor([2.0, -1.0])
     expected = {"all": -0.8, "kept": -4 / 3}
     for denominator, value in expected.items():
-        result = gate(TOKEN_RATIOS, TOKEN_MASK, level="token", band=BAND, denominator=denominator)
+        result = gate(
+            TOKEN_RATIOS, TOKEN_MASK, level="token", mode="mask", band=BAND, denominator=denominator
+        )
         loss, _ = policy_gradient_loss(
             logprob, logprob, advantages, result.loss_mask, is_weight=result.token_weight
         )

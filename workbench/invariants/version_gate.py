@@ -64,7 +64,7 @@ def version_gate(
     behavior_version: Tensor,
     learner_version: int,
     level: str = "off",
-    mode: str = "mask",
+    mode: str = "trunc",
     band: tuple[float, float] = (0.5, 2.0),
     max_staleness: int | None = None,
     token_cap: float | None = None,
