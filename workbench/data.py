@@ -47,20 +47,20 @@ class Prompts:
     def next_jobs(self, workers: int) -> list[list[Job]]:
         """This step's jobs, split into one list per worker (a group never straddles two
         workers)."""
-        groups = []
-        for _ in range(self.per_step):
+        jobs = [[] for _ in range(workers)]
+        for index in range(self.per_step):
             if self.cursor == len(self.order):
                 self.order = self.rng.sample(range(len(self.samples)), len(self.samples))
                 self.cursor = 0
             sample = self.samples[self.order[self.cursor]]
             self.cursor += 1
             rollout_ids = range(self.next_rollout, self.next_rollout + self.group_size)
-            groups.append([Job(sample, self.next_group, rollout_id) for rollout_id in rollout_ids])
+            # the groups go round the workers
+            jobs[index % workers] += [
+                Job(sample, self.next_group, rollout_id) for rollout_id in rollout_ids
+            ]
             self.next_group += 1
             self.next_rollout += self.group_size
-        jobs = []
-        for worker in range(workers):
-            jobs.append([job for group in groups[worker::workers] for job in group])
         return jobs
 
     def state(self) -> dict:

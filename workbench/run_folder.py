@@ -27,20 +27,13 @@ def new_run_id() -> str:
 
 def code_version() -> str:
     """The commit the code runs at (`-dirty` when tracked files differ from it), else unknown."""
+    # the short commit hash, never a tag's name (5 s at most)
+    command = ["git", "describe", "--always", "--dirty", "--exclude=*"]
     try:
-        sha = _git("rev-parse", "--short", "HEAD")
-        dirty = _git("status", "--porcelain", "--untracked-files=no")
+        run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    if dirty:
-        sha += "-dirty"
-    return sha or "unknown"
-
-
-def _git(*args: str) -> str:
-    """What a git command run in the repository prints (5 s at most)."""
-    run = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
-    return run.stdout.strip()
+    return run.stdout.strip() or "unknown"
 
 
 def start_run(cfg) -> tuple[Path, dict]:

@@ -70,7 +70,8 @@ def to_wire(state_dict: dict) -> dict:
     import torch
 
     layout = []
-    pieces = []
+    # torch.cat refuses an empty list
+    pieces = [torch.zeros(0, dtype=torch.uint8)]
     offset = 0
     for name, tensor in state_dict.items():
         flat = tensor.detach().cpu().reshape(-1).view(torch.uint8)
@@ -78,10 +79,7 @@ def to_wire(state_dict: dict) -> dict:
         pieces += [flat, torch.zeros(pad, dtype=torch.uint8)]
         layout.append((name, tensor.dtype, tuple(tensor.shape), offset, flat.numel()))
         offset += flat.numel() + pad
-    raw = np.zeros(0, np.uint8)
-    if pieces:
-        raw = torch.cat(pieces).numpy()
-    return {"raw": raw, "layout": layout}
+    return {"raw": torch.cat(pieces).numpy(), "layout": layout}
 
 
 def from_wire(wire: dict) -> dict:
@@ -90,8 +88,7 @@ def from_wire(wire: dict) -> dict:
 
     state_dict = {}
     # Ray hands out read-only arrays; the engines only read (copy) them
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
+    with warnings.catch_warnings(action="ignore", category=UserWarning):
         for name, dtype, shape, offset, size in wire["layout"]:
             # each tensor on its own storage over its bytes: pickling one (vLLM's RPC) then sends
             # its bytes, not the whole buffer (frombuffer refuses an empty one)

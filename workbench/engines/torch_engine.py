@@ -55,14 +55,6 @@ def nucleus(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.log_softmax(truncated, dim=-1)
 
 
-def uniform_noise(shape, generator, row_generators: list) -> torch.Tensor:
-    """One sampling step's uniform draws: from the call's generator, or row by row from each
-    row's own."""
-    if not row_generators:
-        return torch.rand(shape, generator=generator)
-    return torch.stack([torch.rand(shape[-1:], generator=row) for row in row_generators])
-
-
 class TorchEngine:
     # seconds spent generating, all calls (bench/step_cost.py: model compute vs overhead)
     compute_s = 0.0
@@ -147,13 +139,12 @@ class TorchEngine:
         # server request) starts at OMP_NUM_THREADS or every core, not at set_threads' choice (with
         # passive waits, two threads on the tiny policy's matmuls took 1.9x as long as one)
         torch.set_num_threads(torch.get_num_threads())
-        self._enter()
-        start = time.perf_counter()
-        try:
-            return self._generate(prompts, params, images, listener)
-        finally:
-            self.compute_s += time.perf_counter() - start
-            self._leave()
+        with self.hold():
+            start = time.perf_counter()
+            try:
+                return self._generate(prompts, params, images, listener)
+            finally:
+                self.compute_s += time.perf_counter() - start
 
     def _generate(self, prompts, params: SamplingParams, images, listener) -> list[Generation]:
         if not self.moe:
@@ -164,13 +155,11 @@ class TorchEngine:
         # [batch, seq, layers, k]
         prefill = forwards[0].reshape(len(prompts), longest, *forwards[0].shape[1:])
         for row, (prompt, generation) in enumerate(zip(prompts, generations, strict=True)):
-            routes = [prefill[row, longest - len(prompt) :]]
             # token j of the reply is fed (and routed) by forward j + 1; the last sampled token
             # never is
-            fed = [forwards[j + 1][row] for j in range(len(generation.token_ids) - 1)]
-            if fed:
-                routes.append(np.stack(fed))
-            routes.append(np.full((1, *prefill.shape[2:]), -1, dtype=np.int16))
+            fed = [forwards[j][row][None] for j in range(1, len(generation.token_ids))]
+            unfed = np.full((1, *prefill.shape[2:]), -1, dtype=np.int16)
+            routes = [prefill[row, longest - len(prompt) :], *fed, unfed]
             generation.extras["routed_experts"] = np.concatenate(routes)
         return generations
 
@@ -180,24 +169,21 @@ class TorchEngine:
         longest = max(len(p) for p in prompts)
         # a group's samples share their prompt: prefill each distinct prompt once (text-only, dense
         # policies); the rollout passes each prompt's (empty) image list
-        text_only = not any(images or [])
-        if text_only and not self.moe:
+        distinct = prompts
+        if not any(images or []) and not self.moe:
             distinct, copy_of = unique_rows(prompts)
-        else:
-            distinct = prompts
-            copy_of = np.arange(batch)
         # [distinct, seq]
         input_ids = torch.full((len(distinct), longest), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros((len(distinct), longest), dtype=torch.long)
         for row, prompt in enumerate(distinct):
-            input_ids[row, longest - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
+            input_ids[row, longest - len(prompt) :] = torch.as_tensor(prompt)
             attention[row, longest - len(prompt) :] = 1
         inputs = forward_inputs(self.model, input_ids, attention, images, self.codec)
         generator = self.generator
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
         row_generators = [torch.Generator().manual_seed(seed) for seed in params.row_seeds]
-        stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long)
+        stop = torch.tensor(params.stop_token_ids, dtype=torch.long)
 
         out = self.model(**inputs, use_cache=True, logits_to_keep=1)
         cache = output_cache(out)
@@ -223,8 +209,13 @@ class TorchEngine:
             logits = logits.float()  # [batch, vocab]
             if params.temperature > 0:
                 dist = nucleus(torch.log_softmax(logits / params.temperature, dim=-1), params.top_p)
-                # Gumbel-max: an exact draw, far cheaper than multinomial
-                noise = uniform_noise(dist.shape, generator, row_generators)
+                # Gumbel-max: an exact draw, far cheaper than multinomial; the uniform draws come
+                # from the call's generator, or row by row from each row's own
+                if row_generators:
+                    draws = [torch.rand(dist.shape[-1:], generator=row) for row in row_generators]
+                    noise = torch.stack(draws)
+                else:
+                    noise = torch.rand(dist.shape, generator=generator)
                 token = (dist - (-noise.log()).log()).argmax(-1)
             else:
                 dist = torch.log_softmax(logits, dim=-1)
@@ -244,7 +235,8 @@ class TorchEngine:
                 with self._lock:
                     self._swap()
             forward_version = self.version
-            attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long)], dim=-1)
+            # one more position every row sees
+            attention = torch.nn.functional.pad(attention, (0, 1), value=1)
             positions = positions[..., -1:] + 1
             out = self.model(
                 input_ids=token[:, None],
@@ -255,23 +247,17 @@ class TorchEngine:
             )
             logits = out.logits[:, -1]
 
-        tokens = torch.stack(sampled, dim=1).numpy()  # [batch, new]
-        token_logprobs = torch.stack(logprobs, dim=1).numpy()
+        tokens = torch.stack(sampled, dim=1).int().numpy()  # [batch, new]
+        token_logprobs = torch.stack(logprobs, dim=1).numpy()  # [batch, new], float32
         stopped = np.isin(tokens, stop.numpy())  # [batch, new]
-        results = []
-        for row in range(batch):
-            hits = np.flatnonzero(stopped[row])
-            end = tokens.shape[1]
-            finish_reason = "length"
-            if len(hits):
-                end = int(hits[0]) + 1
-                finish_reason = "stop"
-            results.append(
-                Generation(
-                    tokens[row, :end].astype(np.int32),
-                    token_logprobs[row, :end].astype(np.float32),
-                    np.asarray(versions[:end], dtype=np.int32),
-                    finish_reason,
-                )
+        # a row ends with its first stop token, else after the last step
+        ends = np.where(stopped.any(1), stopped.argmax(1) + 1, tokens.shape[1])
+        return [
+            Generation(
+                tokens[row, :end],
+                token_logprobs[row, :end],
+                np.asarray(versions[:end], dtype=np.int32),
+                "stop" if stopped[row].any() else "length",
             )
-        return results
+            for row, end in enumerate(ends)
+        ]

@@ -46,21 +46,17 @@ def capture_routes(model):
     expert ids."""
     routers = find_routers(model)
     per_forward = []
-    current = {}
+    # this forward's [tokens, top_k] expert ids so far, one per MoE layer (they run in layer order)
+    layers = []
 
-    def hook(index):
-        def record(module, inputs, output):
-            current[index] = output[2].detach().to(torch.int16)
-            # the last MoE layer of this forward
-            if len(current) == len(routers):
-                per_forward.append(
-                    torch.stack([current[i] for i in range(len(routers))], dim=1).numpy()
-                )
-                current.clear()
+    def record(module, inputs, output):
+        layers.append(output[2].detach().to(torch.int16))
+        # the last MoE layer of this forward
+        if len(layers) == len(routers):
+            per_forward.append(torch.stack(layers, dim=1).numpy())
+            layers.clear()
 
-        return record
-
-    with _hooked(routers, hook):
+    with _hooked(routers, lambda layer: record):
         yield per_forward
 
 
@@ -88,7 +84,7 @@ def replay_routes(model, routed_experts: torch.Tensor, enabled: bool = True):
             # [tokens, experts], [tokens, k], [tokens, k]
             logits, live_weights, live = output
             recorded = (
-                routed_experts[:, :, layer, :].reshape(-1, live.shape[-1]).to(live.device).long()
+                routed_experts[:, :, layer].reshape(-1, live.shape[-1]).to(live.device).long()
             )
             known = (recorded >= 0).all(-1)  # [tokens]
             same = (live.sort(-1).values == recorded.sort(-1).values).all(-1)

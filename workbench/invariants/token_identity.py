@@ -62,7 +62,7 @@ class SegmentTokens:
 
     def identity_holds(self) -> bool:
         """Audit: the mask-1 ids are exactly the engine's sampled ids, in order."""
-        sampled = np.asarray(self.token_ids, dtype=np.int64)[np.asarray(self.loss_mask, dtype=bool)]
+        sampled = np.asarray(self.token_ids)[np.asarray(self.loss_mask, dtype=bool)]
         returned = np.concatenate([np.zeros(0, np.int64), *self.sampled_turns])
         return np.array_equal(sampled, returned)
 
@@ -99,14 +99,12 @@ def retokenize_drift(tokenizer, token_ids: list[int]) -> bool:
 
     Measured, never acted on. Through the fast tokenizer's Rust backend when there is one:
     the same round trip, a quarter of the cost."""
+    ids = list(token_ids)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        return tokenizer(tokenizer.decode(token_ids), add_special_tokens=False)[
-            "input_ids"
-        ] != list(token_ids)
-    return backend.encode(
-        backend.decode(list(token_ids), skip_special_tokens=False), add_special_tokens=False
-    ).ids != list(token_ids)
+        return tokenizer(tokenizer.decode(ids), add_special_tokens=False)["input_ids"] != ids
+    text = backend.decode(ids, skip_special_tokens=False)
+    return backend.encode(text, add_special_tokens=False).ids != ids
 
 
 def reply_text(tokenizer, token_ids, finish_reason: str) -> str:
@@ -201,10 +199,10 @@ class TokenAccumulator:
                 f"for {len(token_ids)} sampled tokens."
             )
         start = len(self.open.token_ids)
-        versions = np.broadcast_to(np.asarray(versions, dtype=np.int32), (len(token_ids),))
+        versions = np.broadcast_to(versions, len(token_ids))
         self.open.extend(token_ids, logprobs, versions)
         self.open.turn_spans.append((start, len(self.open.token_ids)))
-        self.open.sampled_turns.append(np.asarray(token_ids, dtype=np.int64).copy())
+        self.open.sampled_turns.append(np.array(token_ids, dtype=np.int64))
         # a sampled turn, and the stop string it was cut at: what its echo may carry
         self.stops[len(self.messages)] = stop_sequence
         # the rollout's experts for every position of this forward

@@ -25,8 +25,8 @@ def peft_config(lora):
     )
 
 
-def with_adapter(model, lora, seed: int = 0):
-    """`model` with a fresh adapter of `model.lora` (seeded: every process builds the same one),
+def with_adapter(model, lora):
+    """`model` with a fresh adapter of `model.lora` (seed 0: every process builds the same one),
     or as it is when LoRA is off or the model came with its adapter (a checkpoint's folder)."""
     import peft
     import torch
@@ -34,7 +34,7 @@ def with_adapter(model, lora, seed: int = 0):
     if not lora.rank or getattr(model, "_hf_peft_config_loaded", False):
         return model
     with torch.random.fork_rng():
-        torch.manual_seed(seed)
+        torch.manual_seed(0)
         return peft.get_peft_model(model, peft_config(lora))
 
 

@@ -82,11 +82,8 @@ class ImageCodec:
         return out
 
     def pixels(self, images: list[bytes]) -> dict[str, torch.Tensor]:
-        processed = [self._cached(image) for image in images]
-        return {
-            "pixel_values": torch.cat([p for p, _ in processed]),
-            "image_grid_thw": torch.stack([g for _, g in processed]),
-        }
+        pixel_values, grids = zip(*map(self._cached, images), strict=True)
+        return {"pixel_values": torch.cat(pixel_values), "image_grid_thw": torch.stack(grids)}
 
 
 def forward_inputs(

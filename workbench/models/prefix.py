@@ -27,12 +27,10 @@ class Plan:
     group_of: np.ndarray
 
 
-def plan(
-    token_ids: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor, min_saved: float = 0.25
-) -> Plan | None:
+def plan(token_ids: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor) -> Plan | None:
     """Each group's longest common prefix (leaving every row at least one token of its own; a group
     of one row shares with itself); None when a group shares no token, or when sharing would save
-    under `min_saved` of the batch's tokens."""
+    under a quarter of the batch's tokens."""
     ids = token_ids.numpy()
     lengths = lengths.numpy()
     groups, group_of = np.unique(group_ids.numpy(), return_inverse=True)
@@ -43,7 +41,7 @@ def plan(
         same = (ids[rows, :limit] == ids[rows[0], :limit]).all(0)
         prefix_len[g] = limit if same.all() else int(np.argmin(same))
     saved = int(prefix_len[group_of].sum() - prefix_len.sum())
-    if prefix_len.min() <= 0 or saved < min_saved * lengths.sum():
+    if prefix_len.min() <= 0 or saved < 0.25 * lengths.sum():
         return None
     return Plan(prefix_len, group_of)
 
@@ -80,7 +78,7 @@ def shared_prefix_logprobs(
         )
     options = (temperature, entropy, entropy_grad)
     if not packed:
-        return _cached(model, token_ids, lengths, plan, *options)
+        return _cached(model, token_ids, lengths, prefix_len, group_of, own, *options)
     return _packed(model, token_ids, lengths, group_of, own, member, width, *options)
 
 
@@ -137,12 +135,12 @@ def _packed(
         return logprob, torch.cat([first, logits_entropy(logits, normaliser)[source]], dim=1)
 
 
-def _cached(model, token_ids, lengths, plan, temperature, entropy, entropy_grad):
+def _cached(
+    model, token_ids, lengths, prefix_len, group_of, own, temperature, entropy, entropy_grad
+):
     """The prefixes in one forward (KV cache kept, with gradient), every row's own tokens in a
     second on it."""
-    prefix_len = torch.from_numpy(plan.prefix_len)
-    group_of = torch.from_numpy(plan.group_of)
-    first_rows = torch.from_numpy(np.unique(plan.group_of, return_index=True)[1])
+    first_rows = torch.from_numpy(np.unique(group_of.numpy(), return_index=True)[1])
     longest = int(prefix_len.max())
     # [groups, prefix], right-padded
     prefix_mask = (torch.arange(longest)[None] < prefix_len[:, None]).long()
@@ -156,7 +154,6 @@ def _cached(model, token_ids, lengths, plan, temperature, entropy, entropy_grad)
     cache = output_cache(out)
     # each row reads its group's prefix keys and values
     cache.batch_select_indices(group_of)
-    own = prefix_len[group_of]  # [batch]
     steps = torch.arange(int((lengths - own).max()))[None]  # [1, suffix]
     suffix_mask = (steps < (lengths - own)[:, None]).long()  # [batch, suffix]
     suffix_ids = (

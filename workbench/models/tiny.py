@@ -223,7 +223,7 @@ def build_model(spec: dict, tokenizer):
     fields = {
         k: v
         for k, v in spec.items()
-        if k not in ("family", "vocab_size", "seed", "template", "vision", "image_pixels")
+        if k not in ("family", "seed", "template", "vision", "image_pixels")
     }
     fields.update(
         vocab_size=len(tokenizer),
