@@ -291,6 +291,7 @@ def compare(
     """Runs side by side: swept values, final and best reward, kept fraction, KL, stale fraction,
     tokens/s, wall time."""
     from workbench.store.compare import COLUMNS, compare_rows, plot
+    from workbench.store.query import cell
 
     with user_errors():
         swept, rows = compare_rows(selection, root)
@@ -304,7 +305,7 @@ def compare(
     else:
         table = Table(*columns)
         for row in rows:
-            table.add_row(*(_cell(row[c]) for c in columns))
+            table.add_row(*(cell(row[c]) for c in columns))
         console().print(table)
     if plot_path:
         try:
@@ -312,15 +313,6 @@ def compare(
         except ImportError:
             fail("compare --plot needs matplotlib: pip install 'molt-wb[plot]'.")
         typer.echo(f"wrote {plot_path}", err=True)
-
-
-def _cell(value) -> str:
-    """A table cell: - for no value, a float to 4 significant digits."""
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
 
 
 @app.command("eval", context_settings=OVERRIDES)

@@ -39,7 +39,7 @@ class StepClock:
         return dict(metrics, **perf)
 
 
-class Task:
+class Task(contextlib.AbstractContextManager):
     """Progress of one long piece of work (a model build, a warm start, the RL steps): a rich bar
     with time left on a terminal, one line per `interval_s` when piped, nothing when off."""
 
@@ -78,9 +78,6 @@ class Task:
     def close(self) -> None:
         if self.bar:
             self.bar.stop()
-
-    def __enter__(self) -> "Task":
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

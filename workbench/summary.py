@@ -5,7 +5,7 @@ curve, the three invariants' figures and where the time went, read back from the
 import time
 from collections import defaultdict
 
-from workbench.store.query import open_run, resolve_run, run_row
+from workbench.store.query import REWARD_CURVE, open_run, resolve_run, run_row
 
 SPARKS = "▁▂▃▄▅▆▇█"
 # the first and last steps the reward rise is read over
@@ -24,9 +24,7 @@ def figures(run_id: str, root: str = "runs") -> dict:
     # a run stopped before its first step has no metrics yet
     if (folder / "metrics").is_dir():
         db = open_run(folder.name, root)
-        rewards = db.execute(
-            "select step, value from metrics where key = 'reward/mean' order by step"
-        ).fetchall()
+        rewards = db.execute(REWARD_CURVE).fetchall()
         for key, total, mean in db.execute(
             "select key, sum(value), avg(value) from metrics group by key"
         ).fetchall():
@@ -51,7 +49,6 @@ def sparkline(values: list[float], width: int = 50) -> str:
 def render(numbers: dict, root: str = "runs") -> str:
     """The summary as lines of text."""
     run = numbers["run"]
-    steps = [step for step, _ in numbers["rewards"]]
     rewards = [reward for _, reward in numbers["rewards"]]
     sums = numbers["sums"]
     means = numbers["means"]
@@ -62,11 +59,12 @@ def render(numbers: dict, root: str = "runs") -> str:
     ]
     if rewards:
         edge = max(1, min(EDGE, len(rewards) // 2))
-        best = max(range(len(rewards)), key=rewards.__getitem__)
+        # max keeps the earliest of equal rewards
+        best_step, best = max(numbers["rewards"], key=lambda point: point[1])
         lines.append(
             f"reward     {sparkline(rewards)}  first {edge} steps {sum(rewards[:edge]) / edge:.3f}"
-            f" -> last {edge} {sum(rewards[-edge:]) / edge:.3f}, best {rewards[best]:.3f} "
-            f"(step {steps[best]})"
+            f" -> last {edge} {sum(rewards[-edge:]) / edge:.3f}, best {best:.3f} "
+            f"(step {best_step})"
         )
     lines += [
         f"identity   {sums['identity/violations']:.0f} violations, "

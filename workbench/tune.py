@@ -27,8 +27,8 @@ from optuna.trial import TrialState
 
 from workbench import run_folder
 from workbench.config import ConfigError, compose_config
-from workbench.store import open_run
 from workbench.store.compare import compare_rows
+from workbench.store.query import REWARD_CURVE, open_run
 
 SUFFIX = ".optuna.db"
 # what a trial maximises, from its `molt-wb compare` row
@@ -37,7 +37,6 @@ METRICS = {
     "final": lambda row: row["final_reward"],
     "per_second": lambda row: row["final_reward"] / row["wall_s"],
 }
-CURVE = "select step, value from metrics where key = 'reward/mean' order by step"
 # seconds between reads of a trial's reward curve
 POLL_S = 1.0
 # the pruner sees each step's `reward/mean` averaged over this many steps up to it: one step's
@@ -101,16 +100,18 @@ def run_study(line: list[str], trials: int, metric: str, startup: int, warmup: i
 class Tuner:
     """An Optuna study in `<run.root>/<sweep id>.optuna.db` and the runs of its trials."""
 
-    def __init__(self, path: str, settings: dict | None = None):
+    def __init__(self, path: str | Path, settings: dict | None = None):
         """Open the study in the file `path`: new with `settings` (line, metric, startup, warmup),
         else the one there with its own."""
         self.path = Path(path)
         self.root = str(self.path.parent)
         self.name = self.path.name.removesuffix(SUFFIX)
         storage = f"sqlite:///{path}"
-        if settings is None and not self.path.is_file():
-            raise ConfigError(f"No study {path}: give the .optuna.db file `molt-wb tune` printed.")
         if settings is None:
+            if not self.path.is_file():
+                raise ConfigError(
+                    f"No study {path}: give the .optuna.db file `molt-wb tune` printed."
+                )
             settings = optuna.load_study(study_name=self.name, storage=storage).user_attrs
         self.settings = settings
         self.fixed, self.space = search_space(settings["line"])
@@ -146,7 +147,7 @@ class Tuner:
         name = datetime.datetime.now().strftime("tune-%Y%m%d-%H%M%S-") + os.urandom(2).hex()
         Path(cfg.run.root).mkdir(parents=True, exist_ok=True)
         settings = dict(line=line, metric=metric, startup=startup, warmup=warmup)
-        return cls(os.path.join(cfg.run.root, name + SUFFIX), settings)
+        return cls(Path(cfg.run.root, name + SUFFIX), settings)
 
     def run_trial(self) -> optuna.trial.FrozenTrial:
         """Sample a point, train its run to the end or until the pruner stops it; its trial."""
@@ -159,9 +160,9 @@ class Tuner:
         except ConfigError as error:
             print(f"trial {trial.number} refused: {error}", file=sys.stderr)
             return self.study.tell(trial, state=TrialState.FAIL)
-        OmegaConf.update(cfg, "run.id", run_folder.new_run_id())
-        OmegaConf.update(cfg, "run.swept", swept, merge=False)
-        OmegaConf.update(cfg, "run.progress", False)
+        cfg.run.id = run_folder.new_run_id()
+        cfg.run.swept = swept
+        cfg.run.progress = False
         trial.set_user_attr("run_id", cfg.run.id)
         child = multiprocessing.get_context("spawn").Process(target=_train, args=(cfg,))
         child.start()
@@ -182,7 +183,7 @@ class Tuner:
             curve = []
             # the store's reader sees the shards flushed so far
             if any(Path(self.root, run_id).glob("metrics/*.parquet")):
-                curve = open_run(run_id, self.root).execute(CURVE).fetchall()
+                curve = open_run(run_id, self.root).execute(REWARD_CURVE).fetchall()
             for index in range(reported, len(curve)):
                 window = [reward for _, reward in curve[max(0, index + 1 - SMOOTH) : index + 1]]
                 trial.report(sum(window) / len(window), curve[index][0])

@@ -2,11 +2,9 @@
 store."""
 
 import time
-from pathlib import Path
+from collections import defaultdict
 
-import duckdb
-
-from workbench.store.query import list_runs, resolve_run, run_row
+from workbench.store.query import REWARD_CURVE, list_runs, open_run, resolve_run, run_row
 
 COLUMNS = (
     "run_id",
@@ -23,32 +21,41 @@ COLUMNS = (
     "distill_kl",
     "wall_s",
 )
+# a run's figures under COLUMNS, from final_reward to distill_kl, read from its metrics
+FIGURES = """
+    select arg_max(value, step) filter (where key = 'reward/mean'),
+           max(value) filter (where key = 'reward/mean'),
+           avg(value) filter (where key = 'gate/kept_frac'),
+           1 - avg(value) filter (where key = 'gate/is_filter_ratio'),
+           avg(value) filter (where key = 'mismatch/kl'),
+           avg(value) filter (where key = 'gate/stale_frac'),
+           avg(value) filter (where key = 'perf/tokens_per_s'),
+           arg_max(value, step) filter (where key = 'eval/reward'),
+           arg_min(value, step) filter (where key = 'distill/kl'),
+           arg_max(value, step) filter (where key = 'distill/kl')
+    from metrics"""
 
 
 def sweeps(root: str = "runs") -> list[dict]:
     """One row per sweep id: runs, finished, failed, swept keys, created (newest first)."""
-    table = {}
+    by_sweep = defaultdict(list)
     for row in list_runs(root):
         if row.get("sweep_id"):
-            entry = table.setdefault(
-                row["sweep_id"],
-                {
-                    "sweep_id": row["sweep_id"],
-                    "runs": 0,
-                    "finished": 0,
-                    "failed": 0,
-                    "swept": set(),
-                    "created": row.get("created", 0),
-                },
-            )
-            entry["runs"] += 1
-            entry["finished"] += row.get("status") == "finished"
-            entry["failed"] += row.get("status") == "failed"
-            entry["swept"] |= set(row.get("swept") or {})
-            entry["created"] = min(entry["created"], row.get("created", 0))
-    return sorted(
-        ({**e, "swept": sorted(e["swept"])} for e in table.values()), key=lambda e: -e["created"]
-    )
+            by_sweep[row["sweep_id"]].append(row)
+    table = []
+    for sweep_id, runs in by_sweep.items():
+        statuses = [run.get("status") for run in runs]
+        table.append(
+            {
+                "sweep_id": sweep_id,
+                "runs": len(runs),
+                "finished": statuses.count("finished"),
+                "failed": statuses.count("failed"),
+                "swept": sorted({key for run in runs for key in run.get("swept") or {}}),
+                "created": min(run.get("created", 0) for run in runs),
+            }
+        )
+    return sorted(table, key=lambda entry: -entry["created"])
 
 
 def compare_rows(selection: list[str], root: str = "runs") -> tuple[list[str], list[dict]]:
@@ -57,27 +64,14 @@ def compare_rows(selection: list[str], root: str = "runs") -> tuple[list[str], l
     runs = [r for r in list_runs(root) if len(selection) == 1 and r.get("sweep_id") == selection[0]]
     if not runs:
         runs = [run_row(resolve_run(run_id, root)) for run_id in selection]
-    db = duckdb.connect()
     swept = sorted({key for run in runs for key in (run.get("swept") or {})})
     rows = []
     for run in sorted(runs, key=lambda r: r.get("created", 0)):
-        metrics = Path(root, run["run_id"], "metrics").resolve()
-        stats = db.execute(f"""
-            select arg_max(value, step) filter (where key = 'reward/mean'),
-                   max(value) filter (where key = 'reward/mean'),
-                   avg(value) filter (where key = 'gate/kept_frac'),
-                   1 - avg(value) filter (where key = 'gate/is_filter_ratio'),
-                   avg(value) filter (where key = 'mismatch/kl'),
-                   avg(value) filter (where key = 'gate/stale_frac'),
-                   avg(value) filter (where key = 'perf/tokens_per_s'),
-                   arg_max(value, step) filter (where key = 'eval/reward'),
-                   arg_min(value, step) filter (where key = 'distill/kl'),
-                   arg_max(value, step) filter (where key = 'distill/kl')
-            from read_parquet('{metrics}/*.parquet')""").fetchone()
+        figures = open_run(run["run_id"], root).execute(FIGURES).fetchone()
         wall = run.get("updated", time.time()) - run.get("created", 0)
         rows.append(
             dict(
-                zip(COLUMNS, (run["run_id"], run.get("status"), *stats, wall), strict=True),
+                zip(COLUMNS, (run["run_id"], run.get("status"), *figures, wall), strict=True),
                 **{key: (run.get("swept") or {}).get(key) for key in swept},
             )
         )
@@ -93,18 +87,14 @@ def plot(rows: list[dict], swept: list[str], root: str, path: str):
     import matplotlib.pyplot as plt
 
     figure, (curves, tradeoff) = plt.subplots(1, 2, figsize=(11, 4.2))
-    db = duckdb.connect()
     for row in rows:
-        metrics = Path(root, row["run_id"], "metrics").resolve()
-        points = db.execute(
-            f"select step, value from read_parquet('{metrics}/*.parquet') "
-            "where key = 'reward/mean' order by step"
-        ).fetchall()
+        curve = open_run(row["run_id"], root).execute(REWARD_CURVE).fetchnumpy()
         label = ", ".join(f"{k}={row[k]}" for k in swept) or row["run_id"]
-        curves.plot([p[0] for p in points], [p[1] for p in points], label=label)
+        curves.plot(curve["step"], curve["value"], label=label)
         kept = row["kept_token_frac"] if row["kept_token_frac"] is not None else 1.0
-        tradeoff.scatter(kept, row["final_reward"] or 0.0)
-        tradeoff.annotate(label, (kept, row["final_reward"] or 0.0), fontsize=7)
+        final = row["final_reward"] or 0.0
+        tradeoff.scatter(kept, final)
+        tradeoff.annotate(label, (kept, final), fontsize=7)
     curves.set(xlabel="step", ylabel="reward/mean", title="reward")
     curves.legend(fontsize=7)
     tradeoff.set(

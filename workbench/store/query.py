@@ -10,6 +10,8 @@ from pathlib import Path
 from workbench.store.schema import TABLES
 from workbench.store.writer import write_json_atomic
 
+# a run's (step, reward/mean) pairs, in order
+REWARD_CURVE = "select step, value from metrics where key = 'reward/mean' order by step"
 NO_RECOVERIES = (
     "SELECT NULL::VARCHAR AS died, NULL::BIGINT AS steps_done, NULL::VARCHAR AS checkpoint, "
     "NULL::DOUBLE AS time WHERE false"
@@ -19,6 +21,16 @@ NO_RECOVERIES = (
 def run_row(run_dir) -> dict:
     """The `runs` row of a run folder: its run.json."""
     return json.loads(Path(run_dir, "run.json").read_text())
+
+
+def cell(value, missing: str = "-") -> str:
+    """A value as a table shows it (`molt-wb compare`, `molt-wb inspect`): a float to 4 significant
+    digits, `missing` for none."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if value is None:
+        return missing
+    return str(value)
 
 
 RUN_COLUMNS = ("id", "recipe", "status", "steps", "reward", "created", "sweep")
@@ -38,9 +50,10 @@ def run_cells(row: dict, created_format: str) -> list[str]:
     ]
 
 
-def list_runs(root: str = "runs") -> list[dict]:
+def list_runs(root: str = "runs", mark_crashed: bool = True) -> list[dict]:
     """The `runs` rows of every run under `root`, newest first. A run still marked `running` whose
-    process (on this host) is gone was killed without a chance to say so: it is marked `crashed`."""
+    process (on this host) is gone was killed without a chance to say so: it is marked `crashed`,
+    unless `mark_crashed` is false (a reader that rewrites nothing: the TUI)."""
     rows = []
     for path in Path(root).glob("*/run.json"):
         try:
@@ -49,7 +62,8 @@ def list_runs(root: str = "runs") -> list[dict]:
             # a folder that is not (yet) a run
             continue
         if (
-            row.get("status") == "running"
+            mark_crashed
+            and row.get("status") == "running"
             and row.get("host") == socket.gethostname()
             and not _alive(row.get("pid"))
         ):

@@ -14,12 +14,26 @@ from workbench.segment import image_name
 
 # every table's rows carry the run and the training step they belong to
 ROW_KEY = {"run_id": pa.string(), "step": pa.int32()}
+# a segment's rows also carry its key: (step, rollout_id, segment_idx)
+SEGMENT_KEY = {**ROW_KEY, "rollout_id": pa.int64(), "segment_idx": pa.int32()}
+# the Segment attributes stored as they are: one column each of `segments`
+SEGMENT_ATTRIBUTES = (
+    "rollout_id",
+    "segment_idx",
+    "group_id",
+    "reward",
+    "num_sampled",
+    "finish_reason",
+    "seal_reason",
+    "turn_spans",
+    "turn_rewards",
+)
+# the Segment arrays stored as they are: one column each of `tokens`, concatenated
+TOKEN_ATTRIBUTES = ("loss_mask", "behavior_logprob", "behavior_version")
 
 SEGMENTS = pa.schema(
     {
-        **ROW_KEY,
-        "rollout_id": pa.int64(),
-        "segment_idx": pa.int32(),
+        **SEGMENT_KEY,
         "group_id": pa.int64(),
         "reward": pa.float64(),
         "advantage": pa.float32(),
@@ -43,9 +57,7 @@ SEGMENTS = pa.schema(
 
 TOKENS = pa.schema(
     {
-        **ROW_KEY,
-        "rollout_id": pa.int64(),
-        "segment_idx": pa.int32(),
+        **SEGMENT_KEY,
         "position": pa.int32(),
         "token_id": pa.int32(),
         "loss_mask": pa.uint8(),
@@ -73,9 +85,7 @@ METRICS = pa.schema(
 
 GATE_DECISIONS = pa.schema(
     {
-        **ROW_KEY,
-        "rollout_id": pa.int64(),
-        "segment_idx": pa.int32(),
+        **SEGMENT_KEY,
         "learner_version": pa.int32(),
         "min_version": pa.int32(),
         "max_version": pa.int32(),
@@ -106,9 +116,7 @@ REQUESTS = pa.schema(
 
 ROUTING = pa.schema(
     {
-        **ROW_KEY,
-        "rollout_id": pa.int64(),
-        "segment_idx": pa.int32(),
+        **SEGMENT_KEY,
         "layer": pa.int32(),
         "tokens": pa.int32(),
         "mismatched": pa.int32(),
@@ -174,23 +182,15 @@ def step_tables(
 
     lengths = np.array([len(s.token_ids) for s in segments], dtype=np.int64)
     versions = [s.version_range() for s in segments]
-    segment_rows = {
+    segment_rows = {name: each(name) for name in SEGMENT_ATTRIBUTES}
+    segment_rows |= {
         "run_id": [run_id] * len(segments),
         "step": [step] * len(segments),
-        "rollout_id": each("rollout_id"),
-        "segment_idx": each("segment_idx"),
-        "group_id": each("group_id"),
-        "reward": each("reward"),
         "advantage": train["advantage"],
-        "num_tokens": lengths.tolist(),
-        "num_sampled": each("num_sampled"),
+        "num_tokens": lengths,
         "min_version": [v[0] for v in versions],
         "max_version": [v[1] for v in versions],
         "learner_version": [learner_version] * len(segments),
-        "finish_reason": each("finish_reason"),
-        "seal_reason": each("seal_reason"),
-        "turn_spans": [list(map(list, s.turn_spans)) for s in segments],
-        "turn_rewards": each("turn_rewards"),
         "prompt_text": [s.display.get("prompt", "") for s in segments],
         "response_text": [s.display.get("response", "") for s in segments],
         # files under images/
@@ -199,25 +199,24 @@ def step_tables(
     }
     total = int(lengths.sum())
     turns = np.concatenate(each("turns"))
-    token_rows = {
+    # pa.table casts each column to the schema's type; integers are cast here, where numpy is faster
+    token_rows = {name: np.concatenate(each(name)) for name in TOKEN_ATTRIBUTES}
+    token_rows |= {
         "run_id": pa.repeat(pa.scalar(run_id), total),
         "step": np.full(total, step, dtype=np.int32),
-        "rollout_id": np.repeat(each("rollout_id"), lengths).astype(np.int64),
+        "rollout_id": np.repeat(each("rollout_id"), lengths),
         "segment_idx": np.repeat(each("segment_idx"), lengths).astype(np.int32),
         "position": np.concatenate([np.arange(n, dtype=np.int32) for n in lengths]),
         "token_id": np.concatenate(each("token_ids")),
-        "loss_mask": np.concatenate(each("loss_mask")),
-        "behavior_logprob": np.concatenate(each("behavior_logprob")),
-        "train_logprob": np.concatenate(train["train_logprob"]).astype(np.float32),
-        "behavior_version": np.concatenate(each("behavior_version")),
-        "is_weight": np.concatenate(train["is_weight"]).astype(np.float32),
-        "advantage": np.repeat(np.asarray(train["advantage"], dtype=np.float32), lengths),
+        "train_logprob": np.concatenate(train["train_logprob"]),
+        "is_weight": np.concatenate(train["is_weight"]),
+        "advantage": np.repeat(train["advantage"], lengths),
         "entropy": pa.nulls(total, pa.float32()),
         "turn": pa.array(turns, mask=turns < 0),
     }
     for name in ("entropy", "token_advantage"):
         if train.get(name) is not None:
-            token_rows[name.removeprefix("token_")] = np.concatenate(train[name]).astype(np.float32)
+            token_rows[name.removeprefix("token_")] = np.concatenate(train[name])
     # no learner (molt-wb serve): no gate decisions
     gate_rows = dict.fromkeys(GATE_DECISIONS.names, [])
     gate = train.get("gate")

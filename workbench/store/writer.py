@@ -45,9 +45,8 @@ class RunWriter:
             if self.next_shard[name] == 0:
                 self._write_shard(name, schema.empty_table())
         self.last_flush = time.monotonic()
-        self.run_row = dict(run_row, updated=time.time())
-        self.row_pending = False
-        write_json_atomic(self.run_dir / "run.json", self.run_row)
+        self.run_row = dict(run_row)
+        self.update_run()
 
     def append(self, table: str, rows: pa.Table) -> None:
         rows = rows.cast(TABLES[table])
@@ -64,17 +63,13 @@ class RunWriter:
 
         threading.Thread(target=run, daemon=True, name="flush-timer").start()
 
-    def buffered_rows(self) -> int:
-        return sum(t.num_rows for tables in self.buffers.values() for t in tables)
-
-    def maybe_flush(self) -> bool:
+    def maybe_flush(self) -> None:
+        """Flush when rows are buffered and `flush_seconds` have passed or `flush_rows` are in."""
         with self.lock:
             due = time.monotonic() - self.last_flush >= self.flush_seconds
-            rows = self.buffered_rows()
+            rows = sum(table.num_rows for tables in self.buffers.values() for table in tables)
             if rows and (due or rows >= self.flush_rows):
                 self.flush()
-                return True
-            return False
 
     def flush(self) -> None:
         with self.lock:

@@ -31,11 +31,6 @@ def flatten(config: Mapping, prefix: str = "") -> dict[str, object]:
     return flat
 
 
-def chunks(items: list, size: int):
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
-
-
 class MlflowSink:
     def __init__(self, mlflow_config, run_dir: str, run_id: str, config: dict, group: str | None):
         runs_root = os.path.dirname(os.path.abspath(run_dir))
@@ -64,8 +59,8 @@ class MlflowSink:
             Param(key[: limits.MAX_ENTITY_KEY_LENGTH], str(value)[: limits.MAX_PARAM_VAL_LENGTH])
             for key, value in flatten(config).items()
         ]
-        for batch in chunks(params, limits.MAX_PARAMS_TAGS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=batch)
+        # log_batch splits what it is given into batches of mlflow's sizes
+        self.client.log_batch(self.run_id, params=params)
 
     def _parent(self, experiment_id: str, group: str) -> str:
         found = self.client.search_runs(
@@ -80,8 +75,7 @@ class MlflowSink:
     def log(self, metrics: dict[str, float], step: int) -> None:
         timestamp_ms = int(time.time() * 1000)
         entries = [Metric(key, float(value), timestamp_ms, step) for key, value in metrics.items()]
-        for batch in chunks(entries, limits.MAX_METRICS_PER_BATCH):
-            self.client.log_batch(self.run_id, metrics=batch)
+        self.client.log_batch(self.run_id, metrics=entries)
 
     def close(self, status: str = "finished") -> None:
         self.client.set_terminated(self.run_id, status=RUN_STATUSES[status])

@@ -5,11 +5,9 @@ A backend's sink (wandb_sink.py, mlflow_sink.py) maps each status to its own run
 
 from typing import Protocol
 
-STATUSES = ("finished", "failed", "interrupted")
-
 
 class Sink(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
     def close(self, status: str = "finished") -> None:
-        """End the run; `status` is one of STATUSES."""
+        """End the run; `status` is one of finished, failed, interrupted."""

@@ -5,7 +5,6 @@ Nothing here loads a whole table: the segments, gate and request tables come a p
 """
 
 import functools
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -13,7 +12,8 @@ from pathlib import Path
 
 import duckdb
 
-from workbench.store.query import resolve_run
+from workbench.models.tiny import tiny_model_path
+from workbench.store.query import resolve_run, run_row
 from workbench.store.schema import TABLES
 
 PAGE = 200
@@ -39,23 +39,8 @@ SEGMENT_COLUMNS = (
     "mismatched",
     "images",
 )
-SORT_KEYS = {
-    **{c: c for c in SEGMENT_COLUMNS},
-    "versions": "s.max_version",
-    "images": "len(s.images)",
-}
-
-
-def read_runs(root: str) -> list[dict]:
-    """Every run.json under `root`, newest first (read only: unlike list_runs, nothing is
-    rewritten)."""
-    rows = []
-    for path in Path(root).glob("*/run.json"):
-        try:
-            rows.append(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError):
-            continue
-    return sorted(rows, key=lambda row: row.get("created", 0), reverse=True)
+# a segments column sorts by its own value, but these
+SORT_EXPRESSIONS = {"versions": "s.max_version", "images": "len(s.images)"}
 
 
 @dataclass
@@ -87,8 +72,8 @@ class Filter:
 
 
 class RunData:
-    """A run's tables as DuckDB views (`segments`, `tokens`, ...); an empty table until its first
-    shard lands."""
+    """A run's tables as DuckDB views (`segments`, `tokens`, ...), each with every column of its
+    schema: an empty table until its first shard lands, null in a column older shards lack."""
 
     def __init__(self, run_id: str, root: str = "runs"):
         self.folder = resolve_run(run_id, root).resolve()
@@ -101,41 +86,39 @@ class RunData:
     def refresh(self) -> bool:
         """Re-read run.json and (re)create views for tables whose first shard appeared; True if
         anything changed."""
-        self.run = json.loads((self.folder / "run.json").read_text())
-        state = (
-            self.run.get("status"),
-            self.run.get("steps_done"),
-            *(len(list((self.folder / t).glob("*.parquet"))) for t in TABLES),
-        )
+        self.run = run_row(self.folder)
+        shards = {name: len(list((self.folder / name).glob("*.parquet"))) for name in TABLES}
+        state = (self.run.get("status"), self.run.get("steps_done"), *shards.values())
         changed = state != getattr(self, "state", None)
         self.state = state
         for name, schema in TABLES.items():
             if name in self._present:
                 continue
-            if any((self.folder / name).glob("*.parquet")):
-                self.db.execute(
-                    f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM "
+            self.db.register(f"_{name}", schema.empty_table())
+            source = f"_{name}"
+            if shards[name]:
+                source += (
+                    " UNION ALL BY NAME SELECT * FROM "
                     f"read_parquet('{self.folder / name}/*.parquet', union_by_name = true)"
                 )
                 self._present.add(name)
-            else:
-                self.db.register(f"_{name}", schema.empty_table())
-                self.db.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM _{name}")
+            self.db.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM {source}")
         return changed
 
-    def rows(self, sql: str, *params) -> list[tuple]:
-        return self.db.execute(sql, list(params)).fetchall()
+    def rows(self, sql: str, params=()) -> list[tuple]:
+        """The rows of a query; `params`: its ? values in order, or its $name values by name."""
+        return self.db.execute(sql, params).fetchall()
 
-    def records(self, sql: str, *params) -> list[dict]:
+    def records(self, sql: str, params=()) -> list[dict]:
         """`rows`, each as {column name: value}."""
-        result = self.db.execute(sql, list(params))
+        result = self.db.execute(sql, params)
         names = [d[0] for d in result.description]
         return [dict(zip(names, row, strict=True)) for row in result.fetchall()]
 
     # ---- overview
     def series(self, key: str) -> list[tuple[int, float]]:
         return self.rows(
-            "select step, avg(value) from metrics where key = ? group by step order by step", key
+            "select step, avg(value) from metrics where key = ? group by step order by step", [key]
         )
 
     def headline(self) -> dict:
@@ -172,41 +155,26 @@ class RunData:
         left join (select step, rollout_id, segment_idx, sum(mismatched) as mismatched
                    from routing group by all) r
           using (step, rollout_id, segment_idx)
-        where s.reward between ? and ?
-          and (? = false or g.decision = 'dropped') and (? = false or r.mismatched > 0)
-          and (? = '' or s.prompt_text ilike ? or s.response_text ilike ?)"""
-
-    def _where(self, found: Filter) -> list:
-        like = f"%{found.text}%"
-        return [
-            max(found.reward_min, -1e300),
-            min(found.reward_max, 1e300),
-            found.dropped,
-            found.mismatch,
-            found.text,
-            like,
-            like,
-        ]
+        where s.reward between $reward_min and $reward_max
+          and (not $dropped or g.decision = 'dropped') and (not $mismatch or r.mismatched > 0)
+          and ($text = '' or s.prompt_text ilike '%' || $text || '%'
+               or s.response_text ilike '%' || $text || '%')"""
 
     def segment_count(self, found: Filter) -> int:
-        return self.rows(f"select count(*) from ({self._SEGMENTS})", *self._where(found))[0][0]
+        return self.rows(f"select count(*) from ({self._SEGMENTS})", vars(found))[0][0]
 
-    def segment_page(
-        self, found: Filter, offset: int = 0, sort: str = "step", descending: bool = False
-    ) -> list[tuple]:
-        order = f"{SORT_KEYS.get(sort, 'step')} {'desc' if descending else 'asc'}"
+    def segment_page(self, found: Filter, offset: int, sort: str, descending: bool) -> list[tuple]:
+        order = f"{SORT_EXPRESSIONS.get(sort, sort)} {'desc' if descending else 'asc'}"
         return self.rows(
             f"{self._SEGMENTS} order by {order}, step, rollout_id, segment_idx "
             f"limit {PAGE} offset {int(offset)}",
-            *self._where(found),
+            vars(found),
         )
 
-    def segment(self, step: int, rollout_id: int, segment_idx: int) -> dict:
+    # ---- one segment, by its key (step, rollout_id, segment_idx)
+    def segment(self, key: tuple) -> dict:
         return self.records(
-            "select * from segments where step = ? and rollout_id = ? and segment_idx = ?",
-            step,
-            rollout_id,
-            segment_idx,
+            "select * from segments where step = ? and rollout_id = ? and segment_idx = ?", key
         )[0]
 
     def siblings(self, rollout_id: int) -> list[tuple[int, int]]:
@@ -214,36 +182,25 @@ class RunData:
         return self.rows(
             "select step, segment_idx from segments "
             "where rollout_id = ? order by segment_idx, step",
-            rollout_id,
+            [rollout_id],
         )
 
-    def columns(self, table: str) -> set[str]:
-        """The column names of one table (a run stored by older code may lack some)."""
-        return {d[0] for d in self.db.execute(f"select * from {table} limit 0").description}
-
-    def tokens(self, step: int, rollout_id: int, segment_idx: int) -> list[dict]:
+    def tokens(self, key: tuple) -> list[dict]:
         """One segment's token rows in order, each as {column name: value}."""
-        stored = self.columns("tokens")
-        # null where a run was stored before the column
-        optional = [name if name in stored else f"null as {name}" for name in ("entropy", "turn")]
         return self.records(
             "select position, token_id, loss_mask, behavior_logprob, train_logprob, "
-            f"behavior_version, is_weight, advantage, {', '.join(optional)} "
+            "behavior_version, is_weight, advantage, entropy, turn "
             "from tokens where step = ? and rollout_id = ? and segment_idx = ? order by position",
-            step,
-            rollout_id,
-            segment_idx,
+            key,
         )
 
-    def routing(self, step: int, rollout_id: int, segment_idx: int) -> dict[int, dict[int, tuple]]:
+    def routing(self, key: tuple) -> dict[int, dict[int, tuple]]:
         """Layer -> {position: (rollout experts, learner experts)} where the learner's live routing
         disagreed."""
         layers = self.rows(
             "select layer, positions, rollout_experts, learner_experts from routing "
             "where step = ? and rollout_id = ? and segment_idx = ? order by layer",
-            step,
-            rollout_id,
-            segment_idx,
+            key,
         )
         routing = {}
         for layer, positions, rollout, learner in layers:
@@ -252,7 +209,7 @@ class RunData:
         return routing
 
     # ---- other tables
-    def page(self, table: str, offset: int = 0) -> tuple[list[str], list[tuple]]:
+    def page(self, table: str, offset: int) -> tuple[list[str], list[tuple]]:
         order = "step, rollout_id, segment_idx" if table == "gate_decisions" else "time"
         # the traceback: below the table
         exclude = "run_id, traceback" if table == "failed_episodes" else "run_id"
@@ -263,12 +220,11 @@ class RunData:
         return [d[0] for d in result.description], result.fetchall()
 
     def traceback(self, step: int, rollout_id: int) -> str:
-        found = self.rows(
-            "select traceback from failed_episodes where step = ? and rollout_id = ? limit 1",
-            step,
-            rollout_id,
-        )
-        return found[0][0] if found else ""
+        return self.rows(
+            "select coalesce(first(traceback), '') from failed_episodes "
+            "where step = ? and rollout_id = ?",
+            [step, rollout_id],
+        )[0][0]
 
     # ---- token text
     def piece(self, token_id: int) -> str:
@@ -291,13 +247,8 @@ class RunData:
         try:
             from tokenizers import Tokenizer
 
-            if self.model.get("path"):
-                folder = Path(self.model["path"])
-            else:
-                from workbench.models.tiny import tiny_model_path
-
-                folder = tiny_model_path(self.model.get("name", "tiny"))
-            return Tokenizer.from_file(str(folder / "tokenizer.json"))
+            folder = self.model.get("path") or tiny_model_path(self.model.get("name", "tiny"))
+            return Tokenizer.from_file(str(Path(folder, "tokenizer.json")))
         except Exception:
             # a model folder moved or gone: ids are still shown
             return None

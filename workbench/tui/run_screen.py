@@ -22,6 +22,7 @@ from textual.widgets import (
 )
 from textual_plotext import PlotextPlot
 
+from workbench.store.query import cell
 from workbench.tui.data import PAGE, PLOTS, SEGMENT_COLUMNS, Filter, RunData
 from workbench.tui.token_screen import TokenScreen
 
@@ -33,35 +34,25 @@ PAGED_TABS = (
 )
 
 
-def shown(value, missing: str = "") -> str:
-    """A value as a table cell or the headline shows it: floats to 4 significant digits."""
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if value is None:
-        return missing
-    return str(value)
-
-
 def row_cells(table: DataTable, row_key) -> dict:
-    """{column label: cell} of one row of `table`."""
-    labels = [str(column.label) for column in table.columns.values()]
-    return dict(zip(labels, table.get_row(row_key), strict=True))
+    """{column name: cell} of one row of `table`, whose columns are keyed by their names."""
+    return dict(zip(table.columns, table.get_row(row_key), strict=True))
 
 
 class RunScreen(Screen):
     BINDINGS = [
-        Binding("1", "tab('overview')", "Overview"),
-        Binding("2", "tab('segments')", "Segments"),
-        Binding("3", "tab('gate')", "Gate"),
-        Binding("4", "tab('requests')", "Requests"),
-        Binding("5", "tab('failures')", "Failures"),
+        ("1", "tab('overview')", "Overview"),
+        ("2", "tab('segments')", "Segments"),
+        ("3", "tab('gate')", "Gate"),
+        ("4", "tab('requests')", "Requests"),
+        ("5", "tab('failures')", "Failures"),
         Binding("slash", "filter", "Filter", key_display="/"),
-        Binding("d", "toggle('dropped')", "Dropped"),
-        Binding("m", "toggle('mismatch')", "Mismatch"),
-        Binding("o", "next_sort", "Sort"),
+        ("d", "toggle('dropped')", "Dropped"),
+        ("m", "toggle('mismatch')", "Mismatch"),
+        ("o", "next_sort", "Sort"),
         Binding("right_square_bracket", "page(1)", "Page", key_display="]"),
         Binding("left_square_bracket", "page(-1)", show=False),
-        Binding("escape", "back", "Back"),
+        ("escape", "back", "Back"),
     ]
 
     def __init__(self, data: RunData):
@@ -110,7 +101,7 @@ class RunScreen(Screen):
 
     def load(self) -> None:
         self.query_one("#headline", Static).update(
-            "  ".join(f"[b]{k}[/b] {shown(v, '-')}" for k, v in self.data.headline().items())
+            "  ".join(f"[b]{k}[/b] {cell(v)}" for k, v in self.data.headline().items())
         )
         for key in PLOTS:
             plot = self.query_one(f"#plot-{key.replace('/', '-')}", PlotextPlot)
@@ -137,9 +128,10 @@ class RunScreen(Screen):
         offset = self.offsets["segments"]
         rows = self.data.segment_page(self.filter, offset, self.sort, self.descending)
         self.fill(self.query_one("#segments-table", DataTable), None, rows)
-        first = offset + 1 if rows else 0
-        arrow = "↓" if self.descending else "↑"
-        status = f"rows {first}-{offset + len(rows)} of {count} · sort {self.sort} {arrow}"
+        status = (
+            f"rows {offset + bool(rows)}-{offset + len(rows)} of {count} · sort {self.sort} "
+            f"{'↓' if self.descending else '↑'}"
+        )
         if self.filter.dropped:
             status += " · only dropped"
         if self.filter.mismatch:
@@ -159,7 +151,7 @@ class RunScreen(Screen):
         for column in columns or []:
             table.add_column(column, key=column)
         for row in rows:
-            table.add_row(*(shown(value) for value in row))
+            table.add_row(*(cell(value, "") for value in row))
         table.move_cursor(row=cursor)
 
     def action_tab(self, name: str) -> None:

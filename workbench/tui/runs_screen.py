@@ -6,8 +6,8 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input
 
-from workbench.store.query import RUN_COLUMNS, run_cells
-from workbench.tui.data import RunData, read_runs
+from workbench.store.query import RUN_COLUMNS, list_runs, run_cells
+from workbench.tui.data import RunData
 from workbench.tui.run_screen import RunScreen
 
 
@@ -32,7 +32,11 @@ class RunsScreen(Screen):
     def load(self, *_) -> None:
         table = self.query_one(DataTable)
         sweep = self.query_one(Input).value.strip()
-        rows = [r for r in read_runs(self.app.root) if sweep in (r.get("sweep_id") or "")]
+        rows = [
+            row
+            for row in list_runs(self.app.root, mark_crashed=False)
+            if sweep in (row.get("sweep_id") or "")
+        ]
         if rows == getattr(self, "shown", None):
             return
         self.shown = rows

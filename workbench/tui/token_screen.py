@@ -51,10 +51,10 @@ class TokenScreen(Screen):
         Binding("home", "move(-1e9)", show=False),
         Binding("end", "move(1e9)", show=False),
         Binding("full_stop", "next_sampled", "Next sampled", key_display="."),
-        Binding("c", "channel", "Channel"),
-        Binding("n", "segment(1)", "Next seg"),
-        Binding("p", "segment(-1)", "Prev seg"),
-        Binding("escape", "app.pop_screen", "Back"),
+        ("c", "channel", "Channel"),
+        ("n", "segment(1)", "Next seg"),
+        ("p", "segment(-1)", "Prev seg"),
+        ("escape", "app.pop_screen", "Back"),
     ]
 
     def __init__(self, data: RunData, step: int, rollout_id: int, segment_idx: int):
@@ -66,15 +66,16 @@ class TokenScreen(Screen):
             self.version_label = "adapter"
         self.channel = next(iter(CHANNELS))
         self.cursor = 0
-        self.open(step, rollout_id, segment_idx)
+        self.open((step, rollout_id, segment_idx))
 
-    def open(self, step: int, rollout_id: int, segment_idx: int) -> None:
-        self.segment_key = (step, rollout_id, segment_idx)
-        self.segment = self.data.segment(step, rollout_id, segment_idx)
-        routing = self.data.routing(step, rollout_id, segment_idx)
-        self.rollout_segments = self.data.siblings(rollout_id)
+    def open(self, key: tuple) -> None:
+        """Show the segment whose key is (step, rollout_id, segment_idx)."""
+        self.segment_key = key
+        self.segment = self.data.segment(key)
+        routing = self.data.routing(key)
+        self.rollout_segments = self.data.siblings(self.segment["rollout_id"])
         self.route_layers = sorted(routing)
-        self.tokens = self.data.tokens(step, rollout_id, segment_idx)
+        self.tokens = self.data.tokens(key)
         for token in self.tokens:
             token["text"] = self.data.piece(token["token_id"])
             token["staleness"] = self.segment["learner_version"] - token["behavior_version"]
@@ -123,18 +124,12 @@ class TokenScreen(Screen):
         self.sub_title = (
             f"reward {s['reward']:.3g} · seal {s['seal_reason']} · finish {s['finish_reason']}"
         )
-        legend = Text.assemble(
-            ("channel ", "bold"),
-            (self.channel, "bold underline"),
-            "  ",
-            ("prompt/env", "dim"),
-            "  ",
-        )
-        for _, c, label in CHANNELS[self.channel][1]:
-            legend.append(f"■ {label} ", style=c)
+        # rich markup: channel names, labels and image names hold no [
+        legend = f"[b]channel [u]{self.channel}[/u][/b]  [dim]prompt/env[/dim]  "
+        legend += "".join(f"[{c}]■ {label} [/]" for _, c, label in CHANNELS[self.channel][1])
         if s["images"]:
-            legend.append(f"\nimages: {', '.join(s['images'])}", style="italic")
-        self.query_one("#legend", Static).update(legend)
+            legend += f"\n[i]images: {', '.join(s['images'])}[/i]"
+        self.query_one("#legend", Static).update(Text.from_markup(legend))
         text = Text()
         starts = {a for a, _ in s["turn_spans"]}
         ends = {b for _, b in s["turn_spans"]}
@@ -165,8 +160,7 @@ class TokenScreen(Screen):
     def follow(self) -> None:
         """Scroll so the cursor's line is in view (lines as rich wraps them at the pane's width)."""
         scroll = self.query_one("#tokens-scroll", VerticalScroll)
-        width = scroll.scrollable_content_region.width
-        height = scroll.scrollable_content_region.height
+        width, height = scroll.scrollable_content_region.size
         if width > 0 and self.tokens:
             line = len(self.text[: self.cursor_offset + 1].wrap(self.app.console, width)) - 1
             if not scroll.scroll_y <= line < scroll.scroll_y + height:
@@ -177,14 +171,13 @@ class TokenScreen(Screen):
             self.query_one("#side", Static).update("no tokens stored")
             return
         t = self.tokens[self.cursor]
-        sampled = bool(t["loss_mask"])
         lines = [
             f"[b]token[/b] {t['position'] + 1}/{len(self.tokens)}",
             f"id        {t['token_id']}",
             f"text      {t['text']!r}",
             f"kind      {_kind(t)}",
         ]
-        if sampled:
+        if t["loss_mask"]:
             lines += [
                 f"behavior  {t['behavior_logprob']:.4f}",
                 f"train     {t['train_logprob']:.4f}",
@@ -235,7 +228,7 @@ class TokenScreen(Screen):
         index = self.rollout_segments.index((step, segment_idx)) + delta
         if 0 <= index < len(self.rollout_segments):
             step, segment_idx = self.rollout_segments[index]
-            self.open(step, rollout_id, segment_idx)
+            self.open((step, rollout_id, segment_idx))
             self.render_all()
             self.show_images()
 
