@@ -74,7 +74,7 @@ class Prompts:
             "next_rollout": self.next_rollout,
         }
 
-    def restore(self, state: dict) -> None:
+    def restore(self, state: dict):
         self.rng.setstate(state["rng"])
         self.order = list(state["order"])
         self.cursor = state["cursor"]
@@ -82,7 +82,7 @@ class Prompts:
         self.next_rollout = state["next_rollout"]
 
 
-def check_samples(samples: list, plugin, where: str) -> None:
+def check_samples(samples: list, plugin, where: str):
     """Refuse an empty data set, or one whose first row the plugin cannot start an episode on."""
     if not samples:
         raise ConfigError(f"Data set {where} has no samples: give a file with at least one row.")

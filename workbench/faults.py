@@ -127,7 +127,7 @@ def collect(rollout: Rollout, step: int, cfg, store, learner, workers, prompts) 
     )
 
 
-def _failure_rows(error: Exception, worker: int, jobs: list) -> list[dict]:
+def _failure_rows(error: Exception, worker: int, jobs: list):
     """One `failed_episodes` row per job of `worker`, which failed with `error`."""
     import ray
 
@@ -154,7 +154,7 @@ def failure_row(job, worker: int, kind: str, error: str, trace: str) -> dict:
     }
 
 
-def _push_when_back(worker, weights) -> None:
+def _push_when_back(worker, weights):
     """Give a (restarting) worker the current weights, once Ray has it running again (within
     5 minutes)."""
     import ray

@@ -23,7 +23,7 @@ LETTERS = "ABCDEFGH"
 # ---- extraction ----------------------------------------------------------------------------------
 
 
-def _group(text: str, start: int) -> tuple[str, int] | None:
+def _group(text: str, start: int):
     """The content of the brace group opening at text[start] == '{', and the index after it;
     None when no brace opens there or it never closes."""
     if text[start : start + 1] != "{":
@@ -36,7 +36,7 @@ def _group(text: str, start: int) -> tuple[str, int] | None:
     return None
 
 
-def _answer_spans(text: str) -> list[tuple[int, int, str]]:
+def _answer_spans(text: str):
     """Every final-answer span (start, end, content): `<answer>` tags and `\\boxed{}` outside
     them."""
     spans = [(m.start(), m.end(), m.group(1)) for m in ANSWER_TAG.finditer(text)]
@@ -84,7 +84,7 @@ def format_ok(text: str) -> bool:
 # ---- evaluation ----------------------------------------------------------------------------------
 
 
-def _latex(text: str) -> str:
+def _latex(text: str):
     """Rewrite \\frac, \\sqrt and brace groups as bracketed Python-like text, recursively."""
     out = []
     index = 0
@@ -128,7 +128,7 @@ def _latex(text: str) -> str:
     return "".join(out)
 
 
-def _normalise(answer: object) -> str:
+def _normalise(answer: object):
     """Lower-case text with markup, units, degree signs, a leading `x =` and thousands commas
     removed."""
     text = str(answer).strip().strip("$").strip()
@@ -141,7 +141,7 @@ def _normalise(answer: object) -> str:
     return UNITS.sub(" ", text).strip().rstrip(".").strip()
 
 
-def _number(answer: object) -> tuple[float, int | None] | None:
+def _number(answer: object):
     """(value, decimal places written, or None unless a plain decimal) of an answer, or None if
     not a number."""
     text = _normalise(answer)
@@ -205,7 +205,7 @@ def is_equivalent(pred: object, truth: object) -> bool:
     return abs(value - true_value) <= tolerance
 
 
-def _choice(answer: object, choices: list | None) -> object:
+def _choice(answer: object, choices: list | None):
     """A choice letter (`B`, `(B)`, `B.`, `\\text{B}`) mapped to its choice's value; anything else
     unchanged."""
     if not choices:

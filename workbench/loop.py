@@ -13,7 +13,7 @@ def train(cfg) -> str:
     return recovery.supervise(cfg, _run)
 
 
-def _run(cfg) -> str:
+def _run(cfg):
     import ray
 
     prompts = Prompts(cfg)  # bad data fails first

@@ -26,7 +26,7 @@ class StepClock:
         self.mark = self.start
         self.phases = {}
 
-    def lap(self, phase: str) -> None:
+    def lap(self, phase: str):
         now = time.perf_counter()
         self.phases[phase] = now - self.mark
         self.mark = now
@@ -65,7 +65,7 @@ class Task(contextlib.AbstractContextManager):
             self.task = self.bar.add_task(label, total=total, info="")
             self.bar.start()
 
-    def update(self, done: int, info: str = "") -> None:
+    def update(self, done: int, info: str = ""):
         self.done = done
         now = time.monotonic()
         if self.bar:
@@ -75,11 +75,11 @@ class Task(contextlib.AbstractContextManager):
             left = (now - self.start) / max(done, 1) * (self.total - done)
             print(f"{self.label} {done}/{self.total}: {info}  ({left:.0f} s left)", flush=True)
 
-    def close(self) -> None:
+    def close(self):
         if self.bar:
             self.bar.stop()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc):
         self.close()
 
 
@@ -89,7 +89,7 @@ class Progress(Task):
     def __init__(self, cfg):
         super().__init__(cfg.run.id, cfg.trainer.steps, cfg.run.progress)
 
-    def update(self, metrics: dict) -> None:
+    def update(self, metrics: dict):
         info = f"reward {metrics['reward/mean']:.3f}  {metrics['perf/tokens_per_s']:.0f} tok/s"
         super().update(int(metrics["train/version"]), info)
 

@@ -41,7 +41,7 @@ def supervise(cfg, run_once) -> str:
                 cfg.run.resume = True
 
 
-def _record(run_dir: Path, role: str, checkpoint: Path, restart: int, most: int) -> None:
+def _record(run_dir: Path, role: str, checkpoint: Path, restart: int, most: int):
     """The recovery's line on stderr and its entry in run.json (a resume keeps the row's
     entries)."""
     row = run_row(run_dir)

@@ -85,7 +85,7 @@ class RolloutWorker:
         self.engine.load_weights(state_dict, version)
         return version
 
-    def join_weight_group(self, address: tuple, world: int, layout: list, cfg) -> None:
+    def join_weight_group(self, address: tuple, world: int, layout: list, cfg):
         """Join the collective weight transport's group as rank worker_index + 1."""
         from workbench.transport import WeightGroup
 
@@ -151,7 +151,7 @@ class RolloutWorker:
             segments[0].audit["generate_s"] = self.engine.compute_s - generated
         return Batch(segments), list(failures.values())
 
-    def _failed(self, job: Job, kind: str, error: BaseException) -> dict:
+    def _failed(self, job: Job, kind: str, error: BaseException):
         trace = "".join(traceback.format_exception(error))
         return failure_row(job, self.worker_index, kind, f"{type(error).__name__}: {error}", trace)
 
@@ -167,7 +167,7 @@ class RolloutWorker:
             )
         return self._server
 
-    def _chat_rollout(self, jobs: list[Job], failures: dict) -> list[Segment]:
+    def _chat_rollout(self, jobs: list[Job], failures: dict):
         """Every job's ChatAgent runs at once on its own session; requests share engine calls."""
         server = self.server()
         sessions = [server.open_session(job.rollout_id) for job in jobs]
@@ -243,7 +243,7 @@ class RolloutWorker:
                 self.openings.popitem(last=False)
         return env, self.openings[key].fork()
 
-    def _env_rollout(self, jobs: list[Job], failures: dict) -> list[Segment]:
+    def _env_rollout(self, jobs: list[Job], failures: dict):
         envs = {}
         episodes = {}
         # each episode's reward of each turn
@@ -299,7 +299,7 @@ class RolloutWorker:
                 )
         return segments
 
-    def _seeded(self, jobs: list[Job], turn: int) -> SamplingParams:
+    def _seeded(self, jobs: list[Job], turn: int):
         """The sampling settings of one engine call, seeded by the batch (its first episode id)
         and turn: a run samples the same whichever order its queued batches reach the worker, and
         after a resume."""
@@ -317,7 +317,7 @@ class RolloutWorker:
         finish_reason: str,
         info: dict | None = None,
         turn_rewards: list[float] | None = None,
-    ) -> list[Segment]:
+    ):
         """Segment records of one episode, each audited: are its sampled ids intact, and would
         its text round-trip? `turn_rewards`: one per sampled turn; None: `reward` at the last."""
         turns = sum(len(piece.turn_spans) for piece in pieces)
@@ -358,7 +358,7 @@ def opening_messages(env, sample: dict) -> list[dict]:
     return system + [{"role": "user", "content": env.reset(sample)}]
 
 
-def _episode_error(result, call: str) -> BaseException:
+def _episode_error(result, call: str):
     """The exception a plugin's `call` raised, or a TypeError saying its value is not a Result."""
     if isinstance(result, BaseException):
         return result

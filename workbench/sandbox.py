@@ -81,7 +81,7 @@ class SandboxResult:
 
 
 @functools.cache
-def _netns_prefix() -> tuple[str, ...]:
+def _netns_prefix():
     """`unshare` arguments for an empty network namespace, or () where user namespaces are
     unavailable."""
     unshare = shutil.which("unshare")
@@ -94,13 +94,13 @@ def _netns_prefix() -> tuple[str, ...]:
     return prefix if probe.returncode == 0 else ()
 
 
-def _read(handle, limit: int) -> tuple[str, bool]:
+def _read(handle, limit: int):
     handle.seek(0)
     data = handle.read(limit + 1)
     return data[:limit].decode("utf-8", errors="replace"), len(data) >= limit
 
 
-def _exited(pid: int, timeout_s: float) -> bool:
+def _exited(pid: int, timeout_s: float):
     """Wait up to timeout_s for the process to exit, without reaping it (so its pid, the group id,
     stays ours)."""
     deadline = time.monotonic() + timeout_s

@@ -101,7 +101,7 @@ class Batch(list):
         return _unbatch, (blob,)
 
 
-def _unbatch(blob: bytes) -> Batch:
+def _unbatch(blob: bytes):
     return Batch(pickle.loads(blob))
 
 

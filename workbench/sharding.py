@@ -39,7 +39,7 @@ class Ranks:
             timeout=timedelta(seconds=cfg.trainer.timeout_s),
         )
 
-    def shard(self, model, dtype: str) -> None:
+    def shard(self, model, dtype: str):
         """FSDP2 on every decoder layer (the model's `_no_split_modules`) and at the root; the
         parameters stay float32, forwards and backwards run in `dtype`, gradients reduce in
         float32."""

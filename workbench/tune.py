@@ -173,7 +173,7 @@ class Tuner:
         _, rows = compare_rows([cfg.run.id], self.root)
         return self.study.tell(trial, METRICS[self.settings["metric"]](rows[0]))
 
-    def _pruned(self, trial, child, run_id: str) -> bool:
+    def _pruned(self, trial, child, run_id: str):
         """Report the run's `reward/mean` per step (smoothed) while it trains; once the pruner says
         it falls behind, stop the run (SIGINT, as Ctrl-C) and say so."""
         reported = 0
@@ -218,7 +218,7 @@ class Tuner:
         )
 
 
-def _train(cfg) -> None:
+def _train(cfg):
     """A trial's run, in a process of its own: SIGINT stops it as Ctrl-C stops `molt-wb train`."""
     from workbench import loop
 

@@ -42,7 +42,7 @@ class Window:
         """The oldest batch in flight, taken out of the window: the one this step trains on."""
         return self.in_flight.popleft()
 
-    def sync(self, weights) -> None:
+    def sync(self, weights):
         """A step's new `weights` (a Ray reference) reach the rollouts: with partial rollouts the
         batches in flight take them now; the next batch, while the run has one left, starts on
         them."""

@@ -165,7 +165,7 @@ def advantage(name: str, teacher: bool = False, groups: bool = True) -> Callable
     return register
 
 
-def _from_rewards(estimator: str) -> Callable:
+def _from_rewards(estimator: str):
     """`compute_advantages(..., estimator)` as the learner calls it: one advantage per row."""
 
     def estimate(batch: dict, logprob: Tensor, teacher_logprob: None, algo) -> tuple[Tensor, dict]:

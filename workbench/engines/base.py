@@ -56,7 +56,7 @@ class Engine(Protocol):
         """Sample one continuation per prompt (prompt: int32 [t]); `listener(i, ids)`, where given,
         gets prompt i's ids as they are sampled (the loopback server streams them)."""
 
-    def load_weights(self, state_dict: dict, version: int) -> None:
+    def load_weights(self, state_dict: dict, version: int):
         """Replace the weights and adopt `version` for every later token: at once when idle; while a
         `generate` is running, at its next token step if the engine swaps mid-generation (partial
         rollout), else before the next call."""

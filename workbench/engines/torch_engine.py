@@ -25,7 +25,7 @@ from workbench.models.multimodal import ImageCodec, forward_inputs, is_vision_la
 from workbench.models.prefix import cache_input, output_cache, unique_rows
 
 
-def set_threads(cfg, model=None) -> None:
+def set_threads(cfg, model=None):
     """torch threads of this actor (Ray would give it one): `ray.torch_threads`; else one for a
     policy under 1M parameters (the built-in tiny ones: their matrices are too small to split, and
     waking a second thread costs more than it saves, bench/README.md); else every core when rollout
@@ -79,7 +79,7 @@ class TorchEngine:
         self.moe = bool(find_routers(self.model))
         self._open_slot(partial)
 
-    def _open_slot(self, partial: bool) -> None:
+    def _open_slot(self, partial: bool):
         """The weight slot, empty: pushed weights wait in it while generations or holds are under
         way (with `partial`, only until the next token step)."""
         self.version = 0
@@ -89,7 +89,7 @@ class TorchEngine:
         # generations and holds under way
         self._busy = 0
 
-    def load_weights(self, state_dict: dict, version: int) -> None:
+    def load_weights(self, state_dict: dict, version: int):
         with self._lock:
             self._pending = (state_dict, version)
             if not self._busy:
@@ -104,19 +104,19 @@ class TorchEngine:
         finally:
             self._leave()
 
-    def _enter(self) -> None:
+    def _enter(self):
         with self._lock:
             if not self._busy:
                 self._swap()
             self._busy += 1
 
-    def _leave(self) -> None:
+    def _leave(self):
         with self._lock:
             self._busy -= 1
             if not self._busy:
                 self._swap()
 
-    def _swap(self) -> None:
+    def _swap(self):
         """Adopt pending weights, if any (the caller holds the lock)."""
         if self._pending is not None:
             state_dict, self.version = self._pending
@@ -146,7 +146,7 @@ class TorchEngine:
             finally:
                 self.compute_s += time.perf_counter() - start
 
-    def _generate(self, prompts, params: SamplingParams, images, listener) -> list[Generation]:
+    def _generate(self, prompts, params: SamplingParams, images, listener):
         if not self.moe:
             return self._sample(prompts, params, images, listener)
         with capture_routes(self.model) as forwards:
@@ -164,7 +164,7 @@ class TorchEngine:
         return generations
 
     @torch.no_grad()
-    def _sample(self, prompts, params: SamplingParams, images, listener) -> list[Generation]:
+    def _sample(self, prompts, params: SamplingParams, images, listener):
         batch = len(prompts)
         longest = max(len(p) for p in prompts)
         # a group's samples share their prompt: prefill each distinct prompt once (text-only, dense

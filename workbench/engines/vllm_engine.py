@@ -100,7 +100,7 @@ class Request:
     versions: list = field(default_factory=list)
 
 
-def _settle(result: Future, function, *args, **kwargs) -> None:
+def _settle(result: Future, function, *args, **kwargs):
     """`result` holds what `function(*args, **kwargs)` returns, or what it raises."""
     try:
         result.set_result(function(*args, **kwargs))
@@ -188,7 +188,7 @@ class VllmEngine(TorchEngine):
         self.commands.put(functools.partial(_settle, result, function, *args, **kwargs))
         return result.result()
 
-    def _drive(self) -> None:
+    def _drive(self):
         """The engine's thread: what callers queue (calls, new requests) runs between two steps, and
         the engine steps while any request runs."""
         while True:
@@ -202,16 +202,16 @@ class VllmEngine(TorchEngine):
 
     # the weight slot and its count of holders are the engine thread's alone, so no caller waits on
     # that thread while holding the slot's lock
-    def load_weights(self, state_dict: dict, version: int) -> None:
+    def load_weights(self, state_dict: dict, version: int):
         self._call(super().load_weights, state_dict, version)
 
-    def _enter(self) -> None:
+    def _enter(self):
         self._call(super()._enter)
 
-    def _leave(self) -> None:
+    def _leave(self):
         self._call(super()._leave)
 
-    def _generate(self, prompts, params: SamplingParams, images, listener) -> list[Generation]:
+    def _generate(self, prompts, params: SamplingParams, images, listener):
         return [done.result() for done in self.submit(prompts, params, images, listener)]
 
     def submit(self, prompts, params: SamplingParams, images=None, listener=None) -> list[Future]:
@@ -223,7 +223,7 @@ class VllmEngine(TorchEngine):
         )
         return futures
 
-    def _swap(self) -> None:
+    def _swap(self):
         """Adopt pending weights, if any (the caller holds the lock); refuse a partial update when
         checking."""
         if self._pending is None:
@@ -265,7 +265,7 @@ class VllmEngine(TorchEngine):
         save_file(tensors, f"{folder}/adapter_model.safetensors")
         return LoRARequest(f"v{version}", version + 1, folder)
 
-    def _admit(self, prompts, params: SamplingParams, images, listener, futures) -> None:
+    def _admit(self, prompts, params: SamplingParams, images, listener, futures):
         """Add the prompts to the running batch (on the engine's thread), each salted with the
         weights it starts on."""
         from vllm import SamplingParams as VllmParams
@@ -319,7 +319,7 @@ class VllmEngine(TorchEngine):
                 continue
             self.running[request_id] = request
 
-    def _step(self) -> None:
+    def _step(self):
         """One scheduler step: each running request's new ids, their log-probs and the version of
         this forward; the finished ones leave the batch."""
         engine = self.llm.llm_engine
@@ -353,7 +353,7 @@ class VllmEngine(TorchEngine):
             with self._lock:
                 self._swap()
 
-    def _generation(self, request: Request, completion, output) -> Generation:
+    def _generation(self, request: Request, completion, output):
         """A finished request as the protocol's Generation; `cached_prompt_tokens`: its prompt
         tokens the prefix cache served."""
         generation = Generation(

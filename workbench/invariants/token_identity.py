@@ -46,7 +46,7 @@ class SegmentTokens:
     # int16 [t, layers, k] experts of the latest forward over positions 0..t
     routes: np.ndarray | None = None
 
-    def extend(self, ids, logprobs=None, versions=None) -> None:
+    def extend(self, ids, logprobs=None, versions=None):
         """Append `ids`: sampled (mask 1) when they come with their `logprobs`, else mask 0 with
         log-prob 0 and `versions` (default -1)."""
         sampled = logprobs is not None
@@ -130,7 +130,7 @@ def stream_pieces(tokenizer, token_ids, content: str) -> list[str]:
     return [piece for piece in pieces if piece]
 
 
-def _calls(message: dict) -> list[tuple]:
+def _calls(message: dict):
     """A message's tool calls by name and arguments."""
     return [(call.get("name"), call.get("arguments")) for call in message.get("tool_calls") or []]
 
@@ -175,7 +175,7 @@ class TokenAccumulator:
         """The exact ids generation continues from (int32 [t])."""
         return np.asarray(self.open.token_ids, dtype=np.int32)
 
-    def add_forced(self, token_ids) -> None:
+    def add_forced(self, token_ids):
         """Start the next turn with ids the policy did not sample (mask 0, marked forced)."""
         self.open.extend(token_ids, versions=[FORCED_VERSION] * len(token_ids))
 
@@ -188,7 +188,7 @@ class TokenAccumulator:
         finish_reason: str,
         routed_experts: np.ndarray | None = None,
         stop_sequence: str | None = None,
-    ) -> None:
+    ):
         """Append what the engine sampled, untouched, with each token's log-prob and weight version
         (`versions`: one int for the whole turn or int [n]). `message` is the assistant message
         decoded from it (text, tool calls), for the conversation only; `finish_reason` "stop" means
@@ -229,7 +229,7 @@ class TokenAccumulator:
         self._open(list(messages))
         return "seal"
 
-    def _echoes(self, index: int, echo: dict) -> bool:
+    def _echoes(self, index: int, echo: dict):
         """Whether a client's `echo` of our message `index` says what it said: equal, or for a
         sampled turn its content plus the stop string it was cut at, or stripped of surrounding
         whitespace, with tool calls equal by name and arguments (a client may renumber them) and
@@ -274,7 +274,7 @@ class TokenAccumulator:
         self.messages.extend(new_messages)
         return True
 
-    def _content_start(self, new_messages: list[dict], full: str) -> int:
+    def _content_start(self, new_messages: list[dict], full: str):
         """Where the first new message's content begins in `full`, the render of the conversation
         and `new_messages`: the longest prefix `full` shares with both renders whose first new
         message says "a" or "b" instead (one of them differs at its first character).
@@ -299,7 +299,7 @@ class TokenAccumulator:
         twin.stops = dict(self.stops)
         return twin
 
-    def seal(self, reason: str) -> None:
+    def seal(self, reason: str):
         self.open.seal_reason = reason
         self.sealed.append(self.open)
 
@@ -308,7 +308,7 @@ class TokenAccumulator:
         self.seal("end")
         return self.sealed
 
-    def _open(self, messages: list[dict]) -> None:
+    def _open(self, messages: list[dict]):
         self.messages = messages
         # message index -> the stop string its sampled turn was cut at (None: none)
         self.stops = {}

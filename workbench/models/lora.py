@@ -45,7 +45,7 @@ def adapter_state(model) -> dict:
     return get_peft_model_state_dict(model)
 
 
-def load_adapter(model, state_dict: dict) -> None:
+def load_adapter(model, state_dict: dict):
     """Adopt pushed adapter tensors in place."""
     from peft import set_peft_model_state_dict
 

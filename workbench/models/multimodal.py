@@ -61,7 +61,7 @@ class ImageCodec:
         self.merge = self.processor.merge_size**2
         self._cached = lru_cache(maxsize=4096)(self._process)
 
-    def _process(self, image: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+    def _process(self, image: bytes):
         from PIL import Image
 
         out = self.processor([Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")

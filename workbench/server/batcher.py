@@ -53,19 +53,19 @@ class Batcher:
         await self.queue.put(Waiting(prompt_ids, params, images, output, listener))
         return await output
 
-    def _relay(self, listeners: list) -> dict:
+    def _relay(self, listeners: list):
         """The engine's listener argument: each row's new ids to that row's listener, on the loop
         (none when no row listens or the engine takes none)."""
         if not self.streams or not any(listeners):
             return {}
 
-        def relay(row: int, ids: list[int]) -> None:
+        def relay(row: int, ids: list[int]):
             if listeners[row] is not None:
                 self.loop.call_soon_threadsafe(listeners[row], ids)
 
         return {"listener": relay}
 
-    async def _run(self) -> None:
+    async def _run(self):
         while True:
             waiting = [await self.queue.get()]
             while not self.queue.empty():
@@ -78,7 +78,7 @@ class Batcher:
             for items in by_params.values():
                 await self._generate(items)
 
-    async def _generate(self, items: list[Waiting]) -> None:
+    async def _generate(self, items: list[Waiting]):
         """One engine call for requests of the same sampling params; each gets its output."""
         seeds = [item.params.row_seeds for item in items]
         params = replace(items[0].params, row_seeds=())

@@ -69,13 +69,13 @@ class Live:
         )
         self.events = self.wire.events(chat, self.reply)
 
-    def add(self, ids: list[int]) -> None:
+    def add(self, ids: list[int]):
         """New sampled ids (on the event loop): what they make certain goes out."""
         self.ids += ids
         if self.parser is not None and (self.writer is None or self.writer.done()):
             self.writer = asyncio.get_running_loop().create_task(self._write())
 
-    async def close(self) -> None:
+    async def close(self):
         """The turn ended: nothing more goes out live once the last write is done."""
         self.parser = None
         if self.writer is not None:
@@ -88,7 +88,7 @@ class Live:
         pieces = dict(reply.pieces, content=[*self.pieces, *rest])
         return replace(reply, id=self.reply.id, pieces=pieces, live=True)
 
-    async def _write(self) -> None:
+    async def _write(self):
         while piece := self._release():
             if self.response is None:
                 self.response = web.StreamResponse(headers=SSE_HEADERS)
@@ -105,7 +105,7 @@ class Live:
             self.taken += 1
             yield self.pieces[self.taken - 1]
 
-    def _release(self) -> str:
+    def _release(self):
         """The content the ids sampled so far make certain, past what was sent ("" for none)."""
         # nothing new since the last look
         if self.parser is None or self.seen == len(self.ids):

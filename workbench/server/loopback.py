@@ -99,7 +99,7 @@ class LoopbackServer:
         self.port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(timeout=30)
         self.url = f"http://127.0.0.1:{self.port}"
 
-    async def _start(self) -> int:
+    async def _start(self):
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._route_errors])
         for prefix in ("", "/s/{session}"):
             app.router.add_get(f"{prefix}/v1/models", self._models)
@@ -140,11 +140,11 @@ class LoopbackServer:
             segments = session.accumulator.finish()
         return segments, session.requests
 
-    def stop(self) -> None:
+    def stop(self):
         asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(timeout=30)
         self.loop.call_soon_threadsafe(self.loop.stop)
 
-    async def _stop(self) -> None:
+    async def _stop(self):
         self.batcher.task.cancel()
         await self.runner.cleanup()
 
@@ -164,7 +164,7 @@ class LoopbackServer:
             return _error_response(self.wires[0], missing)
         return web.json_response(self._model_card())
 
-    def _model_card(self) -> dict:
+    def _model_card(self):
         return {"id": self.model_name, "object": "model", "owned_by": "molt-wb", "created": 0}
 
     async def _count_tokens(self, request):
@@ -247,7 +247,7 @@ class LoopbackServer:
             refused = WireError(message, error.status, kind)
             return _error_response(wire_at(self.wires, request.path), refused)
 
-    def _session(self, request) -> Session:
+    def _session(self, request):
         """The session the request's path names, if the request holds that session's key."""
         session = self.sessions.get(request.match_info["session"])
         if session is None:
@@ -264,7 +264,7 @@ class LoopbackServer:
 
     async def _turn(
         self, session: Session, chat: ChatRequest, wire: Wire, started: float, live: Live
-    ) -> ChatReply:
+    ):
         """Extend or seal, generate, and only then commit the turn to the session."""
         episode, action, reused = self._episode(session, chat)
         forced = forced_text(self.tokenizer, episode.render, episode.messages, chat)
@@ -348,7 +348,7 @@ class LoopbackServer:
             reply.token_logprobs = list(zip(tokens, map(float, logprobs), strict=True))
         return reply
 
-    def _episode(self, session: Session, chat: ChatRequest) -> tuple[TokenAccumulator, str, int]:
+    def _episode(self, session: Session, chat: ChatRequest):
         """A copy of the session's episode with the request's messages (extended by their rendered
         delta, or sealed and started anew), or a new episode; the action taken; and how many of
         the prompt's ids were already there."""
@@ -378,7 +378,7 @@ class LoopbackServer:
             reused = 0
         return episode, action, reused
 
-    def _sampling(self, chat: ChatRequest, prompt_tokens: int) -> SamplingParams:
+    def _sampling(self, chat: ChatRequest, prompt_tokens: int):
         """The server's sampling params with the request's max_tokens and temperature, if within
         the server's token limit."""
         temperature = self.params.temperature
@@ -394,7 +394,7 @@ class LoopbackServer:
             )
         return params
 
-    def _ids_holding(self, ids, text: str) -> int:
+    def _ids_holding(self, ids, text: str):
         """How many of the sampled ids it takes for their text to hold `text`."""
         for count in range(1, len(ids) + 1):
             if text in reply_text(self.tokenizer, ids[:count], "length"):
@@ -402,7 +402,7 @@ class LoopbackServer:
         return len(ids)
 
 
-async def _json_body(request) -> dict:
+async def _json_body(request):
     """The request's body, which must be one JSON object of at most MAX_BODY bytes."""
     try:
         raw = await request.read()
@@ -423,7 +423,7 @@ async def _json_body(request) -> dict:
     return body
 
 
-def _decode(wire: Wire, body: dict) -> ChatRequest:
+def _decode(wire: Wire, body: dict):
     """The wire's request; a field of the wrong type is a 400 that names the error."""
     try:
         return wire.decode(body)
@@ -433,7 +433,7 @@ def _decode(wire: Wire, body: dict) -> ChatRequest:
         ) from None
 
 
-def _error_response(wire: Wire, error: WireError) -> web.Response:
+def _error_response(wire: Wire, error: WireError):
     return web.json_response(wire.error(error), status=error.status)
 
 
@@ -448,7 +448,7 @@ async def _refuse(wire: Wire, error: WireError, live: Live):
     return live.response
 
 
-def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+def _first_stop(text: str, stops: list[str]):
     """Where the earliest stop sequence in `text` starts, and which it is; None if none is there."""
     found = [(text.index(stop), stop) for stop in stops if stop in text]
     return min(found, default=None)

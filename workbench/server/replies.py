@@ -44,7 +44,7 @@ def parse_reply(tokenizer, text: str, prompt_ids, tools: list[dict] | None) -> t
     return message, 0
 
 
-def _tool_call(call) -> dict | None:
+def _tool_call(call):
     """A parsed call as the chat template's tool call; None for a malformed one (no name, or
     arguments that are not an object)."""
     function = field_of(call, "function")

@@ -28,7 +28,7 @@ class Recorder:
             for rollout_id in range(sessions)
         ]
 
-    def close(self) -> None:
+    def close(self):
         """Seal every session, store its segments and requests, mark the run finished."""
         segments = []
         for rollout_id, info in enumerate(self.infos):

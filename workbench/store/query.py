@@ -73,7 +73,7 @@ def list_runs(root: str = "runs", mark_crashed: bool = True) -> list[dict]:
     return sorted(rows, key=lambda row: row.get("created", 0), reverse=True)
 
 
-def _alive(pid) -> bool:
+def _alive(pid):
     if not pid:
         # unknown: do not guess
         return True

@@ -19,7 +19,7 @@ from workbench.segment import image_name
 from workbench.store.schema import TABLES
 
 
-def write_json_atomic(path: Path, payload: dict) -> None:
+def write_json_atomic(path: Path, payload: dict):
     temporary = path.with_name(f".{path.name}.tmp")
     temporary.write_text(json.dumps(payload, indent=1, default=str))
     os.replace(temporary, path)
@@ -48,12 +48,12 @@ class RunWriter:
         self.run_row = dict(run_row)
         self.update_run()
 
-    def append(self, table: str, rows: pa.Table) -> None:
+    def append(self, table: str, rows: pa.Table):
         rows = rows.cast(TABLES[table])
         with self.lock:
             self.buffers[table].append(rows)
 
-    def flush_every(self, seconds: float) -> None:
+    def flush_every(self, seconds: float):
         """Flush buffered rows every `seconds` on a daemon thread, until close."""
 
         def run():
@@ -63,7 +63,7 @@ class RunWriter:
 
         threading.Thread(target=run, daemon=True, name="flush-timer").start()
 
-    def maybe_flush(self) -> None:
+    def maybe_flush(self):
         """Flush when rows are buffered and `flush_seconds` have passed or `flush_rows` are in."""
         with self.lock:
             due = time.monotonic() - self.last_flush >= self.flush_seconds
@@ -71,7 +71,7 @@ class RunWriter:
             if rows and (due or rows >= self.flush_rows):
                 self.flush()
 
-    def flush(self) -> None:
+    def flush(self):
         with self.lock:
             for name, tables in self.buffers.items():
                 if tables:
@@ -82,7 +82,7 @@ class RunWriter:
                 self.update_run()
             self.last_flush = time.monotonic()
 
-    def save_images(self, images: list[bytes]) -> None:
+    def save_images(self, images: list[bytes]):
         """Keep each encoded image once, by content hash, under images/ (atomically, like the
         shards)."""
         for image in images:
@@ -93,7 +93,7 @@ class RunWriter:
                 temporary.write_bytes(image)
                 os.replace(temporary, final)
 
-    def update_run(self, at_flush: bool = False, **fields) -> None:
+    def update_run(self, at_flush: bool = False, **fields):
         """Rewrite the `runs` row (status, steps done, last reward, ...) atomically; `at_flush`:
         with the next flush of the data (a step's progress: the row holds the whole config, too big
         to rewrite every step)."""
@@ -103,13 +103,13 @@ class RunWriter:
             if not at_flush:
                 write_json_atomic(self.run_dir / "run.json", self.run_row)
 
-    def close(self, status: str = "finished") -> None:
+    def close(self, status: str = "finished"):
         with self.lock:
             self.closed = True
             self.flush()
             self.update_run(status=status)
 
-    def _write_shard(self, name: str, table: pa.Table) -> None:
+    def _write_shard(self, name: str, table: pa.Table):
         folder = self.run_dir / name
         final = folder / f"part-{self.next_shard[name]:06d}.parquet"
         temporary = folder / f".{final.name}.tmp"

@@ -62,7 +62,7 @@ class MlflowSink:
         # log_batch splits what it is given into batches of mlflow's sizes
         self.client.log_batch(self.run_id, params=params)
 
-    def _parent(self, experiment_id: str, group: str) -> str:
+    def _parent(self, experiment_id: str, group: str):
         found = self.client.search_runs(
             [experiment_id], f"tags.`workbench.sweep` = '{group}'", max_results=1
         )
@@ -72,10 +72,10 @@ class MlflowSink:
             experiment_id, run_name=group, tags={"workbench.sweep": group}
         ).info.run_id
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
+    def log(self, metrics: dict[str, float], step: int):
         timestamp_ms = int(time.time() * 1000)
         entries = [Metric(key, float(value), timestamp_ms, step) for key, value in metrics.items()]
         self.client.log_batch(self.run_id, metrics=entries)
 
-    def close(self, status: str = "finished") -> None:
+    def close(self, status: str = "finished"):
         self.client.set_terminated(self.run_id, status=RUN_STATUSES[status])

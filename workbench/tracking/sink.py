@@ -7,7 +7,7 @@ from typing import Protocol
 
 
 class Sink(Protocol):
-    def log(self, metrics: dict[str, float], step: int) -> None: ...
+    def log(self, metrics: dict[str, float], step: int): ...
 
-    def close(self, status: str = "finished") -> None:
+    def close(self, status: str = "finished"):
         """End the run; `status` is one of finished, failed, interrupted."""

@@ -39,8 +39,8 @@ class WandbSink:
             ),
         )
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
+    def log(self, metrics: dict[str, float], step: int):
         self.run.log(metrics, step=step)
 
-    def close(self, status: str = "finished") -> None:
+    def close(self, status: str = "finished"):
         self.run.finish(exit_code=EXIT_CODES[status])

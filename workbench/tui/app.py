@@ -63,10 +63,10 @@ class InspectApp(App):
         self.sweep = sweep
         self.poll = poll
 
-    def on_mount(self) -> None:
+    def on_mount(self):
         self.push_screen(RunsScreen())
         if self.run_id:
             self.push_screen(RunScreen(RunData(self.run_id, self.root)))
 
-    def action_help(self) -> None:
+    def action_help(self):
         self.push_screen(Help())

@@ -86,7 +86,7 @@ class RunScreen(Screen):
                         yield Static(id="failures-traceback")
         yield Footer()
 
-    def on_mount(self) -> None:
+    def on_mount(self):
         self.title = f"run {self.data.run['run_id']}"
         self.sub_title = str(self.data.run.get("recipe") or "")
         table = self.query_one("#segments-table", DataTable)
@@ -95,11 +95,11 @@ class RunScreen(Screen):
         self.load()
         self.set_interval(self.app.poll, self.poll)
 
-    def poll(self) -> None:
+    def poll(self):
         if self.data.refresh():
             self.load()
 
-    def load(self) -> None:
+    def load(self):
         self.query_one("#headline", Static).update(
             "  ".join(f"[b]{k}[/b] {cell(v)}" for k, v in self.data.headline().items())
         )
@@ -123,7 +123,7 @@ class RunScreen(Screen):
                 f"rows {offset + bool(rows)}-{offset + len(rows)} · {hint} · ] [ page"
             )
 
-    def load_segments(self) -> None:
+    def load_segments(self):
         count = self.data.segment_count(self.filter)
         offset = self.offsets["segments"]
         rows = self.data.segment_page(self.filter, offset, self.sort, self.descending)
@@ -138,14 +138,14 @@ class RunScreen(Screen):
             status += " · only mismatches"
         self.query_one("#segments-status", Static).update(status)
 
-    def load_tab(self, name: str) -> None:
+    def load_tab(self, name: str):
         if name == "segments":
             self.load_segments()
         else:
             self.load()
 
     @staticmethod
-    def fill(table: DataTable, columns, rows) -> None:
+    def fill(table: DataTable, columns, rows):
         cursor = table.cursor_row
         table.clear(columns=columns is not None)
         for column in columns or []:
@@ -154,18 +154,18 @@ class RunScreen(Screen):
             table.add_row(*(cell(value, "") for value in row))
         table.move_cursor(row=cursor)
 
-    def action_tab(self, name: str) -> None:
+    def action_tab(self, name: str):
         self.query_one(TabbedContent).active = name
         if name == "overview":
             self.query_one(VerticalScroll).focus()
         else:
             self.query_one(f"#{name}-table").focus()
 
-    def action_filter(self) -> None:
+    def action_filter(self):
         self.action_tab("segments")
         self.query_one("#filter", Input).focus()
 
-    def action_toggle(self, word: str) -> None:
+    def action_toggle(self, word: str):
         box = self.query_one("#filter", Input)
         words = box.value.split()
         if word in words:
@@ -175,15 +175,15 @@ class RunScreen(Screen):
         box.value = " ".join(words)
         self.action_tab("segments")
 
-    def on_input_changed(self, event: Input.Changed) -> None:
+    def on_input_changed(self, event: Input.Changed):
         self.filter = Filter.parse(event.value)
         self.offsets["segments"] = 0
         self.load_segments()
 
-    def on_input_submitted(self) -> None:
+    def on_input_submitted(self):
         self.query_one("#segments-table", DataTable).focus()
 
-    def action_page(self, delta: int) -> None:
+    def action_page(self, delta: int):
         name = self.query_one(TabbedContent).active
         if name in self.offsets:
             old = self.offsets[name]
@@ -194,20 +194,20 @@ class RunScreen(Screen):
                 self.offsets[name] = old
                 self.load_tab(name)
 
-    def action_back(self) -> None:
+    def action_back(self):
         if isinstance(self.focused, Input):
             self.query_one("#segments-table", DataTable).focus()
         else:
             self.app.pop_screen()
 
-    def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
+    def on_data_table_header_selected(self, event: DataTable.HeaderSelected):
         self.sort_by(str(event.column_key.value))
 
-    def action_next_sort(self) -> None:
+    def action_next_sort(self):
         following = (SEGMENT_COLUMNS.index(self.sort) + 1) % len(SEGMENT_COLUMNS)
         self.sort_by(SEGMENT_COLUMNS[following])
 
-    def sort_by(self, column: str) -> None:
+    def sort_by(self, column: str):
         """Sort on `column` (largest first for numbers worth ranking); sorting on it again flips
         the order."""
         if column == self.sort:
@@ -218,14 +218,14 @@ class RunScreen(Screen):
         self.offsets["segments"] = 0
         self.load_segments()
 
-    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted):
         if event.data_table.id == "failures-table" and event.data_table.row_count:
             row = row_cells(event.data_table, event.row_key)
             self.query_one("#failures-traceback", Static).update(
                 self.data.traceback(int(row["step"]), int(row["rollout_id"]))
             )
 
-    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+    def on_data_table_row_selected(self, event: DataTable.RowSelected):
         table = event.data_table
         # a failed episode has no segment; its traceback is shown below
         if table.id == "failures-table":

@@ -23,13 +23,13 @@ class RunsScreen(Screen):
         yield DataTable(id="runs", cursor_type="row", zebra_stripes=True)
         yield Footer()
 
-    def on_mount(self) -> None:
+    def on_mount(self):
         self.query_one(DataTable).add_columns(*RUN_COLUMNS)
         self.load()
         self.set_interval(self.app.poll, self.load)
         self.query_one(DataTable).focus()
 
-    def load(self, *_) -> None:
+    def load(self, *_):
         table = self.query_one(DataTable)
         sweep = self.query_one(Input).value.strip()
         rows = [
@@ -52,8 +52,8 @@ class RunsScreen(Screen):
 
     on_input_changed = load
 
-    def on_input_submitted(self) -> None:
+    def on_input_submitted(self):
         self.query_one(DataTable).focus()
 
-    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+    def on_data_table_row_selected(self, event: DataTable.RowSelected):
         self.app.push_screen(RunScreen(RunData(event.row_key.value, self.app.root)))

@@ -38,7 +38,7 @@ def visible(piece: str) -> str:
     return escaped.replace("\n", "↵\n")
 
 
-def _experts(ids) -> str:
+def _experts(ids):
     if ids is None:
         return "?"
     return ",".join(map(str, ids))
@@ -68,7 +68,7 @@ class TokenScreen(Screen):
         self.cursor = 0
         self.open((step, rollout_id, segment_idx))
 
-    def open(self, key: tuple) -> None:
+    def open(self, key: tuple):
         """Show the segment whose key is (step, rollout_id, segment_idx)."""
         self.segment_key = key
         self.segment = self.data.segment(key)
@@ -97,11 +97,11 @@ class TokenScreen(Screen):
                 yield VerticalScroll(id="images", can_focus=False)
         yield Footer()
 
-    def on_mount(self) -> None:
+    def on_mount(self):
         self.render_all()
         self.show_images()
 
-    def show_images(self) -> None:
+    def show_images(self):
         """The segment's image files under the side panel; no panel for a segment without."""
         panel = self.query_one("#images", VerticalScroll)
         panel.remove_children()
@@ -115,7 +115,7 @@ class TokenScreen(Screen):
         """The style of every token under the current channel (the cursor's not included)."""
         return [_style(self.channel, t) for t in self.tokens]
 
-    def render_all(self) -> None:
+    def render_all(self):
         s = self.segment
         self.title = (
             f"rollout {s['rollout_id']} · segment {s['segment_idx'] + 1}/"
@@ -157,7 +157,7 @@ class TokenScreen(Screen):
         self.render_side()
         self.call_after_refresh(self.follow)
 
-    def follow(self) -> None:
+    def follow(self):
         """Scroll so the cursor's line is in view (lines as rich wraps them at the pane's width)."""
         scroll = self.query_one("#tokens-scroll", VerticalScroll)
         width, height = scroll.scrollable_content_region.size
@@ -166,7 +166,7 @@ class TokenScreen(Screen):
             if not scroll.scroll_y <= line < scroll.scroll_y + height:
                 scroll.scroll_to(y=max(0, line - height // 2), animate=False)
 
-    def render_side(self) -> None:
+    def render_side(self):
         if not self.tokens:
             self.query_one("#side", Static).update("no tokens stored")
             return
@@ -208,22 +208,22 @@ class TokenScreen(Screen):
             ]
         self.query_one("#side", Static).update("\n".join(lines))
 
-    def action_move(self, delta: float) -> None:
+    def action_move(self, delta: float):
         self.cursor = int(min(max(self.cursor + delta, 0), max(len(self.tokens) - 1, 0)))
         self.render_all()
 
-    def action_next_sampled(self) -> None:
+    def action_next_sampled(self):
         later = range(self.cursor + 1, len(self.tokens))
         sampled = (i for i in later if self.tokens[i]["loss_mask"])
         # no sampled token after the cursor: stay
         self.action_move(next(sampled, self.cursor) - self.cursor)
 
-    def action_channel(self) -> None:
+    def action_channel(self):
         names = list(CHANNELS)
         self.channel = names[(names.index(self.channel) + 1) % len(names)]
         self.render_all()
 
-    def action_segment(self, delta: int) -> None:
+    def action_segment(self, delta: int):
         step, rollout_id, segment_idx = self.segment_key
         index = self.rollout_segments.index((step, segment_idx)) + delta
         if 0 <= index < len(self.rollout_segments):
@@ -233,7 +233,7 @@ class TokenScreen(Screen):
             self.show_images()
 
 
-def _kind(token: dict) -> str:
+def _kind(token: dict):
     if token["loss_mask"]:
         return "sampled"
     if token["behavior_version"] == FORCED_VERSION:
@@ -241,7 +241,7 @@ def _kind(token: dict) -> str:
     return "prompt/env"
 
 
-def _style(channel: str, token: dict) -> str:
+def _style(channel: str, token: dict):
     """A sampled token in the channel's colour; a forced one underlined; the rest dim."""
     if token["loss_mask"]:
         return colour(channel, token)

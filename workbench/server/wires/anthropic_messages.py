@@ -133,7 +133,7 @@ class AnthropicMessages(Wire):
         return {"type": "error", "error": {"type": error.kind, "message": error.message}}
 
 
-def _messages(index: int, message) -> list[dict]:
+def _messages(index: int, message):
     """One request message as chat-template messages: a `tool` message per tool result, then the
     user's text and images (if any) or the assistant's text and tool calls."""
     role = field_of(message, "role")
@@ -177,7 +177,7 @@ def _messages(index: int, message) -> list[dict]:
     return results
 
 
-def _tools(body: dict) -> tuple[list[dict], str | None]:
+def _tools(body: dict):
     """The request's tools as the chat template's function tools (none for tool_choice none), and
     the call tool_choice forces: None (auto, none), "" (any) or the named tool."""
     tools = [
@@ -208,7 +208,7 @@ def _tools(body: dict) -> tuple[list[dict], str | None]:
     return tools, forced_tool(choice.get("name"), tools, "tool_choice.name")
 
 
-def _block_events(index: int, block: dict, pieces: dict[str, list[str]]) -> Iterator[bytes]:
+def _block_events(index: int, block: dict, pieces: dict[str, list[str]]):
     """A content block's start, its deltas (the reasoning or text as generated, or the tool input
     whole), and its stop."""
     kind = block["type"]
@@ -226,5 +226,5 @@ def _block_events(index: int, block: dict, pieces: dict[str, list[str]]) -> Iter
     yield _event("content_block_stop", {"index": index})
 
 
-def _event(name: str, data: dict) -> bytes:
+def _event(name: str, data: dict):
     return f"event: {name}\ndata: {json.dumps(dict(type=name, **data))}\n\n".encode()

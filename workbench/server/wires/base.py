@@ -170,7 +170,7 @@ def text_of(content, where: str) -> str:
     raise WireError(f"{where}: only text content is supported here.")
 
 
-def _image(data: str, where: str) -> dict:
+def _image(data: str, where: str):
     """An inline image (`data:image/png;base64,...` or bare base64) as a content part; nothing is
     ever fetched."""
     from PIL import Image
@@ -262,7 +262,7 @@ def tool_call(call_id, name, arguments, where: str) -> dict:
     return {"id": str(call_id), "name": str(name), "arguments": tool_arguments(arguments, where)}
 
 
-def refuse_unsupported(body: dict, fields: set[str], no_ops: dict) -> None:
+def refuse_unsupported(body: dict, fields: set[str], no_ops: dict):
     """Refuse a body holding a field the wire lists neither in `fields` nor in `no_ops`, or a field
     of `no_ops` at a value that changes something here: `no_ops` maps it to (whether a value
     changes nothing, the values accepted)."""
@@ -293,7 +293,7 @@ ANY_STRING = (lambda value: isinstance(value, str), "a string")
 ANY_BOOLEAN = (lambda value: isinstance(value, bool), "true or false")
 
 
-def refuse_top_p(body: dict) -> None:
+def refuse_top_p(body: dict):
     """Refuse nucleus sampling: the learner recomputes each token's log-prob over the whole
     vocabulary."""
     if body.get("top_p", 1) != 1:

@@ -134,7 +134,7 @@ class OpenAIChat(Wire):
         yield b"data: [DONE]\n\n"
 
 
-def _message(index: int, message) -> dict:
+def _message(index: int, message):
     """One request message in the chat template's form (a developer message is a system one)."""
     role = field_of(message, "role")
     if role not in ROLES:
@@ -153,7 +153,7 @@ def _message(index: int, message) -> dict:
     return entry
 
 
-def _decode_tool_calls(where: str, tool_calls) -> list[dict]:
+def _decode_tool_calls(where: str, tool_calls):
     """An assistant message's function calls, their JSON arguments parsed."""
     try:
         return [
@@ -169,7 +169,7 @@ def _decode_tool_calls(where: str, tool_calls) -> list[dict]:
         raise WireError(f"{where}.tool_calls must be function calls with JSON arguments.") from None
 
 
-def _tool_calls(reply: ChatReply) -> list[dict]:
+def _tool_calls(reply: ChatReply):
     """The reply's tool calls as OpenAI function calls."""
     calls = []
     for call in reply.tool_calls:
@@ -178,7 +178,7 @@ def _tool_calls(reply: ChatReply) -> list[dict]:
     return calls
 
 
-def _logprobs(reply: ChatReply) -> dict | None:
+def _logprobs(reply: ChatReply):
     """The behavior log-prob of each sampled token (None unless the request asked for them)."""
     if not reply.token_logprobs:
         return None
@@ -189,7 +189,7 @@ def _logprobs(reply: ChatReply) -> dict | None:
     return {"content": content, "refusal": None}
 
 
-def _finish_reason(reply: ChatReply) -> str:
+def _finish_reason(reply: ChatReply):
     if reply.tool_calls:
         return "tool_calls"
     if reply.finish == "length":
@@ -197,7 +197,7 @@ def _finish_reason(reply: ChatReply) -> str:
     return "stop"
 
 
-def _usage(reply: ChatReply) -> dict:
+def _usage(reply: ChatReply):
     return {
         "prompt_tokens": reply.prompt_tokens,
         "completion_tokens": reply.completion_tokens,
@@ -205,7 +205,7 @@ def _usage(reply: ChatReply) -> dict:
     }
 
 
-def _chunk(reply: ChatReply, choices: list[dict], **extra) -> bytes:
+def _chunk(reply: ChatReply, choices: list[dict], **extra):
     """One server-sent chunk of the streamed reply."""
     body = {
         "id": f"chatcmpl-{reply.id}",
@@ -218,5 +218,5 @@ def _chunk(reply: ChatReply, choices: list[dict], **extra) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
-def _delta(reply: ChatReply, delta: dict) -> bytes:
+def _delta(reply: ChatReply, delta: dict):
     return _chunk(reply, [{"index": 0, "delta": delta, "finish_reason": None}])

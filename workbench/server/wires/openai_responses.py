@@ -36,7 +36,7 @@ from workbench.server.wires.base import (
 )
 
 
-def _plain_text(value) -> bool:
+def _plain_text(value):
     """`text` asking for plain text (its verbosity a hint the policy's template does not read)."""
     return (
         isinstance(value, dict)
@@ -239,7 +239,7 @@ class OpenAIResponses(Wire):
         yield event(f"response.{whole['status']}", response=whole)
 
 
-def _started(part: dict) -> dict:
+def _started(part: dict):
     """An output item or content part as it opens: in progress, nothing generated yet."""
     if part["type"] in ("message", "reasoning"):
         return dict(part, status="in_progress", content=[])
@@ -248,7 +248,7 @@ def _started(part: dict) -> dict:
     return dict(part, text="")
 
 
-def _messages(items: list) -> list[dict]:
+def _messages(items: list):
     """Input items as chat-template messages."""
     messages = []
     # a reasoning item's text, for the assistant message that follows it (the same response's)
@@ -280,7 +280,7 @@ def _messages(items: list) -> list[dict]:
     return messages
 
 
-def _message(item: dict, where: str) -> dict:
+def _message(item: dict, where: str):
     """A message item (a developer message is a system one)."""
     role = item.get("role")
     if role not in ROLES:
@@ -295,7 +295,7 @@ def _parts(content, where: str):
     return content
 
 
-def _part(part, where: str) -> dict:
+def _part(part, where: str):
     """A content part in the form the shared decoders read (text, or an inline image)."""
     kind = field_of(part, "type")
     if kind in ("input_text", "output_text", "reasoning_text"):
@@ -308,7 +308,7 @@ def _part(part, where: str) -> dict:
     )
 
 
-def _call(item: dict, where: str) -> dict:
+def _call(item: dict, where: str):
     """A function_call item as the chat template's tool call, its JSON arguments parsed."""
     try:
         arguments = json.loads(item.get("arguments") or "{}")
@@ -317,7 +317,7 @@ def _call(item: dict, where: str) -> dict:
     return tool_call(item.get("call_id", ""), item.get("name", ""), arguments, where)
 
 
-def _tools(body: dict) -> list[dict] | None:
+def _tools(body: dict):
     """The request's function tools as the chat template's (none for tool_choice none)."""
     tools = []
     for index, tool in enumerate(objects(body.get("tools"), "tools")):
