@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,9 +165,9 @@ class GateConfig:
     """off | token (each token's e^δ, δ = log π_old − log π_behavior) | seq (e^Σδ) | geo
     (e^mean δ)."""
     mode: str = "trunc"
-    """token level: trunc (clamp the top) | mask (zero outside the band: with stale rollouts it
-    loses reward, bench/README.md "Asynchronous at equal reward") | clip (clamp into it); seq/geo
-    filter whole sequences: trunc or mask."""
+    """token level: trunc (clamp the top) | mask (zero outside the band: on stale rollouts the
+    tokens that moved most leave the loss, bench/README.md "Asynchronous at equal reward") | clip
+    (clamp into it); seq/geo filter whole sequences: trunc or mask."""
     band: list[float] = field(default_factory=lambda: [0.5, 2.0])
     """[low, high] of the accepted importance ratio."""
     max_staleness: int | None = None
@@ -510,15 +509,6 @@ def _refuse_unsafe_combinations(cfg) -> None:
         f"gate.level={gate.level} is a rejection filter: unset gate.mode (clip is for "
         f"gate.level=token).",
     )
-    # masking drops the tokens whose probability moved most since they were sampled, rising
-    # unwanted ones included, so nothing pushes those back down: entropy and length drift up
-    # (bench/README.md "Asynchronous at equal reward")
-    if gate.level == "token" and gate.mode == "mask" and not on_policy:
-        warnings.warn(
-            "gate.mode=mask on stale rollouts loses reward (bench/README.md): gate.mode=trunc "
-            "keeps every token.",
-            stacklevel=2,
-        )
     # token_band acts under a sequence filter only: elsewhere it would be silently ignored
     _need(
         gate.token_band is None or gate.level in ("seq", "geo"),
