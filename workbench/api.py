@@ -20,7 +20,6 @@ import importlib.util
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 
 # Tools and graders for plugins, re-exported so that plugins import only this module.
 from workbench.grading import extract_answer, format_ok, geo3k_reward, grade, is_equivalent
@@ -69,7 +68,7 @@ class Env:
     # OpenAI-style tool schemas the chat template lists for the policy
     tools: list[dict] | None = None
 
-    def reset(self, sample: dict) -> str | list[dict]:
+    def reset(self, sample: dict):
         """Start an episode on `sample`; return the first user message.
 
         The message is its text, or a list of content parts `{"type": "text", "text": ...}` and
@@ -77,7 +76,7 @@ class Env:
         """
         raise NotImplementedError
 
-    def step(self, action: str) -> Result:
+    def step(self, action: str):
         """Take the policy's reply; return its reward and, unless terminated, the next turn."""
         raise NotImplementedError
 
@@ -106,11 +105,11 @@ class ChatContext:
 class ChatAgent:
     """One episode of an agent program that talks to the policy through an SDK."""
 
-    def run(self, ctx: ChatContext) -> Result:
+    def run(self, ctx: ChatContext):
         raise NotImplementedError
 
 
-def load_plugin(spec: str) -> ModuleType:
+def load_plugin(spec: str):
     """Import a plugin by name (plugins/NAME.py), dotted module path, or .py file path."""
     path = Path(spec) if spec.endswith(".py") else PLUGIN_DIR / f"{spec}.py"
     if path.exists():

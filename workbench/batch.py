@@ -12,13 +12,13 @@ from workbench.invariants.version_gate import GateResult
 from workbench.segment import Segment
 
 
-def collate(segments: list[Segment]) -> dict[str, torch.Tensor]:
+def collate(segments: list[Segment]):
     """Right-padded batch tensors built from token ids only (text cannot reach the trainer)."""
     if not all(isinstance(s, Segment) for s in segments):
         raise TypeError("The learner trains on Segment records only (token ids), never on text.")
     lengths = np.array([len(s.token_ids) for s in segments])
 
-    def padded(field: str, dtype, fill=0) -> torch.Tensor:
+    def padded(field: str, dtype, fill=0):
         """[batch, seq, ...] right-padded, filled in numpy."""
         values = [getattr(s, field) for s in segments]
         shape = next(value.shape[1:] for value in values if value is not None)
@@ -57,7 +57,7 @@ def collate(segments: list[Segment]) -> dict[str, torch.Tensor]:
     return batch
 
 
-def audit_identity(segments: list[Segment], batch: dict) -> dict[str, float]:
+def audit_identity(segments: list[Segment], batch: dict):
     """Token identity, checked on every batch: the rollout's audit (mask-1 ids are the engine's
     sampled ids, in order) and the trainer's input ids equal to the segment's ids. A violation
     stops the run."""
@@ -96,7 +96,7 @@ def audit_identity(segments: list[Segment], batch: dict) -> dict[str, float]:
     return metrics
 
 
-def routing_table_rows(segments: list[Segment], routing: dict) -> list[dict]:
+def routing_table_rows(segments: list[Segment], routing: dict):
     """One row per (segment, MoE layer): tokens with a recorded route, how many the live router
     routed differently, their positions and, at each, the rollout's and the learner's experts."""
     rows = []
@@ -121,7 +121,7 @@ def routing_table_rows(segments: list[Segment], routing: dict) -> list[dict]:
 
 def batch_metrics(
     segments: list[Segment], batch: dict, old_logprob: torch.Tensor, entropy: torch.Tensor | None
-) -> dict:
+):
     """Rewards, sizes, the rollout-learner mismatch of one batch and, where the learner computed
     it, the mean entropy of its sampled tokens."""
     mask = batch["loss_mask"]
@@ -142,7 +142,7 @@ def batch_metrics(
     return metrics
 
 
-def rows_of(batch: dict, rows: torch.Tensor) -> dict:
+def rows_of(batch: dict, rows: torch.Tensor):
     """The rows `rows` of every tensor (or list) in `batch`."""
     picked = {}
     for key, value in batch.items():
@@ -153,7 +153,7 @@ def rows_of(batch: dict, rows: torch.Tensor) -> dict:
     return picked
 
 
-def step_means(steps: list[dict[str, float]]) -> dict[str, float]:
+def step_means(steps: list[dict[str, float]]):
     """Each `loss/` metric averaged over the optimizer steps of one batch."""
     means = {}
     for key in steps[0]:
@@ -161,7 +161,7 @@ def step_means(steps: list[dict[str, float]]) -> dict[str, float]:
     return means
 
 
-def generate_seconds(worker_segments: tuple[list[Segment], ...]) -> float:
+def generate_seconds(worker_segments: tuple[list[Segment], ...]):
     """The slowest worker's generation time for this batch (the workers run in parallel)."""
     slowest = 0.0
     for segments in worker_segments:
@@ -177,7 +177,7 @@ def store_rows(
     consumed_at: int,
     routing_rows: list[dict],
     entropy: torch.Tensor | None = None,
-) -> dict:
+):
     """What the run store keeps of one batch: per-token log-probs, IS weights, entropies and
     advantages (where computed), each segment's advantage (its sampled tokens' mean) and gate
     decision, the learner version that consumed it and the routing table."""

@@ -44,7 +44,7 @@ class Prompts:
         self.next_group = 0
         self.next_rollout = 0
 
-    def next_jobs(self, workers: int) -> list[list[Job]]:
+    def next_jobs(self, workers: int):
         """This step's jobs, split into one list per worker (a group never straddles two
         workers)."""
         jobs = [[] for _ in range(workers)]
@@ -63,7 +63,7 @@ class Prompts:
             self.next_rollout += self.group_size
         return jobs
 
-    def state(self) -> dict:
+    def state(self):
         """The data position (what a checkpoint saves): order of sample indices, cursor, next ids,
         RNG."""
         return {
@@ -107,7 +107,7 @@ def check_samples(samples: list, plugin, where: str):
         ) from None
 
 
-def load_samples(path: str) -> list[dict]:
+def load_samples(path: str):
     """Rows of a local .parquet or .jsonl file (validate() has checked it exists); ValueError names
     a bad file."""
     if path.endswith(".parquet"):

@@ -18,7 +18,7 @@ class RunFailed(RuntimeError):
     sentence naming it and the way on; the run is marked failed and keeps what it wrote."""
 
 
-def run_failed(cause: str, run_id: str, fix: str = "") -> RunFailed:
+def run_failed(cause: str, run_id: str, fix: str = ""):
     """`cause`, then what became of the run and how it goes on (`fix` first, when given)."""
     return RunFailed(
         f"{cause}: the run is marked failed and keeps every step it wrote; {fix}continue it from "
@@ -35,7 +35,7 @@ class ActorDied(RunFailed):
         self.role = role
 
 
-def died(error, run_id: str, store, learner) -> ActorDied:
+def died(error, run_id: str, store, learner):
     """The `RunFailed` of an actor's death (`error`, a RayActorError) the loop cannot ride out."""
     roles = {store._actor_id.hex(): "store"}
     for actor in getattr(learner, "actors", [learner]):
@@ -48,7 +48,7 @@ def died(error, run_id: str, store, learner) -> ActorDied:
     return ActorDied(str(failed), role)
 
 
-def learner_timeout(step: int, cfg) -> RunFailed:
+def learner_timeout(step: int, cfg):
     """The `RunFailed` of a learner step that gave no result within `trainer.timeout_s`."""
     return run_failed(
         f"Step {step}: the learner gave no result within trainer.timeout_s="
@@ -71,7 +71,7 @@ class Rollout:
     weights: object = None
 
 
-def submit(workers, prompts, weights=None) -> Rollout:
+def submit(workers, prompts, weights=None):
     """Start the next batch of episodes, shared among the workers, on `weights` when given."""
     data_state = prompts.state()
     jobs = prompts.next_jobs(len(workers))
@@ -82,7 +82,7 @@ def submit(workers, prompts, weights=None) -> Rollout:
     return Rollout(jobs, [f[0] for f in futures], [f[1] for f in futures], data_state, weights)
 
 
-def collect(rollout: Rollout, step: int, cfg, store, learner, workers, prompts) -> list:
+def collect(rollout: Rollout, step: int, cfg, store, learner, workers, prompts):
     """The segment futures of the workers that delivered; each episode that did not is recorded
     as failed."""
     import ray
@@ -141,7 +141,7 @@ def _failure_rows(error: Exception, worker: int, jobs: list):
     return [failure_row(job, worker, kind, message, str(error)) for job in jobs]
 
 
-def failure_row(job, worker: int, kind: str, error: str, trace: str) -> dict:
+def failure_row(job, worker: int, kind: str, error: str, trace: str):
     """The `failed_episodes` row of the episode `job` of rollout worker `worker`."""
     return {
         "rollout_id": job.rollout_id,

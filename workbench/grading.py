@@ -55,7 +55,7 @@ def _answer_spans(text: str):
     return sorted(spans)
 
 
-def extract_answer(text: str) -> str | None:
+def extract_answer(text: str):
     """The content of the last `<answer>…</answer>` or `\\boxed{…}` (nested braces allowed), or
     None."""
     spans = _answer_spans(text or "")
@@ -68,7 +68,7 @@ def extract_answer(text: str) -> str | None:
     return content.strip() or None
 
 
-def format_ok(text: str) -> bool:
+def format_ok(text: str):
     """Reasoning first, then exactly one final answer tag, and nothing but punctuation after it."""
     spans = _answer_spans(text or "")
     if len(spans) != 1 or not spans[0][2].strip():
@@ -186,7 +186,7 @@ def _number(answer: object):
         return None
 
 
-def is_equivalent(pred: object, truth: object) -> bool:
+def is_equivalent(pred: object, truth: object):
     """Whether a predicted answer means the same as the ground truth (see the module docstring)."""
     if pred is None or truth is None or not str(pred).strip():
         return False
@@ -216,13 +216,13 @@ def _choice(answer: object, choices: list | None):
     return answer
 
 
-def grade(text: str, answer: object, choices: list | None = None) -> bool:
+def grade(text: str, answer: object, choices: list | None = None):
     """Whether the final answer in `text` matches `answer`; a letter answer or reply maps to
     `choices`."""
     return is_equivalent(_choice(extract_answer(text), choices), _choice(answer, choices))
 
 
-def geo3k_reward(text: str, answer: object, choices: list | None = None) -> tuple[float, dict]:
+def geo3k_reward(text: str, answer: object, choices: list | None = None):
     """The common Geometry3K reward, 0.9·accuracy + 0.1·format, and what it saw."""
     accuracy = float(grade(text, answer, choices))
     formatted = float(format_ok(text))

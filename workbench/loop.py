@@ -8,7 +8,7 @@ from workbench.progress import Progress, StepClock
 from workbench.window import Window
 
 
-def train(cfg) -> str:
+def train(cfg):
     """Run one training run to the end, restarted if its learner or store dies; its run id."""
     return recovery.supervise(cfg, _run)
 

@@ -31,7 +31,7 @@ class StepClock:
         self.phases[phase] = now - self.mark
         self.mark = now
 
-    def metrics(self, metrics: dict) -> dict:
+    def metrics(self, metrics: dict):
         total = time.perf_counter() - self.start
         perf = {f"perf/{phase}_s": seconds for phase, seconds in self.phases.items()}
         perf["perf/step_s"] = total

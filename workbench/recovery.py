@@ -19,7 +19,7 @@ from workbench.store.query import run_row
 from workbench.store.writer import write_json_atomic
 
 
-def supervise(cfg, run_once) -> str:
+def supervise(cfg, run_once):
     """`run_once(cfg)`, started again from the latest checkpoint each time its learner or store
     dies, until it returns (the run id) or `trainer.max_restarts` recoveries are spent."""
     import ray

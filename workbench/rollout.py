@@ -71,7 +71,7 @@ class RolloutWorker:
             stop_token_ids=(self.tokenizer.eos_token_id,),
         )
 
-    def load_weights(self, weights: dict) -> int:
+    def load_weights(self, weights: dict):
         """Adopt the learner's weights (`state_dict`, in `to_wire` form, or received beforehand by
         the collective transport) and their `version`."""
         version = weights["version"]
@@ -95,7 +95,7 @@ class RolloutWorker:
         self.bucket_bytes = cfg.ray.weight_bucket_mb * 2**20
         self.received = {}
 
-    def receive_weights(self) -> int:
+    def receive_weights(self):
         """The weights learner rank 0 broadcasts next, kept until the batch that starts on them
         loads them (`load_weights`); their version."""
         state_dict, version = self.weight_group.receive(self.layout, self.bucket_bytes)
@@ -104,7 +104,7 @@ class RolloutWorker:
 
     def rollout(
         self, jobs: list[Job], params: SamplingParams | None = None, weights: dict | None = None
-    ) -> list[Segment]:
+    ):
         """Run the episodes of `jobs` to the end.
 
         With `params`, else the training sampling settings; on `weights` when given, else the
@@ -112,7 +112,7 @@ class RolloutWorker:
         """
         return self.rollout_with_failures(jobs, params, weights)[0]
 
-    def evaluate(self, jobs: list[Job], settings, weights: dict | None = None) -> list[float]:
+    def evaluate(self, jobs: list[Job], settings, weights: dict | None = None):
         """The reward of each held-out episode, sampled with the `eval.*` settings (its max_tokens,
         else the training one, and its temperature).
 
@@ -124,7 +124,7 @@ class RolloutWorker:
 
     def rollout_with_failures(
         self, jobs: list[Job], params: SamplingParams | None = None, weights: dict | None = None
-    ) -> tuple[list[Segment], list[dict]]:
+    ):
         """(segments of ended episodes, a failure row for each episode whose plugin code raised).
 
         `weights` (as `load_weights` takes them) travel with the call, so the batch starts on
@@ -351,7 +351,7 @@ class RolloutWorker:
         return segments
 
 
-def opening_messages(env, sample: dict) -> list[dict]:
+def opening_messages(env, sample: dict):
     """The messages an Env episode opens with: its system prompt, if any, and its first
     observation."""
     system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []

@@ -20,12 +20,12 @@ from workbench.config import REPO_ROOT, ConfigError
 from workbench.store.writer import write_json_atomic
 
 
-def new_run_id() -> str:
+def new_run_id():
     """A run id that sorts by start time: YYYYMMDD-HHMMSS-xxxx."""
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
 
 
-def code_version() -> str:
+def code_version():
     """The commit the code runs at (`-dirty` when tracked files differ from it), else unknown."""
     # the short commit hash, never a tag's name (5 s at most)
     command = ["git", "describe", "--always", "--dirty", "--exclude=*"]
@@ -36,7 +36,7 @@ def code_version() -> str:
     return run.stdout.strip() or "unknown"
 
 
-def start_run(cfg) -> tuple[Path, dict]:
+def start_run(cfg):
     """Give the run an id, create its folder, save the resolved config; return (folder, row)."""
     with open_dict(cfg):
         cfg.run.id = cfg.run.id or new_run_id()

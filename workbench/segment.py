@@ -66,18 +66,18 @@ class Segment:
                 )
 
     @property
-    def num_sampled(self) -> int:
+    def num_sampled(self):
         return int(self.loss_mask.sum())
 
     @property
-    def turns(self) -> np.ndarray:
+    def turns(self):
         """int32 [T]: the episode's index of each token's sampled turn, -1 outside them."""
         turns = np.full(len(self.token_ids), -1, dtype=np.int32)
         for turn, (start, end) in enumerate(self.turn_spans, self.first_turn):
             turns[start:end] = turn
         return turns
 
-    def version_range(self) -> tuple[int, int]:
+    def version_range(self):
         """(oldest, newest) weight version among sampled tokens; (-1, -1) when none was sampled."""
         sampled = self.behavior_version[self.loss_mask.astype(bool)]
         return (int(sampled.min()), int(sampled.max())) if len(sampled) else (-1, -1)
@@ -105,6 +105,6 @@ def _unbatch(blob: bytes):
     return Batch(pickle.loads(blob))
 
 
-def image_name(image: bytes) -> str:
+def image_name(image: bytes):
     """The run store's file name of an encoded image (`runs/<id>/images/<name>`): a content hash."""
     return hashlib.sha256(image).hexdigest()[:16] + ".png"

@@ -54,17 +54,17 @@ class Ranks:
                 fully_shard(module, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
 
-    def mine(self, rows: int) -> slice:
+    def mine(self, rows: int):
         """This rank's contiguous slice of `rows` rows (sizes differ by at most one)."""
         bounds = np.linspace(0, rows, self.world + 1).round().astype(int)
         return slice(int(bounds[self.rank]), int(bounds[self.rank + 1]))
 
-    def count(self, rows: int) -> int:
+    def count(self, rows: int):
         """How many of `rows` rows are this rank's."""
         own = self.mine(rows)
         return own.stop - own.start
 
-    def most(self, count: int) -> int:
+    def most(self, count: int):
         """The largest of every rank's `count`."""
         if self.world == 1:
             return count
@@ -72,7 +72,7 @@ class Ranks:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return int(value)
 
-    def gather(self, local: torch.Tensor, rows: int) -> torch.Tensor:
+    def gather(self, local: torch.Tensor, rows: int):
         """Every rank's `local` rows ([its slice of `rows`, ...], detached) put together in rank
         order: [rows, ...], the same on every rank."""
         if self.world == 1:
@@ -87,7 +87,7 @@ class Ranks:
         pieces = [part[: bounds[r + 1] - bounds[r]] for r, part in enumerate(parts)]
         return torch.cat(pieces).to("cpu", local.dtype)
 
-    def spliced(self, local: torch.Tensor, rows: int) -> torch.Tensor:
+    def spliced(self, local: torch.Tensor, rows: int):
         """The whole batch's [rows, ...] values: this rank's own rows live (they carry the
         gradient), every other rank's gathered and held constant."""
         if self.world == 1:
@@ -101,7 +101,7 @@ class Ranks:
             whole = whole + 0 * local.sum()
         return whole
 
-    def full_state_dict(self, model) -> dict | None:
+    def full_state_dict(self, model):
         """The policy's full parameters, gathered one tensor at a time: on rank 0 (others: None),
         which never holds more than one full copy."""
         if self.world == 1:
@@ -114,7 +114,7 @@ class Ranks:
                 full[name] = tensor.detach().cpu()
         return full if self.rank == 0 else None
 
-    def grad_norm(self, norm: torch.Tensor) -> float:
+    def grad_norm(self, norm: torch.Tensor):
         """A gradient norm as a float; a sharded model's is a DTensor, reduced first."""
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()

@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 
 
-def layout_of(state_dict: dict) -> list[tuple[str, torch.dtype, tuple]]:
+def layout_of(state_dict: dict):
     """Each tensor's name, dtype and shape, in order."""
     return [(name, t.dtype, tuple(t.shape)) for name, t in state_dict.items()]
 
 
-def buckets(layout: list, bucket_bytes: int) -> list[list[int]]:
+def buckets(layout: list, bucket_bytes: int):
     """The layout's tensors in consecutive buckets of at most `bucket_bytes` (a larger tensor goes
     alone); sender and receivers compute the same ones."""
     out = [[]]
@@ -47,7 +47,7 @@ class WeightGroup:
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=address[0])]
         self.group = dist.ProcessGroupGloo(store, rank, world, options)
 
-    def send(self, state_dict: dict, version: int, bucket_bytes: int) -> int:
+    def send(self, state_dict: dict, version: int, bucket_bytes: int):
         """Broadcast `version` and then `state_dict`'s bytes bucket by bucket; the bytes sent."""
         self.group.broadcast(torch.tensor([version]), 0).wait()
         tensors = list(state_dict.values())
@@ -58,7 +58,7 @@ class WeightGroup:
             sent += payload.numel()
         return sent
 
-    def receive(self, layout: list, bucket_bytes: int) -> tuple[dict, int]:
+    def receive(self, layout: list, bucket_bytes: int):
         """The (state dict, version) the learner broadcasts next."""
         version = torch.zeros(1, dtype=torch.int64)
         self.group.broadcast(version, 0).wait()

@@ -44,7 +44,7 @@ POLL_S = 1.0
 SMOOTH = 10
 
 
-def search_space(line: list[str]) -> tuple[list[str], dict]:
+def search_space(line: list[str]):
     """(the fixed overrides, {key: Optuna distribution} of the searched ones) of a tune line."""
     try:
         parsed = OverridesParser.create().parse_overrides(line)
@@ -131,7 +131,7 @@ class Tuner:
             self.study.tell(trial.number, state=TrialState.FAIL)
 
     @classmethod
-    def new(cls, line: list[str], metric: str, startup: int, warmup: int) -> "Tuner":
+    def new(cls, line: list[str], metric: str, startup: int, warmup: int):
         """A new study of the line's searched keys in its run.root, refused at once if a key or
         the metric is unknown."""
         if metric not in METRICS:
@@ -149,7 +149,7 @@ class Tuner:
         settings = dict(line=line, metric=metric, startup=startup, warmup=warmup)
         return cls(Path(cfg.run.root, name + SUFFIX), settings)
 
-    def run_trial(self) -> optuna.trial.FrozenTrial:
+    def run_trial(self):
         """Sample a point, train its run to the end or until the pruner stops it; its trial."""
         trial = self.study.ask(self.space)
         swept = {key: str(value) for key, value in trial.params.items()}
@@ -196,7 +196,7 @@ class Tuner:
                 child.join()
                 return True
 
-    def describe(self, trial: optuna.trial.FrozenTrial) -> str:
+    def describe(self, trial: optuna.trial.FrozenTrial):
         """One line of a trial: its number, score (or pruned, failed), values and run."""
         outcome = trial.state.name.lower()
         if trial.state == TrialState.COMPLETE:
@@ -206,7 +206,7 @@ class Tuner:
         values = " ".join(f"{key}={value}" for key, value in trial.params.items())
         return f"trial {trial.number} {outcome}: {values} (run {trial.user_attrs.get('run_id')})"
 
-    def summary(self) -> str:
+    def summary(self):
         """Trials, pruned, failed, the best trial, and the command that compares them."""
         states = [trial.state for trial in self.study.trials]
         best = ""

@@ -12,7 +12,7 @@ from collections import deque
 from workbench import faults
 
 
-def batches(cfg) -> int:
+def batches(cfg):
     """The loop's steps: one rollout batch each, trained in `trainer.minibatches` optimizer
     steps."""
     return cfg.trainer.steps // cfg.trainer.minibatches
@@ -34,11 +34,11 @@ class Window:
         # the loop step whose batch is drawn next
         self.next_batch = start + len(self.in_flight)
 
-    def steps(self) -> range:
+    def steps(self):
         """The loop steps still to run, one per rollout batch."""
         return range(self.start, self.end)
 
-    def oldest(self) -> faults.Rollout:
+    def oldest(self):
         """The oldest batch in flight, taken out of the window: the one this step trains on."""
         return self.in_flight.popleft()
 
@@ -63,7 +63,7 @@ class Window:
             self.in_flight.append(faults.submit(self.workers, self.prompts, weights))
             self.next_batch += 1
 
-    def data_state(self) -> dict:
+    def data_state(self):
         """The data position a checkpoint saves: from before the oldest batch in flight was drawn
         (no step has trained on it yet), else the current one."""
         if self.in_flight:

@@ -45,7 +45,7 @@ def compute_advantages(
     estimator: str,
     rollout_ids: Tensor | None = None,
     eps: float = 1e-6,
-) -> Tensor:
+):
     """Per-row advantage [N] from per-row rewards [N], prompt groups [N] and rollouts [N].
 
     reinforce: r.  reinforce_baseline: r - batch mean.  rloo: r - mean of the other rollouts
@@ -99,7 +99,7 @@ def turn_advantages(
     group_ids: Tensor,
     rollout_ids: Tensor,
     discount: float,
-) -> Tensor:
+):
     """Per-token advantage [N, T] from the rewards of each row's episode by turn [N, K] (NaN
     after its last), the episode's turn of each token [N, T] (-1 outside sampled turns: advantage
     0), prompt groups [N] and rollouts [N].
@@ -128,7 +128,7 @@ def turn_advantages(
 
 def distill_advantages(
     student_logprob: Tensor, teacher_logprob: Tensor, loss_mask: Tensor, coef: float = 1.0
-) -> Tensor:
+):
     """on_policy_distill: per-token advantage [B, T] = -coef·(log π_student − log π_teacher) on
     sampled tokens, 0 elsewhere.
 
@@ -139,7 +139,7 @@ def distill_advantages(
     return torch.where(loss_mask.bool(), -coef * (student_logprob - teacher_logprob).detach(), 0.0)
 
 
-def uniform_groups(rewards: Tensor, group_ids: Tensor) -> Tensor:
+def uniform_groups(rewards: Tensor, group_ids: Tensor):
     """Rows [N] (bool) whose prompt group has one reward for all its rows: no relative signal, so
     dynamic filtering drops them."""
     groups, group = torch.unique(group_ids, return_inverse=True)  # [N] -> group index
@@ -155,10 +155,10 @@ def uniform_groups(rewards: Tensor, group_ids: Tensor) -> Tensor:
 # ---- the registry: `algo.advantage=NAME` selects ADVANTAGES[NAME]
 
 
-def advantage(name: str, teacher: bool = False, groups: bool = True) -> Callable:
+def advantage(name: str, teacher: bool = False, groups: bool = True):
     """Register the decorated function as the estimator `algo.advantage=name` (see `Estimator`)."""
 
-    def register(estimate: Callable) -> Callable:
+    def register(estimate: Callable):
         ADVANTAGES[name] = Estimator(estimate, teacher=teacher, groups=groups)
         return estimate
 
@@ -168,7 +168,7 @@ def advantage(name: str, teacher: bool = False, groups: bool = True) -> Callable
 def _from_rewards(estimator: str):
     """`compute_advantages(..., estimator)` as the learner calls it: one advantage per row."""
 
-    def estimate(batch: dict, logprob: Tensor, teacher_logprob: None, algo) -> tuple[Tensor, dict]:
+    def estimate(batch: dict, logprob: Tensor, teacher_logprob: None, algo):
         advantages = compute_advantages(
             batch["rewards"], batch["group_ids"], estimator, batch["rollout_ids"]
         )

@@ -43,7 +43,7 @@ def load_causal_lm(path: str, dtype: str = "float32"):
     return load_policy(path, dtype)
 
 
-def nucleus(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
+def nucleus(logprobs: torch.Tensor, top_p: float):
     """Log-probs renormalised over the smallest set of tokens whose mass reaches top_p."""
     if top_p >= 1:
         return logprobs
@@ -132,7 +132,7 @@ class TorchEngine:
         params: SamplingParams,
         images: list[list[bytes]] | None = None,
         listener=None,
-    ) -> list[Generation]:
+    ):
         """`images[i]`: the images of prompt i, in the order of its placeholder runs
         (vision-language models); `listener(i, ids)` gets prompt i's ids as they are sampled."""
         # OpenMP's thread count is per thread: the calling thread (a Ray actor thread, a loopback

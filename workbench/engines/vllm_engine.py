@@ -65,9 +65,7 @@ CPU_DEFAULTS = {
 class WeightSync:
     """vLLM worker extension (runs in each vLLM worker): in-place reload with an optional check."""
 
-    def load_policy_weights(
-        self, weights: list[tuple[str, torch.Tensor]], check: bool
-    ) -> list[str]:
+    def load_policy_weights(self, weights: list[tuple[str, torch.Tensor]], check: bool):
         """Reload from (name, tensor) pairs in checkpoint format; with `check`, every parameter is
         first filled with NaN, and the names of those still holding NaN afterwards (not updated) are
         returned."""
@@ -214,7 +212,7 @@ class VllmEngine(TorchEngine):
     def _generate(self, prompts, params: SamplingParams, images, listener):
         return [done.result() for done in self.submit(prompts, params, images, listener)]
 
-    def submit(self, prompts, params: SamplingParams, images=None, listener=None) -> list[Future]:
+    def submit(self, prompts, params: SamplingParams, images=None, listener=None):
         """Start the prompts in the running batch, all on the same weights; each one's Generation
         when it ends."""
         futures = [Future() for _ in prompts]

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 
-def find_routers(model) -> list[torch.nn.Module]:
+def find_routers(model):
     """The MoE router modules of a transformers model, in layer order (empty for a dense model)."""
     return [
         m
@@ -73,7 +73,7 @@ def replay_routes(model, routed_experts: torch.Tensor, enabled: bool = True):
     batch, seq = routed_experts.shape[:2]
     stats = {}
 
-    def table(name: str, fill: int, dtype: torch.dtype, *tail: int) -> torch.Tensor:
+    def table(name: str, fill: int, dtype: torch.dtype, *tail: int):
         """stats[name], made at the first forward: [batch, seq, layers, *tail] of `fill`."""
         return stats.setdefault(
             name, torch.full((batch, seq, len(routers), *tail), fill, dtype=dtype)
@@ -106,7 +106,7 @@ def replay_routes(model, routed_experts: torch.Tensor, enabled: bool = True):
         yield stats
 
 
-def decode_vllm_routed_experts(data, num_tokens: int) -> np.ndarray:
+def decode_vllm_routed_experts(data, num_tokens: int):
     """vLLM's `routed_experts` (nested lists, or a base64 `.npy` string), one row per token that
     was fed (one fewer than the tokens: the last sampled token never is), as int16
     [num_tokens, layers, k] with -1 for rows vLLM did not report."""

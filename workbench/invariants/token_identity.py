@@ -55,18 +55,18 @@ class SegmentTokens:
         self.behavior_logprob.extend(map(float, logprobs) if sampled else [0.0] * len(ids))
         self.behavior_version.extend([-1] * len(ids) if versions is None else map(int, versions))
 
-    def copy(self) -> "SegmentTokens":
+    def copy(self):
         """A copy whose lists grow apart from this one's (their items are never mutated)."""
         lists = {name: list(value) for name, value in vars(self).items() if isinstance(value, list)}
         return dataclasses.replace(self, **lists)
 
-    def identity_holds(self) -> bool:
+    def identity_holds(self):
         """Audit: the mask-1 ids are exactly the engine's sampled ids, in order."""
         sampled = np.asarray(self.token_ids)[np.asarray(self.loss_mask, dtype=bool)]
         returned = np.concatenate([np.zeros(0, np.int64), *self.sampled_turns])
         return np.array_equal(sampled, returned)
 
-    def arrays(self) -> dict[str, np.ndarray]:
+    def arrays(self):
         routed = None
         # positions added after the last forward are unknown (-1)
         if self.routes is not None:
@@ -81,7 +81,7 @@ class SegmentTokens:
         }
 
 
-def message_images(messages: list[dict]) -> list[bytes]:
+def message_images(messages: list[dict]):
     """Encoded images of `messages` in render order.
 
     Content parts look like `{"type": "image", "image": bytes}`."""
@@ -94,7 +94,7 @@ def message_images(messages: list[dict]) -> list[bytes]:
     ]
 
 
-def retokenize_drift(tokenizer, token_ids: list[int]) -> bool:
+def retokenize_drift(tokenizer, token_ids: list[int]):
     """Would decoding these ids to text and encoding it again give other ids?
 
     Measured, never acted on. Through the fast tokenizer's Rust backend when there is one:
@@ -107,13 +107,13 @@ def retokenize_drift(tokenizer, token_ids: list[int]) -> bool:
     return backend.encode(text, add_special_tokens=False).ids != ids
 
 
-def reply_text(tokenizer, token_ids, finish_reason: str) -> str:
+def reply_text(tokenizer, token_ids, finish_reason: str):
     """The text of a sampled turn, for the agent: the stop token dropped, tool-call tags kept."""
     ids = token_ids[:-1] if finish_reason == "stop" and len(token_ids) else token_ids
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def stream_pieces(tokenizer, token_ids, content: str) -> list[str]:
+def stream_pieces(tokenizer, token_ids, content: str):
     """`content` in the pieces it was generated in (for streaming): their concatenation is exactly
     `content`. A character whose bytes span several tokens goes out whole with its last token: the
     decoded prefix ends in U+FFFD until then."""
@@ -156,12 +156,12 @@ class TokenAccumulator:
         self.last_finish = "stop"
         self._open(list(messages))
 
-    def render(self, messages: list[dict], generation_prompt: bool) -> str:
+    def render(self, messages: list[dict], generation_prompt: bool):
         return self.tokenizer.apply_chat_template(
             messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
         )
 
-    def encode(self, text: str, images: list[bytes] = ()) -> list[int]:
+    def encode(self, text: str, images: list[bytes] = ()):
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if images and self.codec is None:
             raise ValueError(
@@ -171,7 +171,7 @@ class TokenAccumulator:
         return self.codec.expand(ids, images) if images else ids
 
     @property
-    def token_ids(self) -> np.ndarray:
+    def token_ids(self):
         """The exact ids generation continues from (int32 [t])."""
         return np.asarray(self.open.token_ids, dtype=np.int32)
 
@@ -211,7 +211,7 @@ class TokenAccumulator:
         self.messages.append(message)
         self.last_finish = self.open.finish = finish_reason
 
-    def continue_with(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def continue_with(self, messages: list[dict], tools: list[dict] | None = None):
         """Take a client's whole conversation.
 
         `extend` when it continues this one (our messages are its prefix and the render stays a
@@ -248,7 +248,7 @@ class TokenAccumulator:
             and reasoning in (None, ours.get("reasoning_content"))
         )
 
-    def add_messages(self, new_messages: list[dict]) -> bool:
+    def add_messages(self, new_messages: list[dict]):
         """Extend the open segment with the rendered delta of `new_messages`.
 
         False if it had to seal."""
@@ -289,7 +289,7 @@ class TokenAccumulator:
             starts.append(len(os.path.commonprefix([full, render])))
         return min(starts)
 
-    def fork(self) -> "TokenAccumulator":
+    def fork(self):
         """A copy to try a turn on; the original is untouched until the copy replaces it."""
         # lists are copied; their items (ints, arrays, bytes, messages) are never mutated
         twin = copy.copy(self)
@@ -303,7 +303,7 @@ class TokenAccumulator:
         self.open.seal_reason = reason
         self.sealed.append(self.open)
 
-    def finish(self) -> list[SegmentTokens]:
+    def finish(self):
         """Seal the open segment (reason `end`) and return every segment of the episode in order."""
         self.seal("end")
         return self.sealed

@@ -38,7 +38,7 @@ def with_adapter(model, lora):
         return peft.get_peft_model(model, peft_config(lora))
 
 
-def adapter_state(model) -> dict:
+def adapter_state(model):
     """The adapter's tensors, as a push carries them."""
     from peft import get_peft_model_state_dict
 

@@ -22,7 +22,7 @@ VISION_MARKERS = (
 )
 
 
-def is_vision_language(path: str) -> bool:
+def is_vision_language(path: str):
     return "vision_config" in json.loads(Path(path, "config.json").read_text())
 
 
@@ -67,10 +67,10 @@ class ImageCodec:
         out = self.processor([Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"][0]  # [patches, channels*patch*patch], [3]
 
-    def placeholders(self, image: bytes) -> int:
+    def placeholders(self, image: bytes):
         return int(self._cached(image)[1].prod()) // self.merge
 
-    def expand(self, ids: list[int], images: list[bytes]) -> list[int]:
+    def expand(self, ids: list[int], images: list[bytes]):
         """Replace the k-th single placeholder in `ids` by as many as `images[k]` takes."""
         out = []
         remaining = iter(images)
@@ -81,7 +81,7 @@ class ImageCodec:
                 out.append(token)
         return out
 
-    def pixels(self, images: list[bytes]) -> dict[str, torch.Tensor]:
+    def pixels(self, images: list[bytes]):
         pixel_values, grids = zip(*map(self._cached, images), strict=True)
         return {"pixel_values": torch.cat(pixel_values), "image_grid_thw": torch.stack(grids)}
 
@@ -92,7 +92,7 @@ def forward_inputs(
     attention_mask: torch.Tensor,
     images: list[list[bytes]] | None = None,
     codec: ImageCodec | None = None,
-) -> dict[str, torch.Tensor]:
+):
     """Keyword inputs of a full forward over padded rows: position ids that skip padding (3-row
     M-RoPE positions for a vision-language model) and, when any row has images, their pixels in row
     order."""

@@ -25,7 +25,7 @@ import torch
 from workbench.algo.losses import token_logprobs_entropy
 
 
-def microbatches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+def microbatches(lengths: Sequence[int], max_tokens: int):
     """Row indices grouped so that each group's tokens stay within `max_tokens` (a row longer than
     the budget goes alone); `max_tokens=0` is one group of every row.
 
@@ -51,12 +51,12 @@ def microbatches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return [sorted(group) for group in groups]
 
 
-def pack_like(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def pack_like(values: torch.Tensor, mask: torch.Tensor):
     """[batch, seq, ...] -> [1, tokens, ...]: the values at `mask`'s real tokens, row after row."""
     return values[mask.bool()][None]
 
 
-def unpack(packed: torch.Tensor, mask: torch.Tensor, fill: float = 0) -> torch.Tensor:
+def unpack(packed: torch.Tensor, mask: torch.Tensor, fill: float = 0):
     """[1, tokens, ...] -> [batch, seq, ...]: `pack_like` undone, `fill` at padding (with
     gradient)."""
     padded = packed.new_full((*mask.shape, *packed.shape[2:]), fill)

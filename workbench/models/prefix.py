@@ -27,7 +27,7 @@ class Plan:
     group_of: np.ndarray
 
 
-def plan(token_ids: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor) -> Plan | None:
+def plan(token_ids: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor):
     """Each group's longest common prefix (leaving every row at least one token of its own; a group
     of one row shares with itself); None when a group shares no token, or when sharing would save
     under a quarter of the batch's tokens."""
@@ -97,7 +97,7 @@ def _packed(
     # [batch, seq] packed slot
     slot = torch.where(t < lengths[:, None], group_of[:, None] * width + column, spare)
 
-    def pack(values: torch.Tensor, fill: int) -> torch.Tensor:
+    def pack(values: torch.Tensor, fill: int):
         """[groups, width]: `values` at their packed slots; a group's rows agree on its prefix."""
         return (
             torch.full((spare + 1,), fill)
@@ -180,7 +180,7 @@ def _cached(
     suffix_column = (longest + t - own[:, None]).clamp(max=longest + suffix_ids.shape[1] - 1)
     order = torch.where(t < own[:, None], t, suffix_column)  # [batch, seq]
 
-    def arranged(part: int) -> torch.Tensor:
+    def arranged(part: int):
         """[batch, seq]: piece `part` (0: log-probs, 1: entropies) of prefix, head and own
         tokens, in each row's order."""
         joined = torch.cat([prefix[part][group_of], head[part][:, 1:], rest[part][:, 1:]], dim=1)
@@ -196,7 +196,7 @@ def output_cache(out):
     return out.cache if hasattr(out, "cache") else out.past_key_values
 
 
-def cache_input(model, cache) -> dict:
+def cache_input(model, cache):
     """The keyword a forward takes its KV cache by (`cache`; `past_key_values` before transformers
     5.20)."""
     if "cache" in inspect.signature(model.forward).parameters:
@@ -204,7 +204,7 @@ def cache_input(model, cache) -> dict:
     return {"past_key_values": cache}
 
 
-def unique_rows(prompts: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:
+def unique_rows(prompts: list[np.ndarray]):
     """The distinct prompts, and for each prompt the index of its copy among them."""
     # prompt bytes -> index among the distinct prompts
     seen = {}

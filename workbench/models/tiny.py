@@ -152,13 +152,13 @@ triangle circle angle line length area radius degrees parallel perpendicular fin
 """
 
 
-def cache_root() -> Path:
+def cache_root():
     """Where built models live: $MOLT_WB_CACHE, else ~/.cache/molt-wb (an empty value is unset:
     `Path("")` would be the working directory)."""
     return Path(os.environ.get("MOLT_WB_CACHE") or Path.home() / ".cache" / "molt-wb").absolute()
 
 
-def spec_hash(spec: dict) -> str:
+def spec_hash(spec: dict):
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -255,7 +255,7 @@ def build_model(spec: dict, tokenizer):
     return AutoModelForImageTextToText.from_config(config)
 
 
-def is_moe(model_config) -> bool:
+def is_moe(model_config):
     """Whether a transformers config describes a mixture-of-experts model."""
     return any(
         getattr(model_config, key, 0)
@@ -263,7 +263,7 @@ def is_moe(model_config) -> bool:
     )
 
 
-def tiny_model_path(name: str = "tiny") -> Path:
+def tiny_model_path(name: str = "tiny"):
     """Build (once) and return the folder of the tiny model `name`; safe under concurrent
     callers."""
     if name not in TINY_SPECS:

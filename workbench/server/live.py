@@ -81,7 +81,7 @@ class Live:
         if self.writer is not None:
             await asyncio.gather(self.writer, return_exceptions=True)
 
-    def final(self, reply: ChatReply) -> ChatReply:
+    def final(self, reply: ChatReply):
         """The turn's reply as it went out: the opening's id, and its content in the pieces sent,
         then the rest."""
         rest = pieces_in(reply.pieces["content"], len("".join(self.pieces)), len(reply.text))

@@ -118,7 +118,7 @@ class LoopbackServer:
 
     # ---- sessions (called from the worker's thread)
 
-    def open_session(self, rollout_id: int, stream: int = 0) -> dict:
+    def open_session(self, rollout_id: int, stream: int = 0):
         session = Session(
             session_id=secrets.token_hex(8),
             api_key="sk-" + secrets.token_hex(16),
@@ -131,7 +131,7 @@ class LoopbackServer:
         base_urls = {wire.base_url_key: base + wire.base_url_suffix for wire in self.wires}
         return {"session": session.session_id, **base_urls, "api_key": session.api_key}
 
-    def close_session(self, session_id: str) -> tuple[list, list[dict]]:
+    def close_session(self, session_id: str):
         """End a session: its token-exact segments (none if it never generated) and its request
         rows."""
         session = self.sessions.pop(session_id)

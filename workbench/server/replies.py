@@ -18,12 +18,12 @@ from workbench.server.wires.base import ChatRequest, WireError, field_of
 SENTINELS = ({"name": "x", "arguments": {}}, {"name": "y", "arguments": {"molt_wb_sentinel": 0}})
 
 
-def response_template(tokenizer) -> dict:
+def response_template(tokenizer):
     """The policy's response template: its tokenizer config's, else the hermes default."""
     return getattr(tokenizer, "response_template", None) or RESPONSE_TEMPLATE
 
 
-def parse_reply(tokenizer, text: str, prompt_ids, tools: list[dict] | None) -> tuple[dict, int]:
+def parse_reply(tokenizer, text: str, prompt_ids, tools: list[dict] | None):
     """The assistant message a turn's `text` (as generated, a forced opening included) says after
     the prompt `prompt_ids`, and how many malformed tool calls it holds (its content is then its
     whole text)."""
@@ -57,7 +57,7 @@ def _tool_call(call):
     return {"id": f"call_{uuid.uuid4().hex[:12]}", "name": name, "arguments": arguments}
 
 
-def shown(message: dict, text: str, hidden: int, pieces: list[str]) -> dict[str, list[str]]:
+def shown(message: dict, text: str, hidden: int, pieces: list[str]):
     """The reply's reasoning and content as parts of `pieces` (the turn's `text` in the pieces it
     was generated in) past its first `hidden` characters (a prefill the reply continues); a field
     that is not a stretch of the text, once parsed, is one piece."""
@@ -73,7 +73,7 @@ def shown(message: dict, text: str, hidden: int, pieces: list[str]) -> dict[str,
     return fields
 
 
-def pieces_in(pieces: list[str], start: int, end: int) -> list[str]:
+def pieces_in(pieces: list[str], start: int, end: int):
     """The parts of `pieces` (consecutive pieces of one text) that lie in [start, end)."""
     parts = []
     offset = 0
@@ -85,7 +85,7 @@ def pieces_in(pieces: list[str], start: int, end: int) -> list[str]:
     return parts
 
 
-def forced_text(tokenizer, render, messages: list[dict], chat: ChatRequest) -> str:
+def forced_text(tokenizer, render, messages: list[dict], chat: ChatRequest):
     """The text a turn is forced to start with: the prefill, or the opening of a tool call as the
     chat template (`render(messages, generation_prompt)`) renders one after `messages`: the turn up
     to the name (tool_choice required) or to the arguments (a named tool), cut back to where its

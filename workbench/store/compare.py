@@ -36,7 +36,7 @@ FIGURES = """
     from metrics"""
 
 
-def sweeps(root: str = "runs") -> list[dict]:
+def sweeps(root: str = "runs"):
     """One row per sweep id: runs, finished, failed, swept keys, created (newest first)."""
     by_sweep = defaultdict(list)
     for row in list_runs(root):
@@ -58,7 +58,7 @@ def sweeps(root: str = "runs") -> list[dict]:
     return sorted(table, key=lambda entry: -entry["created"])
 
 
-def compare_rows(selection: list[str], root: str = "runs") -> tuple[list[str], list[dict]]:
+def compare_rows(selection: list[str], root: str = "runs"):
     """(swept keys, one row per run) for a sweep id or a list of run ids (unique prefixes
     allowed)."""
     runs = [r for r in list_runs(root) if len(selection) == 1 and r.get("sweep_id") == selection[0]]

@@ -18,12 +18,12 @@ NO_RECOVERIES = (
 )
 
 
-def run_row(run_dir) -> dict:
+def run_row(run_dir):
     """The `runs` row of a run folder: its run.json."""
     return json.loads(Path(run_dir, "run.json").read_text())
 
 
-def cell(value, missing: str = "-") -> str:
+def cell(value, missing: str = "-"):
     """A value as a table shows it (`molt-wb compare`, `molt-wb inspect`): a float to 4 significant
     digits, `missing` for none."""
     if isinstance(value, float):
@@ -36,7 +36,7 @@ def cell(value, missing: str = "-") -> str:
 RUN_COLUMNS = ("id", "recipe", "status", "steps", "reward", "created", "sweep")
 
 
-def run_cells(row: dict, created_format: str) -> list[str]:
+def run_cells(row: dict, created_format: str):
     """A `runs` row as the cells under RUN_COLUMNS (`molt-wb runs` and `molt-wb inspect`)."""
     reward = row.get("reward_mean")
     return [
@@ -50,7 +50,7 @@ def run_cells(row: dict, created_format: str) -> list[str]:
     ]
 
 
-def list_runs(root: str = "runs", mark_crashed: bool = True) -> list[dict]:
+def list_runs(root: str = "runs", mark_crashed: bool = True):
     """The `runs` rows of every run under `root`, newest first. A run still marked `running` whose
     process (on this host) is gone was killed without a chance to say so: it is marked `crashed`,
     unless `mark_crashed` is false (a reader that rewrites nothing: the TUI)."""
@@ -86,7 +86,7 @@ def _alive(pid):
     return True
 
 
-def resolve_run(run_id: str, root: str = "runs") -> Path:
+def resolve_run(run_id: str, root: str = "runs"):
     """The folder of the run whose id is `run_id` or starts with it (a unique prefix is enough)."""
     ids = sorted(path.parent.name for path in Path(root).glob("*/run.json"))
     if run_id in ids:

@@ -164,9 +164,7 @@ TABLES: dict[str, pa.Schema] = {
 }
 
 
-def step_tables(
-    run_id: str, step: int, learner_version: int, segments: list, train: dict
-) -> dict[str, pa.Table]:
+def step_tables(run_id: str, step: int, learner_version: int, segments: list, train: dict):
     """Segment and token rows of one consumed batch.
 
     `train` holds from the learner: `train_logprob`, `is_weight` and optionally `entropy` and
@@ -176,7 +174,7 @@ def step_tables(
     per-sequence columns).
     """
 
-    def each(name: str) -> list:
+    def each(name: str):
         """Every segment's attribute `name`, in order."""
         return [getattr(s, name) for s in segments]
 
@@ -233,7 +231,7 @@ def step_tables(
     }
 
 
-def rows_table(schema: pa.Schema, run_id: str, step: int, rows: list[dict]) -> pa.Table:
+def rows_table(schema: pa.Schema, run_id: str, step: int, rows: list[dict]):
     """`rows` (each holding every column of `schema` but `ROW_KEY`'s) as a table of `schema`; the
     loopback server's request rows (workbench.server.loopback) make the `requests` table."""
     columns = {"run_id": [run_id] * len(rows), "step": [step] * len(rows)}

@@ -5,14 +5,10 @@ A sink is anything with `log(metrics, step)` and `close(status)` (`sink.py`); `m
 only inside their sink constructors, so importing this package stays cheap.
 """
 
-from workbench.tracking.sink import Sink
-
 WANDB_MODES = ("offline", "online", "disabled")
 
 
-def make_sinks(
-    tracking, run_dir: str, run_id: str, config: dict, group: str | None = None
-) -> list[Sink]:
+def make_sinks(tracking, run_dir: str, run_id: str, config: dict, group: str | None = None):
     """Build one sink per enabled backend; `tracking` is read through attributes only."""
     sinks = []
     mode = tracking.wandb.mode

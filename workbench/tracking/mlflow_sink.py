@@ -20,7 +20,7 @@ except ImportError as error:
 RUN_STATUSES = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
 
 
-def flatten(config: Mapping, prefix: str = "") -> dict[str, object]:
+def flatten(config: Mapping, prefix: str = ""):
     """{"a": {"b": 1}} -> {"a.b": 1}"""
     flat = {}
     for key, value in config.items():

@@ -6,7 +6,7 @@ sampled token is coloured by a chosen channel (`channels.py`). This module holds
 and its help.
 """
 
-from textual.app import App, ComposeResult
+from textual.app import App
 from textual.binding import Binding
 from textual.screen import ModalScreen
 from textual.widgets import Static
@@ -30,7 +30,7 @@ everywhere: ? help · q quit"""
 class Help(ModalScreen):
     BINDINGS = [("escape,question_mark,q", "app.pop_screen", "Close")]
 
-    def compose(self) -> ComposeResult:
+    def compose(self):
         yield Static(HELP, id="help")
 
 

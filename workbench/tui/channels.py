@@ -55,7 +55,7 @@ CHANNELS = {
 }
 
 
-def colour(channel: str, token: dict) -> str:
+def colour(channel: str, token: dict):
     value_of, bins = CHANNELS[channel]
     value = value_of(token)
     if value is None:

@@ -54,7 +54,7 @@ class Filter:
     text: str = ""
 
     @classmethod
-    def parse(cls, line: str) -> "Filter":
+    def parse(cls, line: str):
         found = cls()
         words = []
         for word in line.split():
@@ -83,7 +83,7 @@ class RunData:
         self.pieces = {}
         self.refresh()
 
-    def refresh(self) -> bool:
+    def refresh(self):
         """Re-read run.json and (re)create views for tables whose first shard appeared; True if
         anything changed."""
         self.run = run_row(self.folder)
@@ -105,23 +105,23 @@ class RunData:
             self.db.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM {source}")
         return changed
 
-    def rows(self, sql: str, params=()) -> list[tuple]:
+    def rows(self, sql: str, params=()):
         """The rows of a query; `params`: its ? values in order, or its $name values by name."""
         return self.db.execute(sql, params).fetchall()
 
-    def records(self, sql: str, params=()) -> list[dict]:
+    def records(self, sql: str, params=()):
         """`rows`, each as {column name: value}."""
         result = self.db.execute(sql, params)
         names = [d[0] for d in result.description]
         return [dict(zip(names, row, strict=True)) for row in result.fetchall()]
 
     # ---- overview
-    def series(self, key: str) -> list[tuple[int, float]]:
+    def series(self, key: str):
         return self.rows(
             "select step, avg(value) from metrics where key = ? group by step order by step", [key]
         )
 
-    def headline(self) -> dict:
+    def headline(self):
         sizes = self.records(
             "select count(*) as segments, coalesce(sum(num_tokens), 0) as tokens, "
             "coalesce(sum(num_sampled), 0) as sampled from segments"
@@ -160,10 +160,10 @@ class RunData:
           and ($text = '' or s.prompt_text ilike '%' || $text || '%'
                or s.response_text ilike '%' || $text || '%')"""
 
-    def segment_count(self, found: Filter) -> int:
+    def segment_count(self, found: Filter):
         return self.rows(f"select count(*) from ({self._SEGMENTS})", vars(found))[0][0]
 
-    def segment_page(self, found: Filter, offset: int, sort: str, descending: bool) -> list[tuple]:
+    def segment_page(self, found: Filter, offset: int, sort: str, descending: bool):
         order = f"{SORT_EXPRESSIONS.get(sort, sort)} {'desc' if descending else 'asc'}"
         return self.rows(
             f"{self._SEGMENTS} order by {order}, step, rollout_id, segment_idx "
@@ -172,12 +172,12 @@ class RunData:
         )
 
     # ---- one segment, by its key (step, rollout_id, segment_idx)
-    def segment(self, key: tuple) -> dict:
+    def segment(self, key: tuple):
         return self.records(
             "select * from segments where step = ? and rollout_id = ? and segment_idx = ?", key
         )[0]
 
-    def siblings(self, rollout_id: int) -> list[tuple[int, int]]:
+    def siblings(self, rollout_id: int):
         """(step, segment_idx) of every segment of one rollout, in order."""
         return self.rows(
             "select step, segment_idx from segments "
@@ -185,7 +185,7 @@ class RunData:
             [rollout_id],
         )
 
-    def tokens(self, key: tuple) -> list[dict]:
+    def tokens(self, key: tuple):
         """One segment's token rows in order, each as {column name: value}."""
         return self.records(
             "select position, token_id, loss_mask, behavior_logprob, train_logprob, "
@@ -194,7 +194,7 @@ class RunData:
             key,
         )
 
-    def routing(self, key: tuple) -> dict[int, dict[int, tuple]]:
+    def routing(self, key: tuple):
         """Layer -> {position: (rollout experts, learner experts)} where the learner's live routing
         disagreed."""
         layers = self.rows(
@@ -209,7 +209,7 @@ class RunData:
         return routing
 
     # ---- other tables
-    def page(self, table: str, offset: int) -> tuple[list[str], list[tuple]]:
+    def page(self, table: str, offset: int):
         order = "step, rollout_id, segment_idx" if table == "gate_decisions" else "time"
         # the traceback: below the table
         exclude = "run_id, traceback" if table == "failed_episodes" else "run_id"
@@ -219,7 +219,7 @@ class RunData:
         )
         return [d[0] for d in result.description], result.fetchall()
 
-    def traceback(self, step: int, rollout_id: int) -> str:
+    def traceback(self, step: int, rollout_id: int):
         return self.rows(
             "select coalesce(first(traceback), '') from failed_episodes "
             "where step = ? and rollout_id = ?",
@@ -227,7 +227,7 @@ class RunData:
         )[0][0]
 
     # ---- token text
-    def piece(self, token_id: int) -> str:
+    def piece(self, token_id: int):
         """The text of one token under the run's tokenizer (cached); `⟨id⟩` when the tokenizer
         cannot be found."""
         if token_id not in self.pieces:
@@ -237,7 +237,7 @@ class RunData:
         return self.pieces[token_id]
 
     @property
-    def model(self) -> dict:
+    def model(self):
         """The run's `model` config."""
         return (self.run.get("config") or {}).get("model") or {}
 

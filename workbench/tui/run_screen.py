@@ -6,7 +6,6 @@ token view of its segment.
 
 import json
 
-from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.screen import Screen
@@ -34,7 +33,7 @@ PAGED_TABS = (
 )
 
 
-def row_cells(table: DataTable, row_key) -> dict:
+def row_cells(table: DataTable, row_key):
     """{column name: cell} of one row of `table`, whose columns are keyed by their names."""
     return dict(zip(table.columns, table.get_row(row_key), strict=True))
 
@@ -63,7 +62,7 @@ class RunScreen(Screen):
         self.descending = False
         self.offsets = {"segments": 0, "gate": 0, "requests": 0, "failures": 0}
 
-    def compose(self) -> ComposeResult:
+    def compose(self):
         yield Header()
         with TabbedContent(initial="overview"):
             with TabPane("1 Overview", id="overview"), VerticalScroll():

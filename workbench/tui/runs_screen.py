@@ -1,7 +1,6 @@
 """The first screen of `molt-wb inspect`: every run under the root, newest first, filterable by
 sweep id; enter opens a run."""
 
-from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input
@@ -17,7 +16,7 @@ class RunsScreen(Screen):
         Binding("escape", "focus('#runs')", "Table", show=False),
     ]
 
-    def compose(self) -> ComposeResult:
+    def compose(self):
         yield Header()
         yield Input(self.app.sweep, placeholder="sweep id filter (s)", id="sweep")
         yield DataTable(id="runs", cursor_type="row", zebra_stripes=True)

@@ -9,7 +9,6 @@ import os
 
 import textual_image.renderable
 from rich.text import Text
-from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
@@ -31,7 +30,7 @@ if (
     SegmentImage = HalfcellImage
 
 
-def visible(piece: str) -> str:
+def visible(piece: str):
     """A token's text as it may be drawn: newlines kept (after a ↵), other control characters
     escaped."""
     escaped = "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in piece)
@@ -86,7 +85,7 @@ class TokenScreen(Screen):
             }
         self.cursor = min(self.cursor, max(len(self.tokens) - 1, 0))
 
-    def compose(self) -> ComposeResult:
+    def compose(self):
         yield Header()
         yield Static(id="legend")
         with Horizontal():
@@ -111,7 +110,7 @@ class TokenScreen(Screen):
         panel.display = bool(files)
         panel.mount_all(SegmentImage(path) for path in files)
 
-    def token_styles(self) -> list[str]:
+    def token_styles(self):
         """The style of every token under the current channel (the cursor's not included)."""
         return [_style(self.channel, t) for t in self.tokens]
 

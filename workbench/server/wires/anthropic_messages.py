@@ -6,7 +6,6 @@ the system prompt a leading system message.
 """
 
 import json
-from collections.abc import Iterator
 
 from workbench.server.wires.base import (
     ANY_STRING,
@@ -48,7 +47,7 @@ class AnthropicMessages(Wire):
     base_url_key = "anthropic_base_url"
     base_url_suffix = ""
 
-    def decode(self, body: dict) -> ChatRequest:
+    def decode(self, body: dict):
         refuse_unsupported(body, FIELDS, NO_OPS)
         refuse_top_p(body)
         if not isinstance(body.get("max_tokens"), int):
@@ -80,7 +79,7 @@ class AnthropicMessages(Wire):
             stream=bool(body.get("stream")),
         )
 
-    def reply(self, reply: ChatReply) -> dict:
+    def reply(self, reply: ChatReply):
         content = []
         if reply.reasoning:
             # no signature: the reasoning is the policy's own text, echoed back as it is
@@ -114,7 +113,7 @@ class AnthropicMessages(Wire):
             },
         }
 
-    def events(self, request: ChatRequest, reply: ChatReply) -> Iterator[bytes]:
+    def events(self, request: ChatRequest, reply: ChatReply):
         """message_start, per block start / deltas / stop, message_delta, message_stop."""
         whole = self.reply(reply)
         usage = {"input_tokens": reply.prompt_tokens, "output_tokens": 0}
@@ -129,7 +128,7 @@ class AnthropicMessages(Wire):
         )
         yield _event("message_stop", {})
 
-    def error(self, error: WireError) -> dict:
+    def error(self, error: WireError):
         return {"type": "error", "error": {"type": error.kind, "message": error.message}}
 
 

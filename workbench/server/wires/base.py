@@ -13,7 +13,6 @@ import binascii
 import io
 import json
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -97,25 +96,25 @@ class Wire(abc.ABC):
     base_url_suffix: str
 
     @abc.abstractmethod
-    def decode(self, body: dict) -> ChatRequest:
+    def decode(self, body: dict):
         """The request a JSON body asks for; a `WireError` for what this server does not support."""
 
     @abc.abstractmethod
-    def reply(self, reply: ChatReply) -> dict:
+    def reply(self, reply: ChatReply):
         """The whole reply's JSON body."""
 
     @abc.abstractmethod
-    def events(self, request: ChatRequest, reply: ChatReply) -> Iterator[bytes]:
+    def events(self, request: ChatRequest, reply: ChatReply):
         """The reply as server-sent events (its reasoning and text in `reply.pieces`)."""
 
-    def error(self, error: WireError) -> dict:
+    def error(self, error: WireError):
         """A refusal's JSON body (OpenAI's shape unless the wire has its own)."""
         return {
             "error": {"message": error.message, "type": error.kind, "param": None, "code": None}
         }
 
 
-def forced_tool(name, tools: list[dict] | None, where: str) -> str:
+def forced_tool(name, tools: list[dict] | None, where: str):
     """A tool_choice's named tool, which must be one of the request's tools."""
     functions = [tool.get("function") for tool in tools or []]
     names = [function.get("name") for function in functions if isinstance(function, dict)]
@@ -124,7 +123,7 @@ def forced_tool(name, tools: list[dict] | None, where: str) -> str:
     return name
 
 
-def openai_forced_tool(choice, tools: list[dict] | None, name_of) -> str | None:
+def openai_forced_tool(choice, tools: list[dict] | None, name_of):
     """OpenAI's tool_choice as a forced call: None (absent, auto, none), "" (required) or the
     function a {"type": "function", ...} choice names (`name_of(choice)`: each OpenAI wire names it
     in its own place)."""
@@ -139,7 +138,7 @@ def openai_forced_tool(choice, tools: list[dict] | None, name_of) -> str | None:
     raise WireError('tool_choice must be auto, none, required or {"type": "function", ...}.')
 
 
-def chat_message(role: str, content, where: str) -> dict:
+def chat_message(role: str, content, where: str):
     """A message of text in the chat template's form: a user's may hold images too, and a
     developer message is a system one."""
     read = text_of
@@ -157,7 +156,7 @@ def field_of(value, key: str, default=None):
     return value.get(key, default)
 
 
-def text_of(content, where: str) -> str:
+def text_of(content, where: str):
     """A message's text content: a string, or a list of text parts joined."""
     if content is None:
         return ""
@@ -226,7 +225,7 @@ def number(body: dict, key: str, kind=float):
     return kind(value)
 
 
-def strings(value, key: str) -> list[str]:
+def strings(value, key: str):
     """A string or a list of strings as a list (none when absent)."""
     values = value or []
     if isinstance(value, str):
@@ -236,7 +235,7 @@ def strings(value, key: str) -> list[str]:
     return values
 
 
-def objects(value, key: str) -> list[dict]:
+def objects(value, key: str):
     """A list of JSON objects (none when absent)."""
     if value is not None and not (
         isinstance(value, list) and all(isinstance(v, dict) for v in value)
@@ -245,19 +244,19 @@ def objects(value, key: str) -> list[dict]:
     return value or []
 
 
-def tool_arguments(value, where: str) -> dict:
+def tool_arguments(value, where: str):
     """A tool call's arguments, which must be a JSON object."""
     if not isinstance(value, dict):
         raise WireError(f"{where}: tool call arguments must be a JSON object.")
     return value
 
 
-def tool_message(content, call_id, where: str) -> dict:
+def tool_message(content, call_id, where: str):
     """A tool's result, answering the call `call_id`, in the chat template's form."""
     return {"role": "tool", "content": text_of(content, where), "tool_call_id": str(call_id)}
 
 
-def tool_call(call_id, name, arguments, where: str) -> dict:
+def tool_call(call_id, name, arguments, where: str):
     """A tool call in the chat template's form."""
     return {"id": str(call_id), "name": str(name), "arguments": tool_arguments(arguments, where)}
 
@@ -283,7 +282,7 @@ def refuse_unsupported(body: dict, fields: set[str], no_ops: dict):
             )
 
 
-def is_zero(value) -> bool:
+def is_zero(value):
     return not isinstance(value, bool) and value == 0
 
 

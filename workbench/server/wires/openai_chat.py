@@ -3,7 +3,6 @@ shapes."""
 
 import json
 import time
-from collections.abc import Iterator
 
 from workbench.server.wires.base import (
     ANY_BOOLEAN,
@@ -52,7 +51,7 @@ class OpenAIChat(Wire):
     base_url_key = "openai_base_url"
     base_url_suffix = "/v1"
 
-    def decode(self, body: dict) -> ChatRequest:
+    def decode(self, body: dict):
         refuse_unsupported(body, FIELDS, NO_OPS)
         if not isinstance(body.get("logprobs", False), bool):
             raise WireError("'logprobs' must be true or false.")
@@ -89,7 +88,7 @@ class OpenAIChat(Wire):
             forced_tool=forced,
         )
 
-    def reply(self, reply: ChatReply) -> dict:
+    def reply(self, reply: ChatReply):
         message = {"role": "assistant", "content": reply.text}
         if reply.reasoning:
             message["reasoning_content"] = reply.reasoning
@@ -110,7 +109,7 @@ class OpenAIChat(Wire):
             "usage": _usage(reply),
         }
 
-    def events(self, request: ChatRequest, reply: ChatReply) -> Iterator[bytes]:
+    def events(self, request: ChatRequest, reply: ChatReply):
         """Chunks: role, one per generated piece of reasoning and of text, tool calls, finish,
         usage, [DONE]."""
         yield _delta(reply, {"role": "assistant", "content": ""})

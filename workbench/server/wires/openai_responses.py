@@ -12,7 +12,6 @@ exactly as one that echoes every item back.
 import itertools
 import json
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from workbench.server.wires.base import (
@@ -82,7 +81,7 @@ class ResponsesRequest(ChatRequest):
     instructions: list[dict] = field(default_factory=list)
     previous_response_id: str | None = None
 
-    def continued(self, conversations: dict[str, list[dict]]) -> "ResponsesRequest":
+    def continued(self, conversations: dict[str, list[dict]]):
         """This request with the conversation its previous response ended before its input."""
         if self.previous_response_id is None:
             return self
@@ -95,7 +94,7 @@ class ResponsesRequest(ChatRequest):
         given = self.history(self.messages)
         return replace(self, messages=self.instructions + earlier + given)
 
-    def history(self, messages: list[dict]) -> list[dict]:
+    def history(self, messages: list[dict]):
         """What a later response continues: the conversation `messages` without the
         instructions."""
         return messages[len(self.instructions) :]
@@ -108,7 +107,7 @@ class OpenAIResponses(Wire):
     base_url_key = "openai_base_url"
     base_url_suffix = "/v1"
 
-    def decode(self, body: dict) -> ChatRequest:
+    def decode(self, body: dict):
         refuse_unsupported(body, FIELDS, NO_OPS)
         refuse_top_p(body)
         previous = body.get("previous_response_id")
@@ -143,7 +142,7 @@ class OpenAIResponses(Wire):
             previous_response_id=previous,
         )
 
-    def reply(self, reply: ChatReply) -> dict:
+    def reply(self, reply: ChatReply):
         status = "completed"
         incomplete = None
         if reply.finish == "length":
@@ -201,14 +200,14 @@ class OpenAIResponses(Wire):
             },
         }
 
-    def events(self, request: ChatRequest, reply: ChatReply) -> Iterator[bytes]:
+    def events(self, request: ChatRequest, reply: ChatReply):
         """response.created and .in_progress; per output item its added event, its reasoning or
         text deltas (one per generated piece) or its arguments, and its done events;
         response.completed (or .incomplete when max_output_tokens cut it)."""
         whole = self.reply(reply)
         numbers = itertools.count()
 
-        def event(kind: str, **data) -> bytes:
+        def event(kind: str, **data):
             body = {"type": kind, "sequence_number": next(numbers), **data}
             return f"event: {kind}\ndata: {json.dumps(body)}\n\n".encode()
 
