@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from workbench.algo.losses import token_logprobs  # noqa: E402
-from workbench.engines.torch_engine import load_causal_lm  # noqa: E402
+from workbench.models.multimodal import load_policy  # noqa: E402
 from workbench.models.prefix import plan, shared_prefix_logprobs  # noqa: E402
 from workbench.models.tiny import tiny_model_path  # noqa: E402
 
@@ -53,7 +53,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = load_causal_lm(str(tiny_model_path("tiny"))).train()
+    model = load_policy(str(tiny_model_path("tiny"))).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     steps = 1 if args.quick else 30
     groups = torch.arange(8).repeat_interleave(8)

@@ -105,7 +105,7 @@ ACCEPTED = {
         ["reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "on_policy_distill", "turn"],
         ADVANTAGES,
     ),
-    "algo.policy_loss": (["ppo", "gspo", "cispo"], POLICY_LOSSES),
+    "algo.policy_loss": (["ppo", "gspo", "cispo", "sft"], POLICY_LOSSES),
     "algo.aggregation": (["token_mean", "seq_mean", "constant"], AGGREGATIONS),
     "algo.kl_estimator": (["k1", "k2", "k3"], KL_ESTIMATORS),
 }
@@ -132,7 +132,7 @@ def test_the_registries_hold_exactly_the_names_config_accepts(key):
             "algo.advantage=ppo is unknown: use one of reinforce, reinforce_baseline, rloo, grpo, "
             "dr_grpo, on_policy_distill, turn.",
         ),
-        ("algo.policy_loss=dpo", "algo.policy_loss=dpo is unknown: use ppo, gspo or cispo."),
+        ("algo.policy_loss=dpo", "algo.policy_loss=dpo is unknown: use ppo, gspo, cispo or sft."),
         (
             "algo.aggregation=sum",
             "algo.aggregation=sum is unknown: use one of token_mean, seq_mean, constant.",

@@ -14,7 +14,7 @@ from workbench.batch import collate
 from workbench.config import compose_config
 from workbench.data import Prompts
 from workbench.learner import Learner
-from workbench.model_paths import policy_path
+from workbench.model_paths import policy_path, teacher_path
 from workbench.rollout import RolloutWorker
 
 
@@ -36,7 +36,7 @@ def test_on_policy_distillation_lowers_the_kl_to_the_teacher():
     OmegaConf.update(cfg, "run.id", "distill")
     path = policy_path(cfg)
     worker = RolloutWorker(cfg, path)
-    learner = Learner(cfg, path)
+    learner = Learner(cfg, path, teacher=teacher_path(cfg))
     prompts = Prompts(cfg)
     fixed = collate(worker.rollout(prompts.next_jobs(1)[0]))
     before = exact_reverse_kl(learner.model, learner.teacher, fixed)

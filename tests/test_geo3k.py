@@ -32,8 +32,9 @@ from workbench.engines.torch_engine import TorchEngine
 from workbench.invariants.token_identity import TokenAccumulator
 from workbench.models.multimodal import ImageCodec, forward_inputs, load_policy
 from workbench.models.tiny import tiny_model_path
-from workbench.models.warm_start import demonstration
+from workbench.rollout import opening_messages
 from workbench.server.loopback import LoopbackServer
+from workbench.sft import demonstration
 from workbench.store import open_run
 
 geo3k = load_plugin("geo3k")
@@ -212,14 +213,12 @@ def test_warm_start_demonstrates_tool_episodes_token_exactly(vl_path, samples):
     rng = random.Random(0)
     episodes = [geo3k.warm_start(samples[k % 5], rng) for k in range(40)]
     tool_episode = next(e for e in episodes if isinstance(e, list))
-    ids, mask, images = demonstration(
-        tokenizer,
-        codec,
-        geo3k.AgentRunner(),
-        samples[episodes.index(tool_episode) % 5],
-        tool_episode,
-    )
-    trained = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
+    env = geo3k.AgentRunner()
+    opening = opening_messages(env, samples[episodes.index(tool_episode) % 5])
+    [segment] = demonstration(tokenizer, codec, opening + tool_episode, env.tools)
+    ids = segment.token_ids.tolist()
+    images = segment.images
+    trained = tokenizer.decode(segment.token_ids[segment.loss_mask == 1])
     # both calls, the look and the submission, are targets
     assert trained.count("<tool_call>") == 2 and "final_answer(" in trained
     # the tool's output is context, not a target

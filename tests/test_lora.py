@@ -16,7 +16,7 @@ from workbench.algo.losses import approx_kl, token_logprobs
 from workbench.batch import collate
 from workbench.config import ConfigError, compose_config
 from workbench.engines.base import SamplingParams, from_wire
-from workbench.engines.torch_engine import TorchEngine, load_causal_lm
+from workbench.engines.torch_engine import TorchEngine, load_policy
 from workbench.learner import Learner
 from workbench.models.tiny import tiny_model_path
 from workbench.segment import Segment
@@ -83,7 +83,7 @@ def test_only_the_adapter_trains_and_travels(trained):
     full = sum(p.numel() * p.element_size() for p in learner.model.parameters())
     assert 0 < metrics["perf/weight_sync_bytes"] < full / 5
     # the base did not move; the adapter did (two steps at lr 1e-2)
-    base = load_causal_lm(str(tiny_model_path("tiny"))).state_dict()
+    base = load_policy(str(tiny_model_path("tiny"))).state_dict()
     merged = learner.model.get_base_model().state_dict()
     torch.testing.assert_close(
         merged["model.layers.0.mlp.up_proj.base_layer.weight"],
@@ -95,7 +95,7 @@ def test_only_the_adapter_trains_and_travels(trained):
 def test_the_reference_is_the_base_with_the_adapter_off(trained):
     learner, engine, *_ = trained
     batch = collate(sampled(engine, 3))
-    base = load_causal_lm(str(tiny_model_path("tiny")))
+    base = load_policy(str(tiny_model_path("tiny")))
     with torch.no_grad():
         expected = token_logprobs(base(input_ids=batch["token_ids"]).logits, batch["token_ids"])
     reference = learner.frozen_logprobs(learner.reference, batch)

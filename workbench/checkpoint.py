@@ -31,12 +31,12 @@ from workbench.store.query import _alive, resolve_run, run_row
 from workbench.window import batches
 
 
-def saved(run_dir) -> list[Path]:
+def saved(run_dir):
     """The complete checkpoints of a run, oldest first (a `.tmp` folder never counts)."""
     return sorted(Path(run_dir, "checkpoints").glob("step-" + "[0-9]" * 6))
 
 
-def latest(run_dir) -> Path | None:
+def latest(run_dir):
     """The newest complete checkpoint of a run, or None."""
     done = saved(run_dir)
     return done[-1] if done else None
@@ -45,7 +45,7 @@ def latest(run_dir) -> Path | None:
 # ---- save: the learner writes the policy and trainer.pt; the driver names, publishes and prunes
 
 
-def side_files(model_path: str) -> dict[str, bytes]:
+def side_files(model_path: str):
     """The tokenizer, chat template and image processor files beside a policy's weights, read
     once: a resumed run's `model_path` is a checkpoint that `keep_checkpoints` later deletes."""
     return {
@@ -56,7 +56,7 @@ def side_files(model_path: str) -> dict[str, bytes]:
     }
 
 
-def save_learner(learner, folder: str, driver_state: dict) -> int:
+def save_learner(learner, folder: str, driver_state: dict):
     """Runs in every learner rank: its shards of the model and optimizer into `state/`; rank 0
     the whole policy (with its tokenizer files) and trainer.pt."""
     import torch
@@ -80,7 +80,7 @@ def save_learner(learner, folder: str, driver_state: dict) -> int:
     return learner.version
 
 
-def load_learner(learner, folder: str) -> int:
+def load_learner(learner, folder: str):
     """Runs in every learner rank (built from the checkpoint's policy/): model and optimizer
     state resharded to this run's ranks, version, torch RNG."""
     import torch
@@ -102,7 +102,7 @@ def load_learner(learner, folder: str) -> int:
     return learner.version
 
 
-def maybe_save(cfg, run_dir: Path, step: int, learner, store, data_state: dict) -> Path | None:
+def maybe_save(cfg, run_dir: Path, step: int, learner, store, data_state: dict):
     """After loop step `step`: every `trainer.checkpoint_every` rollout batches and at the last
     one."""
     import ray
@@ -171,6 +171,12 @@ def resume_config(run_id: str, overrides: list[str]):
             f"Bad override for a resume ({str(error).splitlines()[0]}): give key=value pairs of "
             f"the run's config."
         ) from None
+    # resume continues with RL steps, which would take the supervised loss for its own
+    if cfg.algo.policy_loss == "sft":
+        raise ConfigError(
+            f"Run {run_dir.name} is a molt-wb sft run, which resume cannot continue: start a new "
+            f"one with model.path={checkpoint}/policy."
+        )
     cfg.run.id = run_dir.name
     cfg.run.root = root
     cfg.run.resume = True
@@ -193,7 +199,7 @@ def saved_config(run_dir: Path, overrides: list[str]):
     )
 
 
-def reopen(run_dir: Path) -> dict:
+def reopen(run_dir: Path):
     """Cut the run folder back to its latest checkpoint (shards past the writer's marks deleted);
     its runs row, as of that checkpoint."""
     checkpoint = latest(run_dir)
@@ -210,7 +216,7 @@ def reopen(run_dir: Path) -> dict:
     }
 
 
-def restore(cfg, run_dir: Path, learner, workers, prompts) -> int:
+def restore(cfg, run_dir: Path, learner, workers, prompts):
     """The first loop step to run: 0 for a new run; for a resumed one, the step after its
     checkpoint, with the learner's optimizer, version and RNG, the engines' weights and version,
     and the data position restored."""

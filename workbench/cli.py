@@ -1,4 +1,4 @@
-"""The `molt-wb` command line: train, runs, export, doctor, prepare."""
+"""The `molt-wb` command line: train, sft, runs, export, doctor, prepare."""
 
 import contextlib
 import csv as csv_module
@@ -44,7 +44,7 @@ def console():
     return Console(width=None if sys.stdout.isatty() else 200)
 
 
-def fail(message: str) -> None:
+def fail(message: str):
     typer.secho(f"error: {message}", fg="red", err=True)
     raise typer.Exit(2)
 
@@ -107,7 +107,7 @@ def train(ctx: typer.Context):
         for cfg in configs:
             OmegaConf.update(cfg, "run.progress", False)
 
-    def run(cfg) -> bool:
+    def run(cfg):
         try:
             run_id = loop.train(cfg)
             typer.echo(summary.render(summary.figures(run_id, cfg.run.root), cfg.run.root))
@@ -146,6 +146,30 @@ def train(ctx: typer.Context):
         )
     if not all(outcomes):
         raise typer.Exit(1)
+
+
+@app.command(context_settings=OVERRIDES)
+def sft(
+    ctx: typer.Context,
+    data: str = typer.Argument(..., help="A .jsonl or .parquet file with a `messages` column."),
+):
+    """Supervised fine-tuning on conversations in OpenAI chat format (images as `image_url` parts
+    of inline base64), the loss on assistant tokens only, through the RL learner; a run that
+    `inspect`, `eval` and `export` read (metrics: loss/policy is the loss, loss/grad_norm,
+    loss/tokens).
+
+    Arguments after DATA are Hydra overrides as for `train`: `model.path=...`, trainer.steps
+    (optimizer steps), trainer.prompts_per_step (conversations per step), trainer.lr,
+    trainer.checkpoint_every, seed.
+    """
+    from workbench import model_paths
+    from workbench.sft import SETTINGS, conversations, run
+
+    with user_errors():
+        cfg = compose_config([*ctx.args, *SETTINGS])
+        model_path = model_paths.policy_path(cfg)
+        demonstrations = conversations(data, model_path)
+    typer.echo(run(cfg, demonstrations, model_path))
 
 
 @app.command(context_settings=OVERRIDES)
@@ -459,17 +483,14 @@ def prepare_geo3k(
     typer.echo(f"wrote {rows} samples to {out}")
 
 
-def _unwrap(doc: str) -> str:
-    """Each paragraph of a docstring on one line: the help rewraps it to the terminal's width."""
-    return "\n\n".join(" ".join(paragraph.split()) for paragraph in doc.split("\n\n"))
-
-
-# the docstrings are wrapped at 100 columns in the source, not in the help
+# the docstrings are wrapped at 100 columns in the source, not in the help: each paragraph on one
+# line, which the help rewraps to the terminal's width
 for command in app.registered_commands + prepare_app.registered_commands:
-    command.callback.__doc__ = _unwrap(command.callback.__doc__)
+    paragraphs = command.callback.__doc__.split("\n\n")
+    command.callback.__doc__ = "\n\n".join(" ".join(p.split()) for p in paragraphs)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None):
     app(args=argv)
 
 

@@ -14,6 +14,7 @@ import socket
 import threading
 from pathlib import Path
 
+from workbench import model_paths
 from workbench.config import REPO_ROOT, ConfigError
 from workbench.faults import died
 from workbench.models.tiny import cache_root
@@ -21,7 +22,7 @@ from workbench.rollout import RolloutWorker
 from workbench.store.actor import StoreActor
 
 
-def init_ray(cfg, sized_for: list | None = None) -> None:
+def init_ray(cfg, sized_for: list | None = None):
     """Start Ray (a local one sized for the largest of `sized_for`, or join `ray.address`) unless it
     runs, and refuse a run it cannot hold; SIGTERM then stops a run like Ctrl-C."""
     import ray
@@ -38,7 +39,7 @@ def init_ray(cfg, sized_for: list | None = None) -> None:
         signal.signal(signal.SIGTERM, _interrupt)
 
 
-def asked(cfg) -> dict[str, float]:
+def asked(cfg):
     """The CPUs and GPUs one run's learner and rollout workers ask Ray for."""
     r = cfg.ray
     return {
@@ -47,7 +48,7 @@ def asked(cfg) -> dict[str, float]:
     }
 
 
-def ray_cpus(configs: list) -> int:
+def ray_cpus(configs: list):
     """CPUs for a local Ray: the machine's, or enough for `sweep.parallel` of the largest run."""
     largest = max(asked(cfg)["CPU"] for cfg in configs)
     return configs[0].ray.num_cpus or max(
@@ -55,7 +56,7 @@ def ray_cpus(configs: list) -> int:
     )
 
 
-def _refuse_too_big(cfg, resources: dict) -> None:
+def _refuse_too_big(cfg, resources: dict):
     # a local Ray queues an actor it has no room for forever: a run larger than it never starts
     for name, amount in asked(cfg).items():
         has = resources.get(name, 0)
@@ -72,7 +73,7 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def actor_env() -> dict[str, str]:
+def actor_env():
     """The environment every actor starts with: the driver's repository and model cache."""
     return {
         "PYTHONPATH": str(REPO_ROOT),
@@ -82,7 +83,7 @@ def actor_env() -> dict[str, str]:
     }
 
 
-def _start_ray(cfg, cpus: int) -> None:
+def _start_ray(cfg, cpus: int):
     import ray
 
     # a cluster's nodes share the repository and the model cache at the same paths
@@ -103,7 +104,7 @@ def _start_ray(cfg, cpus: int) -> None:
     )
 
 
-def placement(cfg) -> list[dict]:
+def placement(cfg):
     """Ray options of each learner rank (first) and each rollout worker: resources by config; with
     `ray.colocate` one bundle each in a STRICT_PACK placement group (one node, shared GPUs), else
     several learner ranks one bundle each in a PACK group (as few nodes as they fit)."""
@@ -139,7 +140,7 @@ def placement(cfg) -> list[dict]:
     ] + options[grouped:]
 
 
-def _bundle(options: dict) -> dict:
+def _bundle(options: dict):
     """The placement-group bundle of one actor's Ray options: the resources it asks for."""
     asked = {"CPU": options["num_cpus"], "GPU": options["num_gpus"], **options.get("resources", {})}
     return {name: amount for name, amount in asked.items() if amount}
@@ -195,21 +196,23 @@ def start_learner(cfg, model_path: str, options: list[dict]):
 
     from workbench.learner import Learner
 
+    # built here, once for every rank
+    teacher = model_paths.teacher_path(cfg)
     if len(options) == 1:
-        return ray.remote(Learner).options(**options[0]).remote(cfg, model_path)
+        return ray.remote(Learner).options(**options[0]).remote(cfg, model_path, teacher=teacher)
     # several ranks are always placed in a group (`placement`)
     where = options[0]["scheduling_strategy"]
     address = ray.get(
         ray.remote(num_cpus=0)(free_address).options(scheduling_strategy=where).remote()
     )
     actors = [
-        ray.remote(Learner).options(**rank_options).remote(cfg, model_path, rank, address)
+        ray.remote(Learner).options(**rank_options).remote(cfg, model_path, rank, address, teacher)
         for rank, rank_options in enumerate(options)
     ]
     return LearnerRanks(actors)
 
 
-def join_weight_group(cfg, learner, workers) -> None:
+def join_weight_group(cfg, learner, workers):
     """Learner rank 0 and every rollout worker join the collective weight transport's group at
     a free port of rank 0's node; the workers learn the weights' layout."""
     import ray
@@ -222,12 +225,12 @@ def join_weight_group(cfg, learner, workers) -> None:
     ray.get(joins, timeout=cfg.trainer.timeout_s)
 
 
-def learner_actors(learner) -> list:
+def learner_actors(learner):
     """The learner's actors: its ranks, or the one."""
     return getattr(learner, "actors", [learner])
 
 
-def stop_actors(run_id: str, status: str, store, learner, workers) -> None:
+def stop_actors(run_id: str, status: str, store, learner, workers):
     """Close the store (flush, final status), then free every actor's slot for the next run."""
     import ray
 
@@ -251,7 +254,7 @@ def stop_actors(run_id: str, status: str, store, learner, workers) -> None:
             ray.util.remove_placement_group(group)
 
 
-def free_address() -> tuple[str, int]:
+def free_address():
     """This node's address and a free TCP port on it: where rank 0 hosts the process group's
     rendezvous (a Ray task placed in rank 0's bundle)."""
     import ray

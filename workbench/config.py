@@ -13,7 +13,6 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from workbench.algo.advantages import ADVANTAGES
 from workbench.algo.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
@@ -136,7 +135,7 @@ class AlgoConfig:
     policy_loss: str = "ppo"
     """Policy loss (workbench/algo/losses.py): ppo (token ratio, PPO-clip) | gspo (sequence ratio:
     geometric mean of token ratios, clipped per sequence) | cispo (REINFORCE on log π weighted by
-    the clipped token ratio, held constant)."""
+    the clipped token ratio, held constant) | sft (minus the token mean of log π: `molt-wb sft`)."""
     kl_coef: float = 0.0
     """Weight of KL(policy || reference) in the loss; the reference is a frozen copy of the starting
     policy (0 = none)."""
@@ -194,7 +193,7 @@ class TrainerConfig:
     steps: int = 20
     """Optimizer steps to run (= rollout batches x minibatches)."""
     prompts_per_step: int = 8
-    """Distinct prompts in a rollout batch."""
+    """Distinct prompts in a rollout batch (`molt-wb sft`: conversations per step)."""
     group_size: int = 8
     """Samples per prompt (the group of group-relative advantages)."""
     minibatches: int = 1
@@ -364,7 +363,7 @@ class ConfigError(ValueError):
     """A bad configuration; the message says what to change."""
 
 
-def compose_config(overrides: list[str] = ()) -> Any:
+def compose_config(overrides: list[str] = ()):
     """The resolved config (an OmegaConf DictConfig typed by `Config`) for one run."""
     from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
@@ -384,7 +383,7 @@ def compose_config(overrides: list[str] = ()) -> Any:
     return cfg
 
 
-def expand_sweep(overrides: list[str]) -> list[tuple[list[str], dict[str, str]]]:
+def expand_sweep(overrides: list[str]):
     """(overrides, swept values) per job of a Hydra multirun line (`a=1,2 b=x,y` gives four
     jobs)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -396,7 +395,7 @@ def expand_sweep(overrides: list[str]) -> list[tuple[list[str], dict[str, str]]]
     return [(job, _swept_values(job, swept)) for job in jobs]
 
 
-def _swept_values(job: list[str], swept: set[str]) -> dict[str, str]:
+def _swept_values(job: list[str], swept: set[str]):
     """The values that a job's overrides give the swept keys."""
     values = {}
     for override in job:
@@ -406,7 +405,7 @@ def _swept_values(job: list[str], swept: set[str]) -> dict[str, str]:
     return values
 
 
-def _model_config(model) -> dict:
+def _model_config(model):
     """The policy's config.json, or its tiny model's spec; {} where model.path holds none."""
     if not model.path:
         return TINY_SPECS.get(model.name, {})
@@ -416,12 +415,12 @@ def _model_config(model) -> dict:
     return json.loads(path.read_text())
 
 
-def _is_moe(model) -> bool:
+def _is_moe(model):
     config = _model_config(model)
     return any(config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
-def _is_vision_language(model) -> bool:
+def _is_vision_language(model):
     # a Hugging Face config's vision tower, or a tiny spec's
     config = _model_config(model)
     return "vision_config" in config or "vision" in config
@@ -433,7 +432,7 @@ TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 VLLM_INSTALL = "pip install -e '.[vllm]' && pip uninstall -y " + " ".join(TORCH_COMPANIONS)
 
 
-def broken_companions() -> list[str]:
+def broken_companions():
     """The installed torchvision, torchaudio and torchcodec that fail to import (tried in a child
     process: a build for another torch can take the importing process down)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
@@ -449,7 +448,7 @@ def broken_companions() -> list[str]:
     return broken
 
 
-def _imports(module: str) -> bool:
+def _imports(module: str):
     try:
         __import__(module)
         return True
@@ -458,13 +457,13 @@ def _imports(module: str) -> bool:
         return False
 
 
-def _either(names) -> str:
+def _either(names):
     """`a, b or c` for the names a, b, c."""
     *first, last = names
     return f"{', '.join(first)} or {last}"
 
 
-def validate(cfg) -> None:
+def validate(cfg):
     """Refuse unsafe or unsupported combinations before anything starts, in this order: unsafe
     combinations, unknown names, ranges, files and paths, plugins and optional packages."""
     _refuse_unsafe_combinations(cfg)
@@ -474,12 +473,12 @@ def validate(cfg) -> None:
     _refuse_missing_code(cfg)
 
 
-def _need(ok: bool, message: str) -> None:
+def _need(ok: bool, message: str):
     if not ok:
         raise ConfigError(message)
 
 
-def _refuse_unsafe_combinations(cfg) -> None:
+def _refuse_unsafe_combinations(cfg):
     """Combinations that would train silently wrong; each comment says why."""
     algo = cfg.algo
     gate = cfg.gate
@@ -547,7 +546,7 @@ def _refuse_unsafe_combinations(cfg) -> None:
     )
 
 
-def _refuse_unknown_names(cfg) -> None:
+def _refuse_unknown_names(cfg):
     """Every name-valued key names something that exists."""
     algo = cfg.algo
     gate = cfg.gate
@@ -590,7 +589,7 @@ def _refuse_unknown_names(cfg) -> None:
     )
 
 
-def _refuse_out_of_range(cfg) -> None:
+def _refuse_out_of_range(cfg):
     """Numbers within their ranges, and the values a choice requires set."""
     algo = cfg.algo
     gate = cfg.gate
@@ -657,7 +656,7 @@ def _refuse_out_of_range(cfg) -> None:
     )
 
 
-def _refuse_missing_files(cfg) -> None:
+def _refuse_missing_files(cfg):
     """Files and folders the config names exist and are of the right kind."""
     algo = cfg.algo
     _need(
@@ -691,7 +690,7 @@ def _refuse_missing_files(cfg) -> None:
     )
 
 
-def _refuse_missing_code(cfg) -> None:
+def _refuse_missing_code(cfg):
     """The plugin loads and has what the config asks of it; optional packages are installed."""
     lora = cfg.model.lora.rank
     # engine names are known by now: torch or vllm

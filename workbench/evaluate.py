@@ -11,7 +11,6 @@ import re
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from workbench.api import load_plugin
@@ -20,11 +19,11 @@ from workbench.config import validate
 from workbench.data import load_samples
 from workbench.model_paths import policy_path
 from workbench.rollout import Job, RolloutWorker
+from workbench.store.actor import eval_tables
 from workbench.store.query import resolve_run
-from workbench.store.schema import EVAL, METRICS, rows_table
 
 
-def eval_samples(cfg) -> tuple[str, list[dict]]:
+def eval_samples(cfg):
     """(split name, held-out samples): eval.path, else the plugin's eval_dataset, else make_dataset
     on another seed."""
     plugin = load_plugin(cfg.agent.plugin)
@@ -36,7 +35,7 @@ def eval_samples(cfg) -> tuple[str, list[dict]]:
     return "make_dataset", plugin.make_dataset(cfg.eval.size, cfg.seed + 7919)
 
 
-def eval_jobs(cfg, samples: list[dict], workers: int) -> list[list[Job]]:
+def eval_jobs(cfg, samples: list[dict], workers: int):
     """`eval.samples` episodes per held-out sample, split among the workers."""
     jobs = [
         Job(sample, -1 - g, -1 - (g * cfg.eval.samples + k))
@@ -46,7 +45,7 @@ def eval_jobs(cfg, samples: list[dict], workers: int) -> list[list[Job]]:
     return [jobs[w::workers] for w in range(workers)]
 
 
-def score(rewards: list[float], threshold: float) -> dict:
+def score(rewards: list[float], threshold: float):
     """n, mean reward and accuracy (the fraction of episodes whose reward is at least
     `threshold`)."""
     n = len(rewards)
@@ -57,18 +56,7 @@ def score(rewards: list[float], threshold: float) -> dict:
     }
 
 
-def eval_tables(run_id: str, step: int, row: dict) -> dict[str, pa.Table]:
-    """The `eval` row and its two metrics rows."""
-    now = time.time()
-    metrics = {"eval/reward": row["mean_reward"], "eval/accuracy": row["accuracy"]}
-    metric_rows = [{"key": key, "value": value, "time": now} for key, value in metrics.items()]
-    return {
-        "eval": rows_table(EVAL, run_id, step, [dict(row, time=now)]),
-        "metrics": rows_table(METRICS, run_id, step, metric_rows),
-    }
-
-
-def at_step(cfg, workers, store, step: int, weights) -> None:
+def at_step(cfg, workers, store, step: int, weights):
     """During training: every `eval.every` steps, score the step's `weights` on the held-out
     split."""
     import ray
@@ -86,7 +74,7 @@ def at_step(cfg, workers, store, step: int, weights) -> None:
     store.write_eval.remote(step, dict(scored, checkpoint="live", split=split))
 
 
-def resolve_checkpoint(run_dir: Path, checkpoint: str | None) -> tuple[Path | None, int]:
+def resolve_checkpoint(run_dir: Path, checkpoint: str | None):
     """(policy folder, learner version) of a checkpoint given as a folder, a version number
     (step-NNNNNN) or nothing (the latest one); (None, 0) when the run has no checkpoint and none
     was asked for (the starting policy)."""
@@ -119,7 +107,7 @@ def resolve_checkpoint(run_dir: Path, checkpoint: str | None) -> tuple[Path | No
 
 def from_checkpoint(
     run_id: str, checkpoint: str | None = None, root: str = "runs", overrides: list[str] = ()
-) -> dict:
+):
     """`molt-wb eval`: score a checkpoint of a run on its held-out split, without training; the
     result joins the run's store."""
     run_dir = resolve_run(run_id, root)

@@ -27,12 +27,11 @@ from workbench.batch import (
 from workbench.checkpoint import load_learner, save_learner, side_files
 from workbench.config import GateConfig
 from workbench.engines.base import to_wire
-from workbench.engines.torch_engine import load_causal_lm, set_threads
+from workbench.engines.torch_engine import set_threads
 from workbench.invariants.routing_replay import find_routers, replay_routes
-from workbench.invariants.version_gate import GateResult, gate_metrics, version_gate
-from workbench.model_paths import teacher_path
+from workbench.invariants.version_gate import gate_metrics, version_gate
 from workbench.models.lora import adapter_state, with_adapter
-from workbench.models.multimodal import ImageCodec, forward_inputs, is_vision_language
+from workbench.models.multimodal import ImageCodec, forward_inputs, is_vision_language, load_policy
 from workbench.models.packing import microbatches, pack_like, packed_logprobs, unpack
 from workbench.models.prefix import plan, shared_prefix_logprobs
 from workbench.segment import Segment
@@ -44,8 +43,16 @@ class Learner:
     """The policy in training, its optimizer and weight version; `train` takes one rollout batch
     through the named steps below."""
 
-    def __init__(self, cfg, model_path: str, rank: int = 0, address: tuple | None = None):
-        # rank `rank` of `ray.learner_workers`, joined at `address` (sharding.py)
+    def __init__(
+        self,
+        cfg,
+        model_path: str,
+        rank: int = 0,
+        address: tuple | None = None,
+        teacher: str | None = None,
+    ):
+        # rank `rank` of `ray.learner_workers`, joined at `address` (sharding.py); `teacher`: the
+        # distillation teacher's checkpoint (model_paths.teacher_path)
         self.ranks = Ranks(cfg, rank, address)
         self.codec = None
         if is_vision_language(model_path):
@@ -57,7 +64,7 @@ class Learner:
         self.temperature = cfg.engine.temperature
         # sharded: float32 parameters, forwards in model.dtype (FSDP2 mixed precision)
         master = cfg.model.dtype if self.ranks.world == 1 else "float32"
-        model = load_causal_lm(model_path, master)
+        model = load_policy(model_path, master)
         # LoRA: an adapter on the frozen policy, which alone trains and travels (models/lora.py)
         self.lora = bool(cfg.model.lora.rank)
         self.model = with_adapter(model, cfg.model.lora).train().to(self.ranks.device)
@@ -90,17 +97,17 @@ class Learner:
         elif cfg.algo.kl_coef > 0:
             self.reference = self.frozen(model_path, cfg.model.dtype)
         if self.estimator.teacher:
-            self.teacher = self.frozen(teacher_path(cfg), cfg.model.dtype)
+            self.teacher = self.frozen(teacher, cfg.model.dtype)
 
     def frozen(self, path: str, dtype: str):
         """A frozen model (the KL reference, the teacher), sharded like the policy: it has no
         gradient or optimizer state, but unsharded its parameters alone would outweigh a rank's
         share of the policy's."""
-        model = load_causal_lm(path, dtype).eval().to(self.ranks.device)
+        model = load_policy(path, dtype).eval().to(self.ranks.device)
         self.ranks.shard(model, dtype)
         return model
 
-    def local(self, batch: dict) -> dict:
+    def local(self, batch: dict):
         """This rank's rows of `batch` (every row on one rank). A rank without rows still runs
         the forward and backward its peers' collectives wait on: on the first row, discarded."""
         if self.ranks.world == 1:
@@ -110,13 +117,13 @@ class Learner:
             rows = torch.arange(1)
         return rows_of(batch, rows)
 
-    def save_checkpoint(self, folder: str, driver_state: dict) -> int:
+    def save_checkpoint(self, folder: str, driver_state: dict):
         return save_learner(self, folder, driver_state)
 
-    def load_checkpoint(self, folder: str) -> int:
+    def load_checkpoint(self, folder: str):
         return load_learner(self, folder)
 
-    def weights(self) -> dict:
+    def weights(self):
         """The current weights (in `to_wire` form) and their version, as the rollout workers load
         them."""
         full = self.sync_state()
@@ -124,14 +131,14 @@ class Learner:
             return None
         return {"state_dict": to_wire(full), "version": self.version}
 
-    def sync_state(self) -> dict | None:
+    def sync_state(self):
         """What a push carries: the adapter of a LoRA policy, else the full weights gathered
         from the shards (on rank 0; others: None)."""
         if self.lora:
             return adapter_state(self.model)
         return self.ranks.full_state_dict(self.model)
 
-    def step(self, *worker_segments: list[Segment]) -> tuple[dict, dict, dict]:
+    def step(self, *worker_segments: list[Segment]):
         """`train`, then the new `weights`: one call of the loop's, so the next batch waits on
         nothing more. `perf/weight_sync_s`: gathering the full weights from the shards and
         packing them for the engines; `perf/weight_sync_bytes`: what the engines receive."""
@@ -147,18 +154,18 @@ class Learner:
             metrics["perf/weight_sync_bytes"] = float(sent)
         return metrics, rows, weights
 
-    def weight_layout(self) -> list:
+    def weight_layout(self):
         """The full weights' names, dtypes and shapes (a sharded tensor's are its whole one's)."""
         if self.lora:
             return layout_of(adapter_state(self.model))
         return layout_of(self.model.state_dict())
 
-    def join_weight_group(self, address: tuple, world: int) -> None:
+    def join_weight_group(self, address: tuple, world: int):
         """Rank 0 joins the collective weight transport's group as its rank 0."""
         if self.ranks.rank == 0:
             self.weight_group = WeightGroup(address, 0, world, self.trainer.timeout_s)
 
-    def broadcast_weights(self) -> tuple[dict | None, int]:
+    def broadcast_weights(self):
         """The new weights gathered from the shards and broadcast to the rollout workers; the
         handle that stands for them (no tensors) and the bytes sent."""
         full = self.sync_state()
@@ -167,9 +174,7 @@ class Learner:
         sent = self.weight_group.send(full, self.version, self.bucket_bytes)
         return {"state_dict": None, "version": self.version}, sent
 
-    def logprobs(
-        self, batch: dict, replay: bool | None = None, routing: dict | None = None
-    ) -> torch.Tensor:
+    def logprobs(self, batch: dict, replay: bool | None = None, routing: dict | None = None):
         """`logprobs_entropy`'s log-probs alone."""
         return self.logprobs_entropy(batch, replay, routing, entropy=False)[0]
 
@@ -179,7 +184,7 @@ class Learner:
         replay: bool | None = None,
         routing: dict | None = None,
         entropy: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ):
         """Log-probs of the batch's own ids, and with `entropy` the entropy of each distribution
         they are taken from (None where the forward computes none: `forward`); for a MoE policy
         with recorded routes, under routing replay (`algo.routing_replay`, or `replay` to
@@ -196,7 +201,7 @@ class Learner:
         return self.ranks.spliced(logprob, rows), entropies
 
     @torch.no_grad()
-    def frozen_logprobs(self, model, batch: dict) -> torch.Tensor:
+    def frozen_logprobs(self, model, batch: dict):
         """Log-probs of the batch's ids under a frozen model (reference or teacher); no routing
         replay."""
         base = self.model.disable_adapter() if model is self.model else contextlib.nullcontext()
@@ -205,9 +210,7 @@ class Learner:
         rows = len(batch["rewards"])
         return self.ranks.gather(logprob[: self.ranks.count(rows)], rows)
 
-    def forward(
-        self, model, batch: dict, replay: bool | None, entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    def forward(self, model, batch: dict, replay: bool | None, entropy: bool = False):
         """Log-probs [batch, seq] of the batch's own ids, with `entropy` their distributions'
         entropies [batch, seq] (else None), and the policy's route statistics where it has
         recorded routes (`replay_routes`; replayed when `replay`, not recorded when None: a frozen
@@ -256,7 +259,7 @@ class Learner:
                 stats[key][rows] = unpack(value, mask[rows], fill)
         return logprob, entropies, stats
 
-    def padded(self, model, batch: dict, recorded, replay: bool, entropy: bool) -> tuple:
+    def padded(self, model, batch: dict, recorded, replay: bool, entropy: bool):
         """`forward` in one padded batch; a group's common prompt runs once when no routes are
         replayed and the policy reads text only (models/prefix.py: the same values, less
         compute)."""
@@ -285,7 +288,7 @@ class Learner:
             entropies = entropies.cpu()
         return logprob.cpu(), entropies, stats
 
-    def microbatches(self, batch: dict, count: int | None = None) -> list[torch.Tensor]:
+    def microbatches(self, batch: dict, count: int | None = None):
         """The batch's rows (its first `count`) in micro-batches of at most
         `trainer.max_tokens_per_microbatch` tokens, as many on every rank: a rank with fewer adds
         empty ones."""
@@ -295,9 +298,7 @@ class Learner:
         empty = torch.zeros(0, dtype=torch.long)
         return groups + [empty] * (self.ranks.most(len(groups)) - len(groups))
 
-    def routing_metrics(
-        self, batch: dict, routing: dict, old_logprob: torch.Tensor
-    ) -> dict[str, float]:
+    def routing_metrics(self, batch: dict, routing: dict, old_logprob: torch.Tensor):
         """Live vs rollout routes, and the rollout-learner KL with replay and without (one extra
         forward)."""
         real = batch["attention_mask"].bool()[:, :, None] & routing["known"]  # [batch, seq, layers]
@@ -319,7 +320,7 @@ class Learner:
 
     # ---- the named steps of `train`
 
-    def old_logprobs(self, batch: dict) -> tuple:
+    def old_logprobs(self, batch: dict):
         """π_old, the learner's log-probs of the sampled ids [batch, seq], as (live, old, entropy,
         routing): `live` is the training forward's (log-probs, entropies) when it has π_old's
         value (else None), `entropy` π_old's per position (None where no forward computes it),
@@ -345,7 +346,7 @@ class Learner:
             old_logprob, entropy = self.logprobs_entropy(batch, routing=routing)
         return None, old_logprob, entropy, routing
 
-    def apply_gate(self, batch: dict, old_logprob: torch.Tensor, consumed_at: int) -> GateResult:
+    def apply_gate(self, batch: dict, old_logprob: torch.Tensor, consumed_at: int):
         """The version gate's decisions and per-token IS weights for this batch: every `gate.*`
         key is one of `version_gate`'s options."""
         options = {key.name: getattr(self.gate, key.name) for key in dataclasses.fields(GateConfig)}
@@ -358,7 +359,7 @@ class Learner:
             **options,
         )
 
-    def advantages(self, batch: dict, old_logprob: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def advantages(self, batch: dict, old_logprob: torch.Tensor):
         """Advantages [batch] or [batch, seq] of the registered estimator `algo.advantage`, and
         its metrics."""
         teacher_logprob = None
@@ -366,7 +367,7 @@ class Learner:
             teacher_logprob = self.frozen_logprobs(self.teacher, batch)
         return self.estimator.estimate(batch, old_logprob, teacher_logprob, self.algo)
 
-    def filtered(self, batch: dict, loss_mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def filtered(self, batch: dict, loss_mask: torch.Tensor):
         """The loss mask [batch, seq] less every group of one reward when
         `algo.filter_uniform_groups` (dynamic filtering)."""
         if not self.algo.filter_uniform_groups:
@@ -374,7 +375,7 @@ class Learner:
         dropped = uniform_groups(batch["rewards"], batch["group_ids"])  # [batch]
         return loss_mask & ~dropped[:, None], {"filter/dropped_frac": float(dropped.float().mean())}
 
-    def optimizer_steps(self, batch: dict, live: tuple | None, targets: dict) -> tuple[list, float]:
+    def optimizer_steps(self, batch: dict, live: tuple | None, targets: dict):
         """`trainer.minibatches` optimizer steps, one per slice of the batch's rows; their
         metrics, and the seconds of model compute they took."""
         steps = []
@@ -387,7 +388,7 @@ class Learner:
             compute += time.perf_counter() - start
         return steps, compute
 
-    def optimizer_step(self, minibatch: dict, targets: dict, live: tuple | None) -> dict:
+    def optimizer_step(self, minibatch: dict, targets: dict, live: tuple | None):
         """One step: the registered policy loss `algo.policy_loss` (plus the KL to the reference),
         backward (micro-batch by micro-batch under `trainer.max_tokens_per_microbatch`), gradient
         clip, optimizer step; the version goes up by one."""
@@ -409,7 +410,7 @@ class Learner:
         self.version += 1
         return dict(metrics, policy=float(loss.detach()), grad_norm=self.ranks.grad_norm(grad_norm))
 
-    def loss(self, logprob, minibatch: dict, targets: dict, entropy=None) -> tuple:
+    def loss(self, logprob, minibatch: dict, targets: dict, entropy=None):
         """The registered policy loss (plus the KL to the reference, less the entropy bonus
         `algo.entropy_coef`) of a minibatch's log-probs and entropies, and its metrics."""
         loss, metrics = self.policy_loss(
@@ -434,7 +435,7 @@ class Learner:
             metrics["kl_ref"] = float(kl.detach())
         return loss, metrics
 
-    def accumulated(self, minibatch: dict, targets: dict) -> torch.Tensor:
+    def accumulated(self, minibatch: dict, targets: dict):
         """Gradients accumulated micro-batch by micro-batch, each backward through the whole
         minibatch's loss with every other row held at π_old: the loss is a sum over rows with
         denominators of the whole minibatch, so each row's gradient is what the whole loss gives
@@ -455,7 +456,29 @@ class Learner:
             (loss * self.ranks.world).backward()
         return self.ranks.gather(mine[: self.ranks.count(rows)], rows)
 
-    def train(self, *worker_segments: list[Segment]) -> tuple[dict, dict]:
+    def sft(self, segments: list[Segment]):
+        """One supervised step on demonstrations (`molt-wb sft`, the warm start): `optimizer_step`
+        with the loss `algo.policy_loss=sft` over their trainable tokens; no π_old, gate or
+        advantages. Returns (metrics, per-token rows) as `train` does."""
+        batch = collate(segments)
+        live = self.logprobs_entropy(batch, entropy=False)
+        # no π_old, advantages or IS weights: the sft loss reads the mask alone
+        targets = dict.fromkeys(("old_logprob", "advantages", "is_weight"))
+        targets["loss_mask"] = batch["loss_mask"]
+        # loss/policy is the sft loss, loss/tokens the tokens it is over
+        metrics = step_means([self.optimizer_step(batch, targets, live)])
+        metrics["train/version"] = float(self.version)
+        real = batch["attention_mask"].bool()
+        rows = {
+            "train_logprob": [live[0].detach()[real].numpy()],
+            "is_weight": [torch.ones(int(real.sum())).numpy()],
+            "advantage": [0.0] * len(segments),
+            "learner_version": self.version - 1,
+            "routing": [],
+        }
+        return metrics, rows
+
+    def train(self, *worker_segments: list[Segment]):
         """One rollout batch -> `trainer.minibatches` optimizer steps. Returns (metrics, per-token
         rows)."""
         segments = [s for batch in worker_segments for s in batch]

@@ -22,11 +22,9 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-import numpy as np
-
 from workbench.api import ChatAgent, ChatContext, Result, load_plugin
 from workbench.engines import make_engine
-from workbench.engines.base import SamplingParams, from_wire
+from workbench.engines.base import SamplingParams, derived_seed, from_wire
 from workbench.faults import failure_row
 from workbench.invariants.token_identity import TokenAccumulator, reply_text, retokenize_drift
 from workbench.segment import Batch, Segment
@@ -306,8 +304,7 @@ class RolloutWorker:
         if self.active.seed is not None:
             return self.active
         # held-out episodes have ids < 0
-        entropy = [value % 2**64 for value in (self.seed, jobs[0].rollout_id, turn)]
-        return replace(self.active, seed=int(np.random.SeedSequence(entropy).generate_state(1)[0]))
+        return replace(self.active, seed=derived_seed(self.seed, jobs[0].rollout_id, turn))
 
     def _segments(
         self,

@@ -292,3 +292,11 @@ def test_registered_gspo_takes_its_sequence_ratio_over_the_sampled_tokens_not_th
     loss.backward()
     # d(-s)/d logprob_t = -s per token in the loss (s is constant in the stand-in's gradient)
     torch.testing.assert_close(logprob.grad, torch.tensor([[0.0, -4.0, 0.0]]))
+
+
+def test_sft_loss_is_minus_the_token_mean_log_prob_over_the_mask():
+    logprob = torch.tensor([[0.0, -1.0, -2.0], [0.0, -3.0, float("-inf")]])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]], dtype=torch.bool)
+    loss, metrics = POLICY_LOSSES["sft"](logprob, None, None, mask, mask)
+    # (1 + 2 + 3) / 3 tokens; the -inf outside the mask reaches nothing
+    assert loss.item() == pytest.approx(2.0) and metrics == {"tokens": 3.0}

@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from workbench.algo.losses import token_logprobs, token_logprobs_entropy
-from workbench.engines.torch_engine import load_causal_lm
 from workbench.invariants.routing_replay import find_routers, replay_routes
+from workbench.models.multimodal import load_policy
 from workbench.models.packing import microbatches, pack_like, packed_logprobs, unpack
 from workbench.models.prefix import plan, shared_prefix_logprobs
 from workbench.models.tiny import tiny_model_path
@@ -52,7 +52,7 @@ def model(request):
     if request.param == "tiny-eager":
         path = tiny_model_path("tiny")
         return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").train()
-    return load_causal_lm(str(tiny_model_path(request.param))).train()
+    return load_policy(str(tiny_model_path(request.param))).train()
 
 
 @pytest.mark.parametrize(
@@ -151,7 +151,7 @@ def test_micro_batch_gradients_of_a_batch_normalised_loss_sum_to_the_whole_batch
 
 @pytest.mark.parametrize("packed", [True, False])
 def test_group_prefix_sharing_agrees_with_packing(packed):
-    model = load_causal_lm(str(tiny_model_path("tiny"))).train()
+    model = load_policy(str(tiny_model_path("tiny"))).train()
     rng = np.random.default_rng(4)
     prompts = [rng.integers(10, 500, size=n) for n in (6, 8)]
     rows = [

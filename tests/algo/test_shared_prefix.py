@@ -8,8 +8,8 @@ from omegaconf import OmegaConf
 from workbench.algo.losses import token_logprobs, token_logprobs_entropy
 from workbench.config import compose_config
 from workbench.data import Prompts
-from workbench.engines.torch_engine import load_causal_lm
 from workbench.learner import Learner
+from workbench.models.multimodal import load_policy
 from workbench.models.prefix import plan, shared_prefix_logprobs, unique_rows
 from workbench.rollout import RolloutWorker
 
@@ -42,7 +42,7 @@ def full_logprobs(model, ids, mask, temperature):
 @pytest.fixture(scope="module")
 def model(tiny_path):
     torch.manual_seed(0)
-    return load_causal_lm(tiny_path).train()
+    return load_policy(tiny_path).train()
 
 
 def test_plan_finds_each_groups_common_prompt():

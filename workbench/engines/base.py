@@ -16,6 +16,12 @@ import numpy as np
 # without needing torch.
 
 
+def derived_seed(*values):
+    """One sampling seed drawn from a tuple of integers (negative ones allowed): the same tuple
+    always gives the same seed, and neighbouring tuples unrelated ones."""
+    return int(np.random.SeedSequence([value % 2**64 for value in values]).generate_state(1)[0])
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16

@@ -39,10 +39,6 @@ def set_threads(cfg, model=None):
     torch.set_num_threads(cfg.ray.torch_threads or threads)
 
 
-def load_causal_lm(path: str, dtype: str = "float32"):
-    return load_policy(path, dtype)
-
-
 def nucleus(logprobs: torch.Tensor, top_p: float):
     """Log-probs renormalised over the smallest set of tokens whose mass reaches top_p."""
     if top_p >= 1:
@@ -67,7 +63,7 @@ class TorchEngine:
         partial: bool = False,
         lora=None,
     ):
-        self.model = load_causal_lm(model_path, dtype).eval()
+        self.model = load_policy(model_path, dtype).eval()
         # a LoRA policy: pushes carry the adapter alone
         self.lora = bool(lora and lora.rank)
         if self.lora:

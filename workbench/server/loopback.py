@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from aiohttp import web
 
-from workbench.engines.base import SamplingParams
+from workbench.engines.base import SamplingParams, derived_seed
 from workbench.invariants.token_identity import TokenAccumulator, reply_text, stream_pieces
 from workbench.server.batcher import Batcher
 from workbench.server.live import SSE_HEADERS, Live
@@ -273,9 +273,10 @@ class LoopbackServer:
         params = self._sampling(chat, len(prompt))
         if self.seed is not None:
             # committed turns so far: a refused or failed request draws the same seed again
-            entropy = [self.seed, session.rollout_id, session.stream, len(session.requests)]
-            seed = np.random.SeedSequence([v % 2**64 for v in entropy]).generate_state(1)[0]
-            params = replace(params, seed=int(seed))
+            seed = derived_seed(
+                self.seed, session.rollout_id, session.stream, len(session.requests)
+            )
+            params = replace(params, seed=seed)
         listener = None
         if chat.stream and not forced:
             live.begin(chat, self, episode.token_ids, params.stop_token_ids, len(prompt))

@@ -7,10 +7,20 @@ waiting, and it runs its calls in order, so a checkpoint's shard marks follow th
 
 import time
 
-from workbench.evaluate import eval_tables
-from workbench.store.schema import FAILED_EPISODES, METRICS, rows_table, step_tables
+from workbench.store.schema import EVAL, FAILED_EPISODES, METRICS, rows_table, step_tables
 from workbench.store.writer import RunWriter
 from workbench.tracking import make_sinks
+
+
+def eval_tables(run_id: str, step: int, row: dict):
+    """The `eval` row of one evaluation and its two metrics rows."""
+    now = time.time()
+    metrics = {"eval/reward": row["mean_reward"], "eval/accuracy": row["accuracy"]}
+    metric_rows = [{"key": key, "value": value, "time": now} for key, value in metrics.items()]
+    return {
+        "eval": rows_table(EVAL, run_id, step, [dict(row, time=now)]),
+        "metrics": rows_table(METRICS, run_id, step, metric_rows),
+    }
 
 
 class StoreActor:
@@ -26,7 +36,7 @@ class StoreActor:
         )
         self.cpu_mark = time.process_time()
 
-    def write_step(self, step: int, metrics: dict, rows: dict, *worker_segments) -> None:
+    def write_step(self, step: int, metrics: dict, rows: dict, *worker_segments):
         # perf/store_cpu_s: this process's CPU seconds (every thread) since the last step's: taking
         # in the step's records, building rows, flushing shards, the tracking sinks. Off the
         # step's path, but on its cores
@@ -44,35 +54,35 @@ class StoreActor:
         )
         self.writer.maybe_flush()
 
-    def write_failures(self, step: int, rows: list[dict]) -> None:
+    def write_failures(self, step: int, rows: list[dict]):
         self.writer.append("failed_episodes", rows_table(FAILED_EPISODES, self.run_id, step, rows))
         self.writer.maybe_flush()
 
-    def checkpoint(self) -> dict[str, int]:
+    def checkpoint(self):
         """Flush, then the shards per table: a resume from this checkpoint deletes every shard past
         them."""
         self.writer.flush()
         return dict(self.writer.next_shard)
 
-    def log(self, step: int, metrics: dict) -> None:
+    def log(self, step: int, metrics: dict):
         now = time.time()
         rows = [{"key": key, "value": float(value), "time": now} for key, value in metrics.items()]
         self.writer.append("metrics", rows_table(METRICS, self.run_id, step, rows))
         for sink in self.sinks:
             sink.log(metrics, step)
 
-    def write_eval(self, step: int, row: dict) -> None:
+    def write_eval(self, step: int, row: dict):
         """One held-out evaluation: a row of the `eval` table and the metrics eval/reward,
         eval/accuracy."""
         self._append(eval_tables(self.run_id, step, row))
         for sink in self.sinks:
             sink.log({"eval/reward": row["mean_reward"], "eval/accuracy": row["accuracy"]}, step)
 
-    def _append(self, tables: dict) -> None:
+    def _append(self, tables: dict):
         for name, table in tables.items():
             self.writer.append(name, table)
 
-    def close(self, status: str) -> None:
+    def close(self, status: str):
         self.writer.close(status)
         for sink in self.sinks:
             sink.close(status)
