@@ -229,5 +229,5 @@ def cispo_loss(logprob, old_logprob, advantages, loss_mask, sampled_mask, **opti
 @policy_loss("sft")
 def sft_loss(logprob, old_logprob, advantages, loss_mask, sampled_mask, **options):
     """Supervised (`molt-wb sft`, the warm start): minus the token mean of log π over the batch's
-    trainable tokens; no ratio, advantage or IS weight."""
+    trainable tokens; no ratio, advantage, IS weight or entropy bonus."""
     return -masked_mean(logprob, loss_mask), {"tokens": float(loss_mask.sum())}
