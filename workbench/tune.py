@@ -187,14 +187,15 @@ class Tuner:
             for index in range(reported, len(curve)):
                 window = [reward for _, reward in curve[max(0, index + 1 - SMOOTH) : index + 1]]
                 trial.report(sum(window) / len(window), curve[index][0])
-            reported = max(reported, len(curve))
+            reported = len(curve)
             # a finished run's whole curve is reported: later trials are measured against it
             if not running:
                 return False
             if trial.should_prune():
                 os.kill(child.pid, signal.SIGINT)
                 child.join()
-                return True
+                # a run that ended between the poll and the signal finished: it is no pruned trial
+                return child.exitcode == 130
 
     def describe(self, trial: optuna.trial.FrozenTrial):
         """One line of a trial: its number, score (or pruned, failed), values and run."""
