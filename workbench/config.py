@@ -11,13 +11,14 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from workbench.algo.advantages import ADVANTAGES
 from workbench.algo.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from workbench.api import load_plugin
-from workbench.invariants.version_gate import DENOMINATORS, LEVELS, MODES
+from workbench.invariants.version_gate import ANCHORS, DENOMINATORS, LEVELS, MODES
 from workbench.models.tiny import TINY_SPECS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -186,6 +187,11 @@ class GateConfig:
     denominator: str = "all"
     """Token-mean denominator: all (rejected tokens stay: a mostly-rejected batch moves the policy
     less) | kept."""
+    anchor: str | None = None
+    """What the loss's PPO ratio is taken against: old (π_old; the gate's weights correct for the
+    sampler) | behavior (the sampler's log-probs: the clip bounds each token's move from the policy
+    that sampled it, even at one minibatch; the gate's weights only keep or drop); null = behavior
+    when trainer.async_depth > 0 (old lost 0.05 reward there: bench/README.md), else old."""
 
 
 @dataclass
@@ -379,7 +385,15 @@ def compose_config(overrides: list[str] = ()):
         raise ConfigError(
             f"Bad config override ({first}); check the key names with `molt-wb train --help`."
         ) from None
+    if cfg.gate.anchor is None:
+        cfg.gate.anchor = "behavior" if cfg.trainer.async_depth else "old"
     validate(cfg)
+    if cfg.gate.anchor == "old" and cfg.trainer.async_depth:
+        warnings.warn(
+            "gate.anchor=old with trainer.async_depth > 0 lost 0.05 reward over 8 seeds "
+            "(bench/README.md): unset gate.anchor to clip against the behavior policy.",
+            stacklevel=2,
+        )
     return cfg
 
 
@@ -579,6 +593,7 @@ def _refuse_unknown_names(cfg):
         gate.level in LEVELS, f"gate.level={gate.level} is unknown: use one of {', '.join(LEVELS)}."
     )
     _need(gate.mode in MODES, f"gate.mode={gate.mode} is unknown: use one of {', '.join(MODES)}.")
+    _need(gate.anchor in ANCHORS, f"gate.anchor={gate.anchor} is unknown: use {_either(ANCHORS)}.")
     _need(
         gate.denominator in DENOMINATORS,
         f"gate.denominator={gate.denominator} is unknown: use {_either(DENOMINATORS)}.",

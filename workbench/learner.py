@@ -497,8 +497,10 @@ class Learner:
         metrics.update(advantage_metrics)
         loss_mask, filter_metrics = self.filtered(batch, gate.loss_mask)
         metrics.update(filter_metrics)
+        # the PPO ratio's anchor (gate.anchor): π_old, or the policy that sampled
+        anchor = batch["behavior_logprob"] if self.gate.anchor == "behavior" else old_logprob
         targets = {
-            "old_logprob": old_logprob,
+            "old_logprob": anchor,
             "advantages": advantages,
             "loss_mask": loss_mask,
             "is_weight": gate.token_weight,

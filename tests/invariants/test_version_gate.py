@@ -121,6 +121,33 @@ def test_token_trunc_clamps_weights_from_above_only():
     assert result.kept.tolist() == [True, True]
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_anchor_behavior_leaves_the_correction_to_the_loss_and_weights_only_keep_or_drop(mode):
+    # the loss's ratio to the behavior log-probs carries e^δ: a kept token weighs 1, whatever its
+    # ratio; mask mode still drops 0.25 and 3 (outside the band)
+    result = gate(
+        [[0.25, 1.0, 3.0], [1.5, X, X]],
+        [[1, 1, 1], [1, 0, 0]],
+        level="token",
+        mode=mode,
+        band=BAND,
+        anchor="behavior",
+    )
+    kept = [0.0, 1.0, 0.0] if mode == "mask" else [1.0, 1.0, 1.0]
+    close(result.token_weight, [kept, [1.0, 0.0, 0.0]])
+    # under a geo filter a dropped sequence still weighs 0 and the token cap no longer applies
+    geo = gate(SEQ_RATIOS, SEQ_MASK, level="geo", band=BAND, token_cap=1.5, anchor="behavior")
+    assert geo.reason == ["ok", "ok", "ok", "ratio_low"]
+    close(geo.token_weight, [[1.0, 1.0, 1.0, 0.0], [1.0] * 4, [1.0] * 4, [0.0] * 4])
+
+
+def test_anchor_defaults_to_behavior_when_asynchronous_and_old_on_policy():
+    assert compose_config(["trainer.async_depth=1", "gate=token"]).gate.anchor == "behavior"
+    assert compose_config([]).gate.anchor == "old"
+    with pytest.warns(UserWarning, match="gate.anchor=old with trainer.async_depth > 0 lost"):
+        compose_config(["trainer.async_depth=1", "gate=token", "gate.anchor=old"])
+
+
 # ---------------------------------------------------------------------- seq and geo level
 
 # row 0: 2·2·1 = 4 (seq high);          geo 4^(1/3) ≈ 1.587 (ok)   -- unsampled X ignored
@@ -555,6 +582,7 @@ def test_bypass_passes_an_on_policy_batch_and_refuses_a_stale_one_in_one_sentenc
         (["gate.level=token", "gate.token_band=[0.5,2.0]"], "gate.token_band masks tokens"),
         (["gate.level=seq", "gate.token_band=[2.0,0.5]"], "gate.token_band=[2.0, 0.5] must be"),
         (["gate.veto=0.5"], "gate.veto must be a ratio above 1"),
+        (["gate.anchor=pi"], "gate.anchor=pi is unknown"),
     ],
 )
 def test_unsafe_or_invalid_corrections_are_refused_at_start_up_in_one_sentence(overrides, words):

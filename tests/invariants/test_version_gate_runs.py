@@ -300,3 +300,30 @@ def test_a_run_stores_each_tokens_entropy_and_its_step_mean(tmp_path):
     for (_, mean), (_, value) in zip(means, metric, strict=True):
         # at most the entropy of the uniform distribution over the tiny model's 512 ids
         assert value == pytest.approx(mean, rel=1e-5) and 0 < value <= math.log(512)
+
+
+@pytest.mark.parametrize("anchor", ["behavior", "old"])
+def test_an_async_run_clips_against_the_behavior_policy_at_one_minibatch(tmp_path, anchor):
+    """gate.anchor=behavior (the asynchronous default): the PPO ratio of a stale batch is taken
+    against the policy that sampled it, so the clip binds though there is one optimizer step per
+    batch; against π_old the ratio is exactly 1 and the clip never acts."""
+    db = train(
+        tmp_path,
+        "trainer.steps=4",
+        "trainer.async_depth=1",
+        "gate.level=token",
+        # a policy that gets some answers right: an untrained one has no advantage to learn from
+        "model.warm_start_steps=100",
+        f"gate.anchor={anchor}",
+    )
+    ratio, clipped = db.execute(
+        "select max(abs(value - 1)) filter (where key = 'loss/ratio_mean'), "
+        "max(value) filter (where key = 'loss/clip_frac') from metrics where step > 0"
+    ).fetchone()
+    weights = db.execute(
+        "select count(*) filter (where is_weight not in (0, 1)) from tokens where loss_mask = 1"
+    ).fetchone()[0]
+    if anchor == "behavior":
+        assert ratio > 1e-3 and clipped > 0 and weights == 0
+    else:
+        assert ratio < 1e-6 and clipped == 0 and weights > 0

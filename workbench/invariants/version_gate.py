@@ -13,6 +13,11 @@ recomputed log-probs of the same ids (π_old) and the learner version. Per sampl
   (`ratio_low` / `ratio_high`); kept sequences carry per-token weights e^δ, truncated at
   `token_cap` and zeroed outside `token_band` (a token mask), so corrections compose.
 
+With `anchor="behavior"` the loss takes its PPO ratio against the behavior log-probs, so the
+correction e^δ lives in that ratio and every weight above is 1 where the token is kept: the clip
+then bounds each token's move from the policy that sampled it, a trust region that acts even with
+one optimizer step per batch (bench/README.md "Asynchronous at equal reward").
+
 At every level a `veto` drops a sequence holding any sampled token whose unclamped ratio lies
 outside [1/veto, veto] (`veto`): one catastrophic token outweighs what a mean or product shows.
 Precedence of reasons: stale, veto, ratio. With `bypass` the learner passes the behavior log-probs
@@ -33,6 +38,7 @@ from torch import Tensor
 LEVELS = ("off", "token", "seq", "geo")
 MODES = ("mask", "clip", "trunc")
 DENOMINATORS = ("all", "kept")
+ANCHORS = ("old", "behavior")
 # log-ratios are clamped here before exponentiation: e^20 is finite in float32
 MAX_LOG_RATIO = 20.0
 
@@ -72,6 +78,7 @@ def version_gate(
     token_band: tuple[float, float] | None = None,
     veto: float | None = None,
     bypass: bool = False,
+    anchor: str | None = "old",
 ):
     """Per-sequence decisions and per-token weights for one batch (all inputs [B, T])."""
     if level not in LEVELS or mode not in MODES or denominator not in DENOMINATORS:
@@ -122,6 +129,9 @@ def version_gate(
         reason = torch.where(staleness > max_staleness, 1, reason)
     kept = reason == 0
     keep_token &= kept[:, None]
+    if anchor == "behavior":
+        # the loss's ratio to the behavior log-probs carries the correction
+        weight = mask.float()
     weight = weight * keep_token
     names = ("ok", "stale", "ratio_low", "ratio_high", "veto")
     return GateResult(
