@@ -2,6 +2,7 @@
 to the same loss and weights as one rank, and their torch.distributed checkpoint resumes on one."""
 
 import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -224,3 +225,37 @@ def test_a_run_with_two_learner_ranks_tracks_the_one_rank_run(tmp_path):
     assert not model.config.architectures[0].startswith("FSDP")
     start = AutoModelForCausalLM.from_pretrained(tiny_model_path("tiny")).state_dict()
     assert any(not torch.equal(start[name], t) for name, t in model.state_dict().items())
+
+
+def test_a_learner_rank_that_raises_stops_the_run_at_once_naming_it(tmp_path):
+    import ray
+
+    from workbench import cluster, run_folder
+    from workbench.faults import RunFailed
+
+    cfg = config([f"run.root={tmp_path}", "trainer.timeout_s=600"], 2)
+    path = str(tiny_model_path("tiny"))
+    segments = rollout_segments(path)
+    # a token id past the vocabulary in the last row: rank 1's slice alone holds it, and rank 0
+    # waits for rank 1 in the sharded forward's collectives
+    segments[-1].token_ids[-1] = 10**6
+    cluster.init_ray(cfg)
+    run_dir, row = run_folder.start_run(cfg)
+    store, learner, workers = cluster.start_actors(cfg, path, run_dir, row)
+    try:
+        ray.get(learner.step.options(num_returns=3).remote(segments[:-1])[0])
+        start = time.monotonic()
+        with pytest.raises(
+            RunFailed, match=r"^Learner rank 1 raised IndexError: .* molt-wb resume ranks$"
+        ):
+            learner.step.options(num_returns=3).remote(segments)
+        # not after trainer.timeout_s
+        assert time.monotonic() - start < 60
+        cluster.stop_actors(cfg.run.id, "failed", store, learner, workers)
+        # rank 0, stuck in a collective, is gone with the others, and so is their placement group
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(learner.actors[0].__ray_ready__.remote(), timeout=60)
+        with pytest.raises(ValueError):
+            ray.util.get_placement_group("molt-wb-ranks")
+    finally:
+        ray.shutdown()

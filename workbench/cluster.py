@@ -10,16 +10,16 @@ import logging
 import math
 import os
 import signal
-import socket
 import threading
 from pathlib import Path
 
 from workbench import model_paths
 from workbench.config import REPO_ROOT, ConfigError
-from workbench.faults import died
+from workbench.faults import died, run_failed
 from workbench.models.tiny import cache_root
 from workbench.rollout import RolloutWorker
 from workbench.store.actor import StoreActor
+from workbench.transport import free_address, join_weight_group
 
 
 def init_ray(cfg, sized_for: list | None = None):
@@ -154,12 +154,13 @@ def start_actors(cfg, model_path: str, run_dir: Path, run_row: dict):
     store = ray.remote(num_cpus=0)(StoreActor).remote(cfg, str(run_dir), run_row)
     options = placement(cfg)
     learner = start_learner(cfg, model_path, options[: cfg.ray.learner_workers])
-    # the batches in flight (at most async_depth + 1) and the weight pushes
-    # a restarted worker could not rejoin the collective transport's group: its death stops the
-    # run, which restarts from its checkpoint (trainer.max_restarts)
     restarts = cfg.rollout.max_restarts
-    if cfg.ray.weight_transport == "collective":
+    # with batches beside the learner's step a worker may die while the collective transport
+    # broadcasts to it: its death stops the run, which restarts from its checkpoint
+    # (trainer.max_restarts); else a restarted worker joins a new group (faults.collect)
+    if cfg.ray.weight_transport == "collective" and cfg.trainer.async_depth:
         restarts = 0
+    # the batches in flight (at most async_depth + 1) and the weight pushes
     worker_cls = ray.remote(max_concurrency=cfg.trainer.async_depth + 2, max_restarts=restarts)(
         RolloutWorker
     )
@@ -209,20 +210,7 @@ def start_learner(cfg, model_path: str, options: list[dict]):
         ray.remote(Learner).options(**rank_options).remote(cfg, model_path, rank, address, teacher)
         for rank, rank_options in enumerate(options)
     ]
-    return LearnerRanks(actors)
-
-
-def join_weight_group(cfg, learner, workers):
-    """Learner rank 0 and every rollout worker join the collective weight transport's group at
-    a free port of rank 0's node; the workers learn the weights' layout."""
-    import ray
-
-    layout = learner.weight_layout.remote()
-    address = ray.get(learner.__ray_call__.remote(lambda _: free_address()))
-    world = len(workers) + 1
-    joins = [learner.join_weight_group.remote(address, world)]
-    joins += [worker.join_weight_group.remote(address, world, layout, cfg) for worker in workers]
-    ray.get(joins, timeout=cfg.trainer.timeout_s)
+    return LearnerRanks(actors, cfg)
 
 
 def learner_actors(learner):
@@ -241,54 +229,60 @@ def stop_actors(run_id: str, status: str, store, learner, workers):
         if status != "failed":
             raise died(error, run_id, store, learner) from error
     finally:
-        group = None
-        # a dead learner has no group to report
-        with contextlib.suppress(Exception):
-            group = ray.get(
-                learner.__ray_call__.remote(lambda _: ray.util.get_current_placement_group()),
-                timeout=60,
-            )
         for actor in (store, *learner_actors(learner), *workers):
             ray.kill(actor)
-        if group is not None:  # a colocated run's
-            ray.util.remove_placement_group(group)
-
-
-def free_address():
-    """This node's address and a free TCP port on it: where rank 0 hosts the process group's
-    rendezvous (a Ray task placed in rank 0's bundle)."""
-    import ray
-
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        port = probe.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+        # a run with a placement group (`placement`)
+        with contextlib.suppress(ValueError):
+            ray.util.remove_placement_group(ray.util.get_placement_group(f"molt-wb-{run_id}"))
 
 
 class LearnerRanks:
     """The learner's N Ray actors as one handle: `ranks.method.remote(...)` calls it on every
-    rank (they run its collectives together) and answers with rank 0's result."""
+    rank (they run its collectives together) and answers with rank 0's result once the others
+    have answered: another rank's exception stops the run at once (rank 0 would wait for that rank
+    in a collective until trainer.timeout_s)."""
 
-    def __init__(self, actors: list):
+    def __init__(self, actors: list, cfg):
         self.actors = actors
-        self._actor_id = actors[0]._actor_id
+        self.cfg = cfg
 
     def __getattr__(self, name: str):
-        return _EveryRank([getattr(actor, name) for actor in self.actors])
+        return _EveryRank(self, name, {})
 
 
 class _EveryRank:
-    def __init__(self, methods: list, options: dict | None = None):
-        self.methods = methods
-        self.options_ = options or {}
+    def __init__(self, ranks: LearnerRanks, name: str, options: dict):
+        self.ranks = ranks
+        self.name = name
+        self.options_ = options
 
     def options(self, **options):
-        return _EveryRank(self.methods, options)
+        return _EveryRank(self.ranks, self.name, options)
 
     def remote(self, *args, **kwargs):
-        refs = []
-        for method in self.methods:
-            if self.options_:
-                method = method.options(**self.options_)
-            refs.append(method.remote(*args, **kwargs))
+        import ray
+
+        refs = [
+            getattr(actor, self.name).options(**self.options_).remote(*args, **kwargs)
+            for actor in self.ranks.actors
+        ]
+        firsts = [ref[0] if isinstance(ref, list) else ref for ref in refs]
+        pending = firsts
+        # the others wait on nothing but rank 0, which may wait on the driver's next calls (the
+        # collective transport's receivers)
+        while firsts[0] in pending and len(pending) > 1:
+            # not pulled to this node while waiting: rank 0's answer may be the weights
+            ready, pending = ray.wait(
+                pending, timeout=self.ranks.cfg.trainer.timeout_s, fetch_local=False
+            )
+            if not ready:
+                break
+            try:
+                ray.get(ready)
+            except ray.exceptions.RayTaskError as error:
+                cause = f"{type(error.cause).__name__}: {error.cause}"
+                rank = firsts.index(ready[0])
+                raise run_failed(
+                    f"Learner rank {rank} raised {cause}", self.ranks.cfg.run.id
+                ) from error
         return refs[0]

@@ -4,8 +4,9 @@ table, once; a fault the run cannot ride out ends it with one `RunFailed` senten
 A plugin exception fails one episode (the worker reports it, rollout.py). A worker whose process
 dies is restarted by Ray (`rollout.max_restarts`); one that does not answer within
 `rollout.timeout_s` (a hung engine or agent) is killed and restarted. Either way every episode it
-held becomes a failure row, the restarted worker gets the learner's current weights and version,
-and the run goes on; a batch that lost every episode is drawn again, at most three times in a row.
+held becomes a failure row, the restarted worker gets the learner's current weights and version
+(and with the collective transport every member joins a new weight group), and the run goes on;
+a batch that lost every episode is drawn again, at most three times in a row.
 """
 
 import sys
@@ -109,6 +110,11 @@ def collect(rollout: Rollout, step: int, cfg, store, learner, workers, prompts):
                 rows += _failure_rows(error, index, jobs)
                 # the restart loaded the first weights
                 _push_when_back(worker, learner.weights.remote())
+        if len(delivered) < len(workers) and cfg.ray.weight_transport == "collective":
+            from workbench.transport import join_weight_group
+
+            # a restarted worker is in no group: every member joins a new one
+            join_weight_group(cfg, learner, workers)
         if rows:
             store.write_failures.remote(step, rows)
             kinds = sorted({row["kind"] for row in rows})

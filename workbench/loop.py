@@ -24,9 +24,9 @@ def _run(cfg):
     store, learner, workers = cluster.start_actors(cfg, model_path, run_dir, run_row)
     progress = Progress(cfg)
     status = "failed"
-    start = checkpoint.restore(cfg, run_dir, learner, workers, prompts)
-    window = Window(cfg, workers, prompts, start)
     try:
+        start = checkpoint.restore(cfg, run_dir, learner, workers, prompts)
+        window = Window(cfg, workers, prompts, start)
         for step in window.steps():
             clock = StepClock()
             # ---- generate and score: the oldest batch, sampled up to async_depth versions ago

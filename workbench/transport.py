@@ -8,8 +8,11 @@ bytes, bucket by bucket of at most `ray.weight_bucket_mb`, with nothing through 
 The loop's step returns a small handle instead of the weights; the window asks every worker to
 receive while the learner sends (window.py), and a worker hands what it received to its engine as
 a push from the object store would be handed (`load_weights`: same versions, same partial swaps).
+A rollout worker that Ray restarts is in no group: every member then joins a new one
+(faults.collect), before the next push.
 """
 
+import socket
 from datetime import timedelta
 
 import torch
@@ -72,3 +75,27 @@ class WeightGroup:
                 # a fresh storage: a view at an odd offset cannot change dtype
                 state_dict[name] = part.clone().view(dtype).reshape(shape)
         return state_dict, int(version)
+
+
+def free_address():
+    """This node's address and a free TCP port on it: where rank 0 hosts the process group's
+    rendezvous (a Ray task placed in rank 0's bundle)."""
+    import ray
+
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+def join_weight_group(cfg, learner, workers):
+    """Learner rank 0 and every rollout worker join the collective weight transport's group at
+    a free port of rank 0's node; the workers learn the weights' layout."""
+    import ray
+
+    layout = learner.weight_layout.remote()
+    address = ray.get(learner.__ray_call__.remote(lambda _: free_address()))
+    world = len(workers) + 1
+    joins = [learner.join_weight_group.remote(address, world)]
+    joins += [worker.join_weight_group.remote(address, world, layout, cfg) for worker in workers]
+    ray.get(joins, timeout=cfg.trainer.timeout_s)
