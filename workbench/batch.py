@@ -11,6 +11,9 @@ from workbench.invariants.token_identity import SEAL_REASONS
 from workbench.invariants.version_gate import GateResult
 from workbench.segment import Segment
 
+# the version gate's per-sequence tensors the run store keeps (with its reasons)
+GATE_COLUMNS = ("staleness", "seq_log_ratio", "geo_ratio", "kept", "tokens_masked")
+
 
 def collate(segments: list[Segment]):
     """Right-padded batch tensors built from token ids only (text cannot reach the trainer)."""
@@ -18,7 +21,7 @@ def collate(segments: list[Segment]):
         raise TypeError("The learner trains on Segment records only (token ids), never on text.")
     lengths = np.array([len(s.token_ids) for s in segments])
 
-    def padded(field: str, dtype, fill=0):
+    def padded(field, dtype, fill=0):
         """[batch, seq, ...] right-padded, filled in numpy."""
         values = [getattr(s, field) for s in segments]
         shape = next(value.shape[1:] for value in values if value is not None)
@@ -57,7 +60,7 @@ def collate(segments: list[Segment]):
     return batch
 
 
-def audit_identity(segments: list[Segment], batch: dict):
+def audit_identity(segments: list[Segment], batch):
     """Token identity, checked on every batch: the rollout's audit (mask-1 ids are the engine's
     sampled ids, in order) and the trainer's input ids equal to the segment's ids. A violation
     stops the run."""
@@ -96,7 +99,7 @@ def audit_identity(segments: list[Segment], batch: dict):
     return metrics
 
 
-def routing_table_rows(segments: list[Segment], routing: dict):
+def routing_table_rows(segments: list[Segment], routing):
     """One row per (segment, MoE layer): tokens with a recorded route, how many the live router
     routed differently, their positions and, at each, the rollout's and the learner's experts."""
     rows = []
@@ -120,7 +123,7 @@ def routing_table_rows(segments: list[Segment], routing: dict):
 
 
 def batch_metrics(
-    segments: list[Segment], batch: dict, old_logprob: torch.Tensor, entropy: torch.Tensor | None
+    segments: list[Segment], batch, old_logprob: torch.Tensor, entropy: torch.Tensor | None
 ):
     """Rewards, sizes, the rollout-learner mismatch of one batch and, where the learner computed
     it, the mean entropy of its sampled tokens."""
@@ -142,7 +145,7 @@ def batch_metrics(
     return metrics
 
 
-def rows_of(batch: dict, rows: torch.Tensor):
+def rows_of(batch, rows: torch.Tensor):
     """The rows `rows` of every tensor (or list) in `batch`."""
     picked = {}
     for key, value in batch.items():
@@ -153,7 +156,7 @@ def rows_of(batch: dict, rows: torch.Tensor):
     return picked
 
 
-def step_means(steps: list[dict[str, float]]):
+def step_means(steps):
     """Each `loss/` metric averaged over the optimizer steps of one batch."""
     means = {}
     for key in steps[0]:
@@ -170,12 +173,12 @@ def generate_seconds(worker_segments: tuple[list[Segment], ...]):
 
 
 def store_rows(
-    batch: dict,
+    batch,
     old_logprob: torch.Tensor,
     gate: GateResult,
     advantages: torch.Tensor,
-    consumed_at: int,
-    routing_rows: list[dict],
+    consumed_at,
+    routing_rows,
     entropy: torch.Tensor | None = None,
 ):
     """What the run store keeps of one batch: per-token log-probs, IS weights, entropies and
@@ -194,15 +197,10 @@ def store_rows(
         "token_advantage": token_advantage,
         "learner_version": consumed_at,
         "routing": routing_rows,
-        "gate": {
-            "staleness": gate.staleness.tolist(),
-            "seq_log_ratio": gate.seq_log_ratio.tolist(),
-            "geo_ratio": gate.geo_ratio.tolist(),
-            "kept": gate.kept.tolist(),
-            "reason": gate.reason,
-            "tokens_masked": gate.tokens_masked.tolist(),
-        },
+        # the gate's per-sequence columns of the gate_decisions table
+        "gate": {name: getattr(gate, name).tolist() for name in GATE_COLUMNS},
     }
+    rows["gate"]["reason"] = gate.reason
     if entropy is not None:
         rows["entropy"] = [entropy[real].numpy()]
     return rows

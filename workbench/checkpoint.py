@@ -45,7 +45,7 @@ def latest(run_dir):
 # ---- save: the learner writes the policy and trainer.pt; the driver names, publishes and prunes
 
 
-def side_files(model_path: str):
+def side_files(model_path):
     """The tokenizer, chat template and image processor files beside a policy's weights, read
     once: a resumed run's `model_path` is a checkpoint that `keep_checkpoints` later deletes."""
     return {
@@ -56,7 +56,7 @@ def side_files(model_path: str):
     }
 
 
-def save_learner(learner, folder: str, driver_state: dict):
+def save_learner(learner, folder, driver_state):
     """Runs in every learner rank: its shards of the model and optimizer into `state/`; rank 0
     the whole policy (with its tokenizer files) and trainer.pt."""
     import torch
@@ -68,11 +68,7 @@ def save_learner(learner, folder: str, driver_state: dict):
     full = learner.ranks.full_state_dict(learner.model)
     if learner.ranks.rank:
         return learner.version
-    policy = Path(folder, "policy")
-    learner.model.save_pretrained(policy, state_dict=full)
-    for name, content in learner.side_files.items():
-        if not (policy / name).exists():
-            (policy / name).write_bytes(content)
+    save_policy(learner, Path(folder, "policy"), full)
     torch.save(
         dict(driver_state, version=learner.version, torch_rng=torch.get_rng_state()),
         Path(folder, "trainer.pt"),
@@ -80,7 +76,16 @@ def save_learner(learner, folder: str, driver_state: dict):
     return learner.version
 
 
-def load_learner(learner, folder: str):
+def save_policy(learner, folder: Path, state_dict=None):
+    """The learner's policy as `save_pretrained` writes it (`state_dict`: its whole weights, when
+    sharded), its tokenizer and processor files beside it."""
+    learner.model.save_pretrained(folder, state_dict=state_dict)
+    for name, content in learner.side_files.items():
+        if not (folder / name).exists():
+            (folder / name).write_bytes(content)
+
+
+def load_learner(learner, folder):
     """Runs in every learner rank (built from the checkpoint's policy/): model and optimizer
     state resharded to this run's ranks, version, torch RNG."""
     import torch
@@ -102,7 +107,7 @@ def load_learner(learner, folder: str):
     return learner.version
 
 
-def maybe_save(cfg, run_dir: Path, step: int, learner, store, data_state: dict):
+def maybe_save(cfg, run_dir: Path, step, learner, store, data_state):
     """After loop step `step`: every `trainer.checkpoint_every` rollout batches and at the last
     one."""
     import ray
@@ -110,8 +115,7 @@ def maybe_save(cfg, run_dir: Path, step: int, learner, store, data_state: dict):
     every = cfg.trainer.checkpoint_every
     if not every or ((step + 1) % every and step + 1 != batches(cfg)):
         return None
-    folder = Path(run_dir, "checkpoints")
-    temporary = folder / f"step-{step:06d}.tmp"
+    temporary = Path(run_dir, "checkpoints", f"step-{step:06d}.tmp")
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir(parents=True)
     # after this step's rows: the store runs its calls in order
@@ -123,8 +127,14 @@ def maybe_save(cfg, run_dir: Path, step: int, learner, store, data_state: dict):
         "numpy_rng": np.random.get_state(),
     }
     version = ray.get(learner.save_checkpoint.remote(str(temporary), driver))
-    (temporary / "writer.json").write_text(json.dumps(ray.get(marks)))
-    final = folder / f"step-{version:06d}"
+    return commit(cfg, run_dir, temporary, version, ray.get(marks))
+
+
+def commit(cfg, run_dir: Path, temporary: Path, version, marks):
+    """The checkpoint the learner wrote into `temporary`, with the writer's shard `marks`, renamed
+    into place after its learner `version`; the oldest beyond `trainer.keep_checkpoints` deleted."""
+    (temporary / "writer.json").write_text(json.dumps(marks))
+    final = temporary.with_name(f"step-{version:06d}")
     # written before a crash and now again by the resumed run
     shutil.rmtree(final, ignore_errors=True)
     os.replace(temporary, final)
@@ -140,7 +150,7 @@ def maybe_save(cfg, run_dir: Path, step: int, learner, store, data_state: dict):
 # ---- resume
 
 
-def resume_config(run_id: str, overrides: list[str]):
+def resume_config(run_id, overrides):
     """The saved config of run `run_id` with `overrides` on top, set to resume; ConfigError says
     why not."""
     root = next((o.split("=", 1)[1] for o in overrides if o.startswith("run.root=")), "runs")
@@ -190,7 +200,7 @@ def resume_config(run_id: str, overrides: list[str]):
     return cfg
 
 
-def saved_config(run_dir: Path, overrides: list[str]):
+def saved_config(run_dir: Path, overrides):
     """The config a run saved, with `overrides` (key=value) on top."""
     return OmegaConf.merge(
         OmegaConf.structured(Config),

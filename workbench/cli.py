@@ -44,7 +44,7 @@ def console():
     return Console(width=None if sys.stdout.isatty() else 200)
 
 
-def fail(message: str):
+def fail(message):
     typer.secho(f"error: {message}", fg="red", err=True)
     raise typer.Exit(2)
 
@@ -490,7 +490,7 @@ for command in app.registered_commands + prepare_app.registered_commands:
     command.callback.__doc__ = "\n\n".join(" ".join(p.split()) for p in paragraphs)
 
 
-def main(argv: list[str] | None = None):
+def main(argv=None):
     app(args=argv)
 
 

@@ -44,7 +44,7 @@ class Prompts:
         self.next_group = 0
         self.next_rollout = 0
 
-    def next_jobs(self, workers: int):
+    def next_jobs(self, workers):
         """This step's jobs, split into one list per worker (a group never straddles two
         workers)."""
         jobs = [[] for _ in range(workers)]
@@ -74,7 +74,7 @@ class Prompts:
             "next_rollout": self.next_rollout,
         }
 
-    def restore(self, state: dict):
+    def restore(self, state):
         self.rng.setstate(state["rng"])
         self.order = list(state["order"])
         self.cursor = state["cursor"]
@@ -82,7 +82,7 @@ class Prompts:
         self.next_rollout = state["next_rollout"]
 
 
-def check_samples(samples: list, plugin, where: str):
+def check_samples(samples, plugin, where):
     """Refuse an empty data set, or one whose first row the plugin cannot start an episode on."""
     if not samples:
         raise ConfigError(f"Data set {where} has no samples: give a file with at least one row.")
@@ -107,7 +107,7 @@ def check_samples(samples: list, plugin, where: str):
         ) from None
 
 
-def load_samples(path: str):
+def load_samples(path):
     """Rows of a local .parquet or .jsonl file (validate() has checked it exists); ValueError names
     a bad file."""
     if path.endswith(".parquet"):

@@ -35,7 +35,7 @@ def eval_samples(cfg):
     return "make_dataset", plugin.make_dataset(cfg.eval.size, cfg.seed + 7919)
 
 
-def eval_jobs(cfg, samples: list[dict], workers: int):
+def eval_jobs(cfg, samples, workers):
     """`eval.samples` episodes per held-out sample, split among the workers."""
     jobs = [
         Job(sample, -1 - g, -1 - (g * cfg.eval.samples + k))
@@ -45,7 +45,7 @@ def eval_jobs(cfg, samples: list[dict], workers: int):
     return [jobs[w::workers] for w in range(workers)]
 
 
-def score(rewards: list[float], threshold: float):
+def score(rewards, threshold):
     """n, mean reward and accuracy (the fraction of episodes whose reward is at least
     `threshold`)."""
     n = len(rewards)
@@ -56,7 +56,7 @@ def score(rewards: list[float], threshold: float):
     }
 
 
-def at_step(cfg, workers, store, step: int, weights):
+def at_step(cfg, workers, store, step, weights):
     """During training: every `eval.every` steps, score the step's `weights` on the held-out
     split."""
     import ray
@@ -74,7 +74,7 @@ def at_step(cfg, workers, store, step: int, weights):
     store.write_eval.remote(step, dict(scored, checkpoint="live", split=split))
 
 
-def resolve_checkpoint(run_dir: Path, checkpoint: str | None):
+def resolve_checkpoint(run_dir: Path, checkpoint):
     """(policy folder, learner version) of a checkpoint given as a folder, a version number
     (step-NNNNNN) or nothing (the latest one); (None, 0) when the run has no checkpoint and none
     was asked for (the starting policy)."""
@@ -105,9 +105,7 @@ def resolve_checkpoint(run_dir: Path, checkpoint: str | None):
     return path, int(match.group(1)) if match else 0
 
 
-def from_checkpoint(
-    run_id: str, checkpoint: str | None = None, root: str = "runs", overrides: list[str] = ()
-):
+def from_checkpoint(run_id, checkpoint=None, root="runs", overrides=()):
     """`molt-wb eval`: score a checkpoint of a run on its held-out split, without training; the
     result joins the run's store."""
     run_dir = resolve_run(run_id, root)

@@ -23,24 +23,9 @@ LETTERS = "ABCDEFGH"
 # ---- extraction ----------------------------------------------------------------------------------
 
 
-def _group(text: str, start: int):
-    """The content of the brace group opening at text[start] == '{', and the index after it;
-    None when no brace opens there or it never closes."""
-    if text[start : start + 1] != "{":
-        return None
-    depth = 0
-    for index in range(start, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[index], 0)
-        if depth == 0:
-            return text[start + 1 : index], index + 1
-    return None
-
-
-def _answer_spans(text: str):
-    """Every final-answer span (start, end, content): `<answer>` tags and `\\boxed{}` outside
-    them."""
-    spans = [(m.start(), m.end(), m.group(1)) for m in ANSWER_TAG.finditer(text)]
-    # one pass over the braces, so a long reply costs linear time
+def _closing(text):
+    """{index of each `{`: index of the `}` that closes it} (an unclosed one absent), in one pass
+    over the braces, so a long reply costs linear time."""
     closing = {}
     open_braces = []
     for brace in re.finditer(r"[{}]", text):
@@ -48,6 +33,14 @@ def _answer_spans(text: str):
             open_braces.append(brace.start())
         elif open_braces:
             closing[open_braces.pop()] = brace.start()
+    return closing
+
+
+def _answer_spans(text):
+    """Every final-answer span (start, end, content): `<answer>` tags and `\\boxed{}` outside
+    them."""
+    spans = [(m.start(), m.end(), m.group(1)) for m in ANSWER_TAG.finditer(text)]
+    closing = _closing(text)
     for match in re.finditer(r"\\boxed\s*(?=\{)", text):
         end = closing.get(match.end())
         if end is not None and not any(start <= match.start() < stop for start, stop, _ in spans):
@@ -84,10 +77,11 @@ def format_ok(text: str):
 # ---- evaluation ----------------------------------------------------------------------------------
 
 
-def _latex(text: str):
+def _latex(text):
     """Rewrite \\frac, \\sqrt and brace groups as bracketed Python-like text, recursively."""
     out = []
     index = 0
+    closing = _closing(text)
     while index < len(text):
         command = re.match(r"\\[dt]?frac|\\sqrt", text[index:])
         if command:
@@ -101,10 +95,10 @@ def _latex(text: str):
             for _ in range(2 if fraction else 1):
                 while index < len(text) and text[index] == " ":
                     index += 1
-                group = _group(text, index)
-                if group:
-                    parts.append(_latex(group[0]))
-                    index = group[1]
+                end = closing.get(index)
+                if end is not None:
+                    parts.append(_latex(text[index + 1 : end]))
+                    index = end + 1
                 else:
                     # \frac12, \sqrt 3: a single digit for \frac, a digit run for \sqrt
                     token = re.match(r"." if fraction else r"\d+", text[index:], re.DOTALL)
@@ -117,18 +111,18 @@ def _latex(text: str):
             else:
                 out.append(f"sqrt({parts[0]})")
         elif text[index] == "{":
-            group = _group(text, index)
-            if group is None:
+            end = closing.get(index)
+            if end is None:
                 return text
-            out.append(f"({_latex(group[0])})")
-            index = group[1]
+            out.append(f"({_latex(text[index + 1 : end])})")
+            index = end + 1
         else:
             out.append(text[index])
             index += 1
     return "".join(out)
 
 
-def _normalise(answer: object):
+def _normalise(answer):
     """Lower-case text with markup, units, degree signs, a leading `x =` and thousands commas
     removed."""
     text = str(answer).strip().strip("$").strip()
@@ -141,7 +135,7 @@ def _normalise(answer: object):
     return UNITS.sub(" ", text).strip().rstrip(".").strip()
 
 
-def _number(answer: object):
+def _number(answer):
     """(value, decimal places written, or None unless a plain decimal) of an answer, or None if
     not a number."""
     text = _normalise(answer)
@@ -205,7 +199,7 @@ def is_equivalent(pred: object, truth: object):
     return abs(value - true_value) <= tolerance
 
 
-def _choice(answer: object, choices: list | None):
+def _choice(answer, choices):
     """A choice letter (`B`, `(B)`, `B.`, `\\text{B}`) mapped to its choice's value; anything else
     unchanged."""
     if not choices:

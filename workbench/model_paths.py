@@ -30,7 +30,7 @@ def teacher_path(cfg):
     return cfg.algo.teacher_path or warm_started(cfg, cfg.algo.teacher_warm_start_steps)
 
 
-def warm_started(cfg, steps: int):
+def warm_started(cfg, steps):
     """The tiny model `model.name` after `steps` warm-start steps on the plugin (0: as built)."""
     # torch: imported only where a warm start may be built
     from workbench.sft import warm_started_path

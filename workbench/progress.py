@@ -26,12 +26,12 @@ class StepClock:
         self.mark = self.start
         self.phases = {}
 
-    def lap(self, phase: str):
+    def lap(self, phase):
         now = time.perf_counter()
         self.phases[phase] = now - self.mark
         self.mark = now
 
-    def metrics(self, metrics: dict):
+    def metrics(self, metrics):
         total = time.perf_counter() - self.start
         perf = {f"perf/{phase}_s": seconds for phase, seconds in self.phases.items()}
         perf["perf/step_s"] = total
@@ -43,7 +43,7 @@ class Task(contextlib.AbstractContextManager):
     """Progress of one long piece of work (a model build, a warm start, the RL steps): a rich bar
     with time left on a terminal, one line per `interval_s` when piped, nothing when off."""
 
-    def __init__(self, label: str, total: int, enabled: bool = True, interval_s: float = 10.0):
+    def __init__(self, label, total, enabled=True, interval_s=10.0):
         self.label = label
         self.total = total
         self.enabled = enabled
@@ -65,7 +65,7 @@ class Task(contextlib.AbstractContextManager):
             self.task = self.bar.add_task(label, total=total, info="")
             self.bar.start()
 
-    def update(self, done: int, info: str = ""):
+    def update(self, done, info=""):
         self.done = done
         now = time.monotonic()
         if self.bar:
@@ -89,13 +89,13 @@ class Progress(Task):
     def __init__(self, cfg):
         super().__init__(cfg.run.id, cfg.trainer.steps, cfg.run.progress)
 
-    def update(self, metrics: dict):
+    def update(self, metrics):
         info = f"reward {metrics['reward/mean']:.3f}  {metrics['perf/tokens_per_s']:.0f} tok/s"
         super().update(int(metrics["train/version"]), info)
 
 
 @contextlib.contextmanager
-def stage(label: str):
+def stage(label):
     """A piece of work with no steps to count (a model build): a spinner on a terminal, a line
     when it starts and one when it ends otherwise; transformers' own bars stay quiet inside."""
     from transformers.utils import logging

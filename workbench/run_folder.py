@@ -76,7 +76,7 @@ def plain(cfg):
     return OmegaConf.to_object(cfg)
 
 
-def record_refused(cfg, error: str):
+def record_refused(cfg, error):
     """A sweep job refused before it started still gets its run row: status failed, and why."""
     # a run that started has its row already
     with contextlib.suppress(ConfigError, OSError):

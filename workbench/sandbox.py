@@ -94,13 +94,13 @@ def _netns_prefix():
     return prefix if probe.returncode == 0 else ()
 
 
-def _read(handle, limit: int):
+def _read(handle, limit):
     handle.seek(0)
     data = handle.read(limit + 1)
     return data[:limit].decode("utf-8", errors="replace"), len(data) >= limit
 
 
-def _exited(pid: int, timeout_s: float):
+def _exited(pid, timeout_s):
     """Wait up to timeout_s for the process to exit, without reaping it (so its pid, the group id,
     stays ours)."""
     deadline = time.monotonic() + timeout_s

@@ -101,10 +101,10 @@ class Batch(list):
         return _unbatch, (blob,)
 
 
-def _unbatch(blob: bytes):
+def _unbatch(blob):
     return Batch(pickle.loads(blob))
 
 
-def image_name(image: bytes):
+def image_name(image):
     """The run store's file name of an encoded image (`runs/<id>/images/<name>`): a content hash."""
     return hashlib.sha256(image).hexdigest()[:16] + ".png"

@@ -7,15 +7,12 @@ completions, cached on disk under a key of everything that shapes it.
 """
 
 import hashlib
-import json
 import math
-import os
 import random
-import shutil
 from pathlib import Path
 
 from workbench import run_folder
-from workbench.checkpoint import saved
+from workbench.checkpoint import commit, save_policy
 from workbench.config import AlgoConfig, Config, TrainerConfig
 from workbench.data import load_samples
 from workbench.invariants.token_identity import TokenAccumulator
@@ -32,7 +29,7 @@ from workbench.store.actor import StoreActor
 SETTINGS = ["algo.policy_loss=sft", "engine.temperature=1", "ray.learner_workers=1"]
 
 
-def encoders(model_path: str):
+def encoders(model_path):
     """The tokenizer and image codec (None for a text-only policy) of a checkpoint."""
     from transformers import AutoTokenizer
 
@@ -40,7 +37,7 @@ def encoders(model_path: str):
     return AutoTokenizer.from_pretrained(model_path), codec
 
 
-def demonstration(tokenizer, codec, messages: list[dict], tools=None, index: int = 0):
+def demonstration(tokenizer, codec, messages, tools=None, index=0):
     """The Segment records of one conversation, built as a rollout builds an episode: the messages
     before the first assistant turn open it, each assistant turn is appended as if sampled (its
     text's ids and the stop token: trainable), every other message as the template renders it."""
@@ -68,7 +65,7 @@ def demonstration(tokenizer, codec, messages: list[dict], tools=None, index: int
     ]
 
 
-def conversations(path: str, model_path: str):
+def conversations(path, model_path):
     """The demonstrations of a .jsonl or .parquet file whose `messages` column holds OpenAI chat
     conversations (content a string, or text and `image_url` parts of inline base64 images) and an
     optional `tools` column of OpenAI tool schemas; ValueError names a bad file or row."""
@@ -103,7 +100,7 @@ def conversations(path: str, model_path: str):
     return found
 
 
-def epochs(demonstrations: list[list[Segment]], size: int, seed: int):
+def epochs(demonstrations: list[list[Segment]], size, seed):
     """Each step's segments: `size` conversations, epoch after epoch, each in a seeded order."""
     rng = random.Random(seed)
     order = []
@@ -115,7 +112,7 @@ def epochs(demonstrations: list[list[Segment]], size: int, seed: int):
         yield batch
 
 
-def fine_tune(cfg, model_path: str, batches, label: str, store=None, run_dir=None):
+def fine_tune(cfg, model_path, batches, label, store=None, run_dir=None):
     """`trainer.steps` supervised steps of a local learner, one per batch of `batches`; with a run
     `store`, each step's segments and metrics go to it and checkpoints to `run_dir` (every
     `trainer.checkpoint_every` steps and at the last)."""
@@ -130,24 +127,15 @@ def fine_tune(cfg, model_path: str, batches, label: str, store=None, run_dir=Non
             continue
         store.write_step(step, metrics, rows, segments)
         if every and ((step + 1) % every == 0 or step + 1 == cfg.trainer.steps):
-            save(cfg, run_dir, learner, store)
+            # laid out as a training run's checkpoint
+            temporary = Path(run_dir, "checkpoints", f"step-{step:06d}.tmp")
+            learner.save_checkpoint(str(temporary), {})
+            commit(cfg, run_dir, temporary, learner.version, store.checkpoint())
     bar.close()
     return learner
 
 
-def save(cfg, run_dir: Path, learner, store):
-    """A checkpoint laid out as a training run's (checkpoint.py); the oldest beyond
-    `trainer.keep_checkpoints` deleted."""
-    final = Path(run_dir, "checkpoints", f"step-{learner.version:06d}")
-    temporary = final.with_name(f"{final.name}.tmp")
-    learner.save_checkpoint(str(temporary), {})
-    (temporary / "writer.json").write_text(json.dumps(store.checkpoint()))
-    os.replace(temporary, final)
-    for old in saved(run_dir)[: -cfg.trainer.keep_checkpoints]:
-        shutil.rmtree(old)
-
-
-def run(cfg, demonstrations: list[list[Segment]], model_path: str):
+def run(cfg, demonstrations: list[list[Segment]], model_path):
     """`molt-wb sft`: `trainer.steps` steps of `trainer.prompts_per_step` conversations, a run of
     the store (`molt-wb runs` lists it as recipe sft); the line that says where it is."""
     run_dir, row = run_folder.start_run(cfg)
@@ -166,7 +154,7 @@ def run(cfg, demonstrations: list[list[Segment]], model_path: str):
 # ---- the warm start: a tiny random model never earns a reward, so RL would have nothing to compare
 
 
-def teacher_batches(plugin, model_path: str, seed: int, size: int):
+def teacher_batches(plugin, model_path, seed, size):
     """Each step's demonstrations of the plugin's `warm_start` teacher, `size` samples drawn anew
     (and the teacher's completions with them) from one seeded stream."""
     tokenizer, codec = encoders(model_path)
@@ -189,9 +177,7 @@ def teacher_batches(plugin, model_path: str, seed: int, size: int):
         yield batch
 
 
-def warm_started_path(
-    base: Path, plugin, plugin_source: str, steps: int, lr: float, seed: int, batch: int = 64
-):
+def warm_started_path(base: Path, plugin, plugin_source, steps, lr, seed, batch=64):
     """`base` after `steps` supervised steps on `batch` demonstrations each of the plugin's
     teacher, built once and kept beside it."""
     key = hashlib.sha256(
@@ -206,10 +192,6 @@ def warm_started_path(
     cfg = Config(seed=seed, algo=AlgoConfig(policy_loss="sft"), trainer=trainer)
     batches = teacher_batches(plugin, str(base), seed, batch)
     learner = fine_tune(cfg, str(base), batches, f"warm start {base.name}")
-    with built_into(target) as staging:
-        with stage(f"saving {target.name}"):
-            learner.model.save_pretrained(staging)
-        for name, content in learner.side_files.items():
-            if not (staging / name).exists():
-                (staging / name).write_bytes(content)
+    with built_into(target) as staging, stage(f"saving {target.name}"):
+        save_policy(learner, staging)
     return target

@@ -12,7 +12,7 @@ SPARKS = "▁▂▃▄▅▆▇█"
 EDGE = 5
 
 
-def figures(run_id: str, root: str = "runs"):
+def figures(run_id, root="runs"):
     """The summary's numbers: (step, mean reward) pairs, every metric's sum and mean over the steps,
     the run row, and the wall time."""
     folder = resolve_run(run_id, root)
@@ -34,7 +34,7 @@ def figures(run_id: str, root: str = "runs"):
     return dict(run=run, folder=str(folder), rewards=rewards, sums=sums, means=means, wall_s=wall)
 
 
-def sparkline(values: list[float], width: int = 50):
+def sparkline(values, width=50):
     """Values as bars, in at most `width` characters (each the mean of its share of the
     values)."""
     # values per character, rounded up
@@ -46,7 +46,7 @@ def sparkline(values: list[float], width: int = 50):
     return "".join(SPARKS[round((value - low) / span * (len(SPARKS) - 1))] for value in buckets)
 
 
-def render(numbers: dict, root: str = "runs"):
+def render(numbers, root="runs"):
     """The summary as lines of text."""
     run = numbers["run"]
     rewards = [reward for _, reward in numbers["rewards"]]

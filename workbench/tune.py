@@ -44,7 +44,7 @@ POLL_S = 1.0
 SMOOTH = 10
 
 
-def search_space(line: list[str]):
+def search_space(line):
     """(the fixed overrides, {key: Optuna distribution} of the searched ones) of a tune line."""
     try:
         parsed = OverridesParser.create().parse_overrides(line)
@@ -79,7 +79,7 @@ def search_space(line: list[str]):
     return fixed, space
 
 
-def run_study(line: list[str], trials: int, metric: str, startup: int, warmup: int, resume=None):
+def run_study(line, trials, metric, startup, warmup, resume=None):
     """`molt-wb tune`: open a new study of `line` (or the one in the file `resume`), run `trials`
     trials, print a line for each and the study's summary."""
     if resume and line:
@@ -100,7 +100,7 @@ def run_study(line: list[str], trials: int, metric: str, startup: int, warmup: i
 class Tuner:
     """An Optuna study in `<run.root>/<sweep id>.optuna.db` and the runs of its trials."""
 
-    def __init__(self, path: str | Path, settings: dict | None = None):
+    def __init__(self, path: str | Path, settings=None):
         """Open the study in the file `path`: new with `settings` (line, metric, startup, warmup),
         else the one there with its own."""
         self.path = Path(path)
@@ -131,7 +131,7 @@ class Tuner:
             self.study.tell(trial.number, state=TrialState.FAIL)
 
     @classmethod
-    def new(cls, line: list[str], metric: str, startup: int, warmup: int):
+    def new(cls, line, metric, startup, warmup):
         """A new study of the line's searched keys in its run.root, refused at once if a key or
         the metric is unknown."""
         if metric not in METRICS:
@@ -173,7 +173,7 @@ class Tuner:
         _, rows = compare_rows([cfg.run.id], self.root)
         return self.study.tell(trial, METRICS[self.settings["metric"]](rows[0]))
 
-    def _pruned(self, trial, child, run_id: str):
+    def _pruned(self, trial, child, run_id):
         """Report the run's `reward/mean` per step (smoothed) while it trains; once the pruner says
         it falls behind, stop the run (SIGINT, as Ctrl-C) and say so."""
         reported = 0

@@ -21,7 +21,7 @@ def batches(cfg):
 class Window:
     """The rollout batches in flight (`faults.Rollout`), oldest first."""
 
-    def __init__(self, cfg, workers, prompts, start: int):
+    def __init__(self, cfg, workers, prompts, start):
         """Draw the first batches of a run that starts (or resumes) at loop step `start`, on the
         engines' own weights."""
         self.cfg = cfg

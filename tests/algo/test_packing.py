@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from workbench.algo.losses import token_logprobs, token_logprobs_entropy
+from workbench.config import ConfigError, compose_config
 from workbench.invariants.routing_replay import find_routers, replay_routes
 from workbench.models.multimodal import load_policy
 from workbench.models.packing import microbatches, pack_like, packed_logprobs, unpack
@@ -85,9 +86,9 @@ def test_microbatches_hold_every_row_once_within_the_budget(seed):
     assert len(groups) <= 11 / 9 * np.ceil(sum(lengths) / 64) + 1
 
 
-def test_microbatches_refuse_a_negative_budget():
-    with pytest.raises(ValueError, match="max_tokens"):
-        microbatches([3], -1)
+def test_a_negative_microbatch_budget_is_refused_at_start_up():
+    with pytest.raises(ConfigError, match="trainer.max_tokens_per_microbatch must be 0"):
+        compose_config(["trainer.max_tokens_per_microbatch=-1"])
 
 
 def test_pack_like_and_unpack_move_per_token_values_between_layouts():

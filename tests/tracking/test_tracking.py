@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from workbench.config import ConfigError, compose_config
 from workbench.tracking import make_sinks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,8 +59,8 @@ def test_import_pulls_in_neither_wandb_nor_mlflow():
 
 
 def test_unknown_wandb_mode_names_the_key():
-    with pytest.raises(ValueError, match=r"tracking\.wandb\.mode.*offline, online, disabled"):
-        make_sinks(tracking("offlin"), "/nonexistent/run", "r0", {})
+    with pytest.raises(ConfigError, match=r"tracking\.wandb\.mode must be offline, online or"):
+        compose_config(["tracking.wandb.mode=offlin"])
 
 
 def test_disabled_wandb_and_mlflow_give_no_sinks(tmp_path):

@@ -24,7 +24,7 @@ from workbench.tui.app import InspectApp  # noqa: E402
 from workbench.tui.channels import CHANNELS  # noqa: E402
 from workbench.tui.data import Filter  # noqa: E402
 from workbench.tui.run_screen import RunScreen  # noqa: E402
-from workbench.tui.token_screen import SegmentImage, TokenScreen  # noqa: E402
+from workbench.tui.token_screen import SegmentImage, TokenScreen, _style  # noqa: E402
 
 # the shared fixture trains a run first
 pytestmark = pytest.mark.slow
@@ -32,6 +32,11 @@ pytestmark = pytest.mark.slow
 
 def screen_text(app) -> str:
     return "\n".join(strip.text for strip in app.screen._compositor.render_strips())
+
+
+def token_styles(screen) -> list[str]:
+    """The style of every token of a token view under its channel (the cursor's not included)."""
+    return [_style(screen.channel, token) for token in screen.tokens]
 
 
 def drive(app, script, size=(100, 30)):
@@ -202,13 +207,13 @@ def test_token_view_shows_pieces_values_and_colours_of_a_known_segment(made_run)
         await pilot.press("full_stop")  # the first sampled token
         seen["cursor"] = screen.cursor
         seen["side"] = str(screen.query_one("#side").render())
-        seen["styles"] = screen.token_styles()
+        seen["styles"] = token_styles(screen)
         seen["rendered"] = screen.text
         for _ in range(3):
             # behavior logprob -> δ -> IS weight -> version
             await pilot.press("c")
         seen["version_channel"] = screen.channel
-        seen["version_styles"] = screen.token_styles()
+        seen["version_styles"] = token_styles(screen)
         seen["legend"] = screen_text(pilot.app).splitlines()[1]
         seen["image panel"] = screen.query_one("#images").display
         seen["images"] = list(screen.query(SegmentImage))
@@ -346,7 +351,7 @@ def test_a_stale_segment_is_coloured_by_version_and_gate_and_request_rows_jump_t
         ).fetchone()
     )
     sampled = [i for i, t in enumerate(token_screen.tokens) if t["loss_mask"]]
-    assert {token_screen.token_styles()[i] for i in sampled} == {
+    assert {token_styles(token_screen)[i] for i in sampled} == {
         "yellow" if stale[3] == 1 else "red"
     }
 
@@ -594,7 +599,7 @@ def test_the_entropy_channel_and_plot_show_stored_entropies_and_a_run_stored_wit
             await pilot.press("c")
         seen["channel"] = screen.channel
         seen["legend"] = screen_text(pilot.app).splitlines()[1]
-        seen["styles"] = screen.token_styles()
+        seen["styles"] = token_styles(screen)
         seen["sampled"] = [t["position"] for t in screen.tokens if t["loss_mask"]]
         seen["cursor"] = screen.cursor
         seen["side"] = str(screen.query_one("#side").render())

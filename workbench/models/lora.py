@@ -45,7 +45,7 @@ def adapter_state(model):
     return get_peft_model_state_dict(model)
 
 
-def load_adapter(model, state_dict: dict):
+def load_adapter(model, state_dict):
     """Adopt pushed adapter tensors in place."""
     from peft import set_peft_model_state_dict
 
@@ -54,7 +54,7 @@ def load_adapter(model, state_dict: dict):
         raise ValueError(f"Pushed adapter tensors the policy has no place for: {result}")
 
 
-def merged_model(adapter_folder: str):
+def merged_model(adapter_folder):
     """The base model with the adapter of a checkpoint's PEFT folder merged into its weights."""
     from peft import AutoPeftModelForCausalLM
 

@@ -22,11 +22,11 @@ VISION_MARKERS = (
 )
 
 
-def is_vision_language(path: str):
+def is_vision_language(path):
     return "vision_config" in json.loads(Path(path, "config.json").read_text())
 
 
-def load_policy(path: str, dtype: str = "float32"):
+def load_policy(path, dtype="float32"):
     """A causal LM, or an image-text-to-text model when the checkpoint has a vision tower."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging
@@ -51,7 +51,7 @@ def load_policy(path: str, dtype: str = "float32"):
 class ImageCodec:
     """A checkpoint's image processor: placeholder count per image, and pixel batches."""
 
-    def __init__(self, path: str):
+    def __init__(self, path):
         from transformers import AutoImageProcessor, AutoTokenizer
 
         self.processor = AutoImageProcessor.from_pretrained(path)
@@ -61,16 +61,16 @@ class ImageCodec:
         self.merge = self.processor.merge_size**2
         self._cached = lru_cache(maxsize=4096)(self._process)
 
-    def _process(self, image: bytes):
+    def _process(self, image):
         from PIL import Image
 
         out = self.processor([Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"][0]  # [patches, channels*patch*patch], [3]
 
-    def placeholders(self, image: bytes):
+    def placeholders(self, image):
         return int(self._cached(image)[1].prod()) // self.merge
 
-    def expand(self, ids: list[int], images: list[bytes]):
+    def expand(self, ids, images):
         """Replace the k-th single placeholder in `ids` by as many as `images[k]` takes."""
         out = []
         remaining = iter(images)
@@ -81,7 +81,7 @@ class ImageCodec:
                 out.append(token)
         return out
 
-    def pixels(self, images: list[bytes]):
+    def pixels(self, images):
         pixel_values, grids = zip(*map(self._cached, images), strict=True)
         return {"pixel_values": torch.cat(pixel_values), "image_grid_thw": torch.stack(grids)}
 

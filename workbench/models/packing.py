@@ -25,7 +25,7 @@ import torch
 from workbench.algo.losses import token_logprobs_entropy
 
 
-def microbatches(lengths: Sequence[int], max_tokens: int):
+def microbatches(lengths: Sequence[int], max_tokens):
     """Row indices grouped so that each group's tokens stay within `max_tokens` (a row longer than
     the budget goes alone); `max_tokens=0` is one group of every row.
 
@@ -33,8 +33,7 @@ def microbatches(lengths: Sequence[int], max_tokens: int):
     groups, and order does not matter to the learner: the loss of every group is normalised over
     the whole batch. Groups are in the order they were opened, rows ascending within a group.
     """
-    if max_tokens < 0:
-        raise ValueError(f"max_tokens must be 0 (no budget) or positive, got {max_tokens}.")
+    # a negative budget: config.validate refuses trainer.max_tokens_per_microbatch < 0
     if max_tokens == 0:
         return [list(range(len(lengths)))]
     groups = []
@@ -56,7 +55,7 @@ def pack_like(values: torch.Tensor, mask: torch.Tensor):
     return values[mask.bool()][None]
 
 
-def unpack(packed: torch.Tensor, mask: torch.Tensor, fill: float = 0):
+def unpack(packed: torch.Tensor, mask: torch.Tensor, fill=0):
     """[1, tokens, ...] -> [batch, seq, ...]: `pack_like` undone, `fill` at padding (with
     gradient)."""
     padded = packed.new_full((*mask.shape, *packed.shape[2:]), fill)
@@ -67,10 +66,10 @@ def packed_logprobs(
     model,
     ids: torch.Tensor,
     mask: torch.Tensor,
-    temperature: float = 1.0,
+    temperature=1.0,
     rows: Sequence[int] | torch.Tensor | None = None,
-    entropy: bool = False,
-    entropy_grad: bool = True,
+    entropy=False,
+    entropy_grad=True,
 ):
     """Log-probs [len(rows), seq] of `rows`' own ids (all rows by default) in one packed forward:
     the values and layout of `token_logprobs` on a padded forward (position 0 holds 0, padding any

@@ -51,10 +51,10 @@ def shared_prefix_logprobs(
     token_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     plan: Plan,
-    temperature: float = 1.0,
-    packed: bool | None = None,
-    entropy: bool = False,
-    entropy_grad: bool = True,
+    temperature=1.0,
+    packed=None,
+    entropy=False,
+    entropy_grad=True,
 ):
     """Log-probs [batch, seq] of right-padded rows' own ids, as `token_logprobs` of a full forward
     gives them (padding positions hold any value), with each group's prefix computed once: `packed`
@@ -97,7 +97,7 @@ def _packed(
     # [batch, seq] packed slot
     slot = torch.where(t < lengths[:, None], group_of[:, None] * width + column, spare)
 
-    def pack(values: torch.Tensor, fill: int):
+    def pack(values: torch.Tensor, fill):
         """[groups, width]: `values` at their packed slots; a group's rows agree on its prefix."""
         return (
             torch.full((spare + 1,), fill)
@@ -180,7 +180,7 @@ def _cached(
     suffix_column = (longest + t - own[:, None]).clamp(max=longest + suffix_ids.shape[1] - 1)
     order = torch.where(t < own[:, None], t, suffix_column)  # [batch, seq]
 
-    def arranged(part: int):
+    def arranged(part):
         """[batch, seq]: piece `part` (0: log-probs, 1: entropies) of prefix, head and own
         tokens, in each row's order."""
         joined = torch.cat([prefix[part][group_of], head[part][:, 1:], rest[part][:, 1:]], dim=1)

@@ -88,7 +88,7 @@ RESPONSE_TEMPLATE = {
 _SHAPE = dict(
     hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512
 )
-TINY_SPECS: dict[str, dict] = {
+TINY_SPECS = {
     "tiny": dict(_SHAPE, family="qwen3", num_hidden_layers=2, intermediate_size=256),
     # a dense Qwen3 with ~10x tiny's compute per token (4.2M parameters): scaling benchmarks,
     # heavier CPU runs
@@ -158,7 +158,7 @@ def cache_root():
     return Path(os.environ.get("MOLT_WB_CACHE") or Path.home() / ".cache" / "molt-wb").absolute()
 
 
-def spec_hash(spec: dict):
+def spec_hash(spec):
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -185,7 +185,7 @@ perimeter.
 """
 
 
-def build_tokenizer(vocab_size: int, vision: bool = False):
+def build_tokenizer(vocab_size, vision=False):
     """A byte-level BPE with ChatML special tokens (and Qwen2-VL's vision tokens), chat template
     and response template (~0.1 s)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -213,7 +213,7 @@ def build_tokenizer(vocab_size: int, vision: bool = False):
     return tokenizer
 
 
-def build_model(spec: dict, tokenizer):
+def build_model(spec, tokenizer):
     """A causal LM of the given spec, initialised at random from its `seed` (untied embeddings:
     vLLM reloads need it)."""
     import torch
@@ -263,7 +263,7 @@ def is_moe(model_config):
     )
 
 
-def tiny_model_path(name: str = "tiny"):
+def tiny_model_path(name="tiny"):
     """Build (once) and return the folder of the tiny model `name`; safe under concurrent
     callers."""
     if name not in TINY_SPECS:

@@ -12,7 +12,7 @@ from workbench.store.writer import RunWriter
 from workbench.tracking import make_sinks
 
 
-def eval_tables(run_id: str, step: int, row: dict):
+def eval_tables(run_id, step, row):
     """The `eval` row of one evaluation and its two metrics rows."""
     now = time.time()
     metrics = {"eval/reward": row["mean_reward"], "eval/accuracy": row["accuracy"]}
@@ -26,7 +26,7 @@ def eval_tables(run_id: str, step: int, row: dict):
 class StoreActor:
     """The single writer of runs/<id>/ and the fan-out to W&B / MLflow."""
 
-    def __init__(self, cfg, run_dir: str, run_row: dict):
+    def __init__(self, cfg, run_dir, run_row):
         self.run_id = cfg.run.id
         self.writer = RunWriter(run_dir, run_row, cfg.run.flush_rows, cfg.run.flush_seconds)
         if cfg.run.flush_seconds > 0:
@@ -36,7 +36,7 @@ class StoreActor:
         )
         self.cpu_mark = time.process_time()
 
-    def write_step(self, step: int, metrics: dict, rows: dict, *worker_segments):
+    def write_step(self, step, metrics, rows, *worker_segments):
         # perf/store_cpu_s: this process's CPU seconds (every thread) since the last step's: taking
         # in the step's records, building rows, flushing shards, the tracking sinks. Off the
         # step's path, but on its cores
@@ -54,7 +54,7 @@ class StoreActor:
         )
         self.writer.maybe_flush()
 
-    def write_failures(self, step: int, rows: list[dict]):
+    def write_failures(self, step, rows):
         self.writer.append("failed_episodes", rows_table(FAILED_EPISODES, self.run_id, step, rows))
         self.writer.maybe_flush()
 
@@ -64,25 +64,25 @@ class StoreActor:
         self.writer.flush()
         return dict(self.writer.next_shard)
 
-    def log(self, step: int, metrics: dict):
+    def log(self, step, metrics):
         now = time.time()
         rows = [{"key": key, "value": float(value), "time": now} for key, value in metrics.items()]
         self.writer.append("metrics", rows_table(METRICS, self.run_id, step, rows))
         for sink in self.sinks:
             sink.log(metrics, step)
 
-    def write_eval(self, step: int, row: dict):
+    def write_eval(self, step, row):
         """One held-out evaluation: a row of the `eval` table and the metrics eval/reward,
         eval/accuracy."""
         self._append(eval_tables(self.run_id, step, row))
         for sink in self.sinks:
             sink.log({"eval/reward": row["mean_reward"], "eval/accuracy": row["accuracy"]}, step)
 
-    def _append(self, tables: dict):
+    def _append(self, tables):
         for name, table in tables.items():
             self.writer.append(name, table)
 
-    def close(self, status: str):
+    def close(self, status):
         self.writer.close(status)
         for sink in self.sinks:
             sink.close(status)

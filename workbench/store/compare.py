@@ -36,7 +36,7 @@ FIGURES = """
     from metrics"""
 
 
-def sweeps(root: str = "runs"):
+def sweeps(root="runs"):
     """One row per sweep id: runs, finished, failed, swept keys, created (newest first)."""
     by_sweep = defaultdict(list)
     for row in list_runs(root):
@@ -58,7 +58,7 @@ def sweeps(root: str = "runs"):
     return sorted(table, key=lambda entry: -entry["created"])
 
 
-def compare_rows(selection: list[str], root: str = "runs"):
+def compare_rows(selection, root="runs"):
     """(swept keys, one row per run) for a sweep id or a list of run ids (unique prefixes
     allowed)."""
     runs = [r for r in list_runs(root) if len(selection) == 1 and r.get("sweep_id") == selection[0]]
@@ -78,7 +78,7 @@ def compare_rows(selection: list[str], root: str = "runs"):
     return swept, rows
 
 
-def plot(rows: list[dict], swept: list[str], root: str, path: str):
+def plot(rows, swept, root, path):
     """Reward curves of every run, and the fraction of sampled tokens the gate kept vs final reward
     (sequence-level gates drop whole sequences, token-level ones single tokens: both count here)."""
     import matplotlib

@@ -23,7 +23,7 @@ def run_row(run_dir):
     return json.loads(Path(run_dir, "run.json").read_text())
 
 
-def cell(value, missing: str = "-"):
+def cell(value, missing="-"):
     """A value as a table shows it (`molt-wb compare`, `molt-wb inspect`): a float to 4 significant
     digits, `missing` for none."""
     if isinstance(value, float):
@@ -36,7 +36,7 @@ def cell(value, missing: str = "-"):
 RUN_COLUMNS = ("id", "recipe", "status", "steps", "reward", "created", "sweep")
 
 
-def run_cells(row: dict, created_format: str):
+def run_cells(row, created_format):
     """A `runs` row as the cells under RUN_COLUMNS (`molt-wb runs` and `molt-wb inspect`)."""
     reward = row.get("reward_mean")
     return [
@@ -50,7 +50,7 @@ def run_cells(row: dict, created_format: str):
     ]
 
 
-def list_runs(root: str = "runs", mark_crashed: bool = True):
+def list_runs(root="runs", mark_crashed=True):
     """The `runs` rows of every run under `root`, newest first. A run still marked `running` whose
     process (on this host) is gone was killed without a chance to say so: it is marked `crashed`,
     unless `mark_crashed` is false (a reader that rewrites nothing: the TUI)."""
@@ -86,7 +86,7 @@ def _alive(pid):
     return True
 
 
-def resolve_run(run_id: str, root: str = "runs"):
+def resolve_run(run_id, root="runs"):
     """The folder of the run whose id is `run_id` or starts with it (a unique prefix is enough)."""
     ids = sorted(path.parent.name for path in Path(root).glob("*/run.json"))
     if run_id in ids:
@@ -106,7 +106,7 @@ def resolve_run(run_id: str, root: str = "runs"):
     raise ValueError(f"No run {run_id!r} under {root}/.{hint}")
 
 
-def open_run(run_id: str, root: str = "runs"):
+def open_run(run_id, root="runs"):
     """An in-memory DuckDB connection with the run's tables as views (`runs`, `segments`,
     `tokens`, ...).
 

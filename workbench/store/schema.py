@@ -152,7 +152,7 @@ EVAL = pa.schema(
     }
 )
 
-TABLES: dict[str, pa.Schema] = {
+TABLES = {
     "segments": SEGMENTS,
     "tokens": TOKENS,
     "metrics": METRICS,
@@ -164,7 +164,7 @@ TABLES: dict[str, pa.Schema] = {
 }
 
 
-def step_tables(run_id: str, step: int, learner_version: int, segments: list, train: dict):
+def step_tables(run_id, step, learner_version, segments, train):
     """Segment and token rows of one consumed batch.
 
     `train` holds from the learner: `train_logprob`, `is_weight` and optionally `entropy` and
@@ -174,7 +174,7 @@ def step_tables(run_id: str, step: int, learner_version: int, segments: list, tr
     per-sequence columns).
     """
 
-    def each(name: str):
+    def each(name):
         """Every segment's attribute `name`, in order."""
         return [getattr(s, name) for s in segments]
 
@@ -231,7 +231,7 @@ def step_tables(run_id: str, step: int, learner_version: int, segments: list, tr
     }
 
 
-def rows_table(schema: pa.Schema, run_id: str, step: int, rows: list[dict]):
+def rows_table(schema: pa.Schema, run_id, step, rows):
     """`rows` (each holding every column of `schema` but `ROW_KEY`'s) as a table of `schema`; the
     loopback server's request rows (workbench.server.loopback) make the `requests` table."""
     columns = {"run_id": [run_id] * len(rows), "step": [step] * len(rows)}

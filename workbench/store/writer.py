@@ -19,20 +19,19 @@ from workbench.segment import image_name
 from workbench.store.schema import TABLES
 
 
-def write_json_atomic(path: Path, payload: dict):
+def write_json_atomic(path: Path, payload):
     temporary = path.with_name(f".{path.name}.tmp")
     temporary.write_text(json.dumps(payload, indent=1, default=str))
     os.replace(temporary, path)
 
 
 class RunWriter:
-    def __init__(
-        self, run_dir: str, run_row: dict, flush_rows: int = 50_000, flush_seconds: float = 5.0
-    ):
+    def __init__(self, run_dir, run_row, flush_rows=50_000, flush_seconds=5.0):
         self.run_dir = Path(run_dir)
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
-        self.buffers: dict[str, list[pa.Table]] = {name: [] for name in TABLES}
+        # each table's pa.Tables buffered since the last flush
+        self.buffers = {name: [] for name in TABLES}
         # the flush timer runs on its own thread
         self.lock = threading.RLock()
         self.closed = False
@@ -48,12 +47,12 @@ class RunWriter:
         self.run_row = dict(run_row)
         self.update_run()
 
-    def append(self, table: str, rows: pa.Table):
+    def append(self, table, rows: pa.Table):
         rows = rows.cast(TABLES[table])
         with self.lock:
             self.buffers[table].append(rows)
 
-    def flush_every(self, seconds: float):
+    def flush_every(self, seconds):
         """Flush buffered rows every `seconds` on a daemon thread, until close."""
 
         def run():
@@ -82,7 +81,7 @@ class RunWriter:
                 self.update_run()
             self.last_flush = time.monotonic()
 
-    def save_images(self, images: list[bytes]):
+    def save_images(self, images):
         """Keep each encoded image once, by content hash, under images/ (atomically, like the
         shards)."""
         for image in images:
@@ -93,7 +92,7 @@ class RunWriter:
                 temporary.write_bytes(image)
                 os.replace(temporary, final)
 
-    def update_run(self, at_flush: bool = False, **fields):
+    def update_run(self, at_flush=False, **fields):
         """Rewrite the `runs` row (status, steps done, last reward, ...) atomically; `at_flush`:
         with the next flush of the data (a step's progress: the row holds the whole config, too big
         to rewrite every step)."""
@@ -103,13 +102,13 @@ class RunWriter:
             if not at_flush:
                 write_json_atomic(self.run_dir / "run.json", self.run_row)
 
-    def close(self, status: str = "finished"):
+    def close(self, status="finished"):
         with self.lock:
             self.closed = True
             self.flush()
             self.update_run(status=status)
 
-    def _write_shard(self, name: str, table: pa.Table):
+    def _write_shard(self, name, table: pa.Table):
         folder = self.run_dir / name
         final = folder / f"part-{self.next_shard[name]:06d}.parquet"
         temporary = folder / f".{final.name}.tmp"

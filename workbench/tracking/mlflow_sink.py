@@ -20,7 +20,7 @@ except ImportError as error:
 RUN_STATUSES = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
 
 
-def flatten(config: Mapping, prefix: str = ""):
+def flatten(config: Mapping, prefix=""):
     """{"a": {"b": 1}} -> {"a.b": 1}"""
     flat = {}
     for key, value in config.items():
@@ -32,7 +32,7 @@ def flatten(config: Mapping, prefix: str = ""):
 
 
 class MlflowSink:
-    def __init__(self, mlflow_config, run_dir: str, run_id: str, config: dict, group: str | None):
+    def __init__(self, mlflow_config, run_dir, run_id, config, group):
         runs_root = os.path.dirname(os.path.abspath(run_dir))
         uri = mlflow_config.tracking_uri or f"sqlite:///{os.path.join(runs_root, 'mlflow.db')}"
         self.client = MlflowClient(tracking_uri=uri)
@@ -62,7 +62,7 @@ class MlflowSink:
         # log_batch splits what it is given into batches of mlflow's sizes
         self.client.log_batch(self.run_id, params=params)
 
-    def _parent(self, experiment_id: str, group: str):
+    def _parent(self, experiment_id, group):
         found = self.client.search_runs(
             [experiment_id], f"tags.`workbench.sweep` = '{group}'", max_results=1
         )
@@ -72,10 +72,10 @@ class MlflowSink:
             experiment_id, run_name=group, tags={"workbench.sweep": group}
         ).info.run_id
 
-    def log(self, metrics: dict[str, float], step: int):
+    def log(self, metrics, step):
         timestamp_ms = int(time.time() * 1000)
         entries = [Metric(key, float(value), timestamp_ms, step) for key, value in metrics.items()]
         self.client.log_batch(self.run_id, metrics=entries)
 
-    def close(self, status: str = "finished"):
+    def close(self, status="finished"):
         self.client.set_terminated(self.run_id, status=RUN_STATUSES[status])

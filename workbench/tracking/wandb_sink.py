@@ -10,7 +10,7 @@ EXIT_CODES = {"finished": 0, "failed": 1, "interrupted": 130}
 
 
 class WandbSink:
-    def __init__(self, wandb_config, run_dir: str, run_id: str, config: dict, group: str | None):
+    def __init__(self, wandb_config, run_dir, run_id, config, group):
         offline = wandb_config.mode == "offline"
         # else wandb warns "git root ... does not exist"
         os.makedirs(run_dir, exist_ok=True)
@@ -39,8 +39,8 @@ class WandbSink:
             ),
         )
 
-    def log(self, metrics: dict[str, float], step: int):
+    def log(self, metrics, step):
         self.run.log(metrics, step=step)
 
-    def close(self, status: str = "finished"):
+    def close(self, status="finished"):
         self.run.finish(exit_code=EXIT_CODES[status])

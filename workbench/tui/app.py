@@ -54,9 +54,7 @@ class InspectApp(App):
         Binding("question_mark", "help", "Help", key_display="?"),
     ]
 
-    def __init__(
-        self, root: str = "runs", run_id: str | None = None, sweep: str = "", poll: float = 2.0
-    ):
+    def __init__(self, root="runs", run_id=None, sweep="", poll=2.0):
         super().__init__()
         self.root = root
         self.run_id = run_id

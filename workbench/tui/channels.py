@@ -55,7 +55,7 @@ CHANNELS = {
 }
 
 
-def colour(channel: str, token: dict):
+def colour(channel, token):
     value_of, bins = CHANNELS[channel]
     value = value_of(token)
     if value is None:

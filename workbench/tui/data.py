@@ -54,7 +54,7 @@ class Filter:
     text: str = ""
 
     @classmethod
-    def parse(cls, line: str):
+    def parse(cls, line):
         found = cls()
         words = []
         for word in line.split():
@@ -75,7 +75,7 @@ class RunData:
     """A run's tables as DuckDB views (`segments`, `tokens`, ...), each with every column of its
     schema: an empty table until its first shard lands, null in a column older shards lack."""
 
-    def __init__(self, run_id: str, root: str = "runs"):
+    def __init__(self, run_id, root="runs"):
         self.folder = resolve_run(run_id, root).resolve()
         self.db = duckdb.connect()
         self.db.execute("SET enable_progress_bar = false")
@@ -105,18 +105,18 @@ class RunData:
             self.db.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM {source}")
         return changed
 
-    def rows(self, sql: str, params=()):
+    def rows(self, sql, params=()):
         """The rows of a query; `params`: its ? values in order, or its $name values by name."""
         return self.db.execute(sql, params).fetchall()
 
-    def records(self, sql: str, params=()):
+    def records(self, sql, params=()):
         """`rows`, each as {column name: value}."""
         result = self.db.execute(sql, params)
         names = [d[0] for d in result.description]
         return [dict(zip(names, row, strict=True)) for row in result.fetchall()]
 
     # ---- overview
-    def series(self, key: str):
+    def series(self, key):
         return self.rows(
             "select step, avg(value) from metrics where key = ? group by step order by step", [key]
         )
@@ -163,7 +163,7 @@ class RunData:
     def segment_count(self, found: Filter):
         return self.rows(f"select count(*) from ({self._SEGMENTS})", vars(found))[0][0]
 
-    def segment_page(self, found: Filter, offset: int, sort: str, descending: bool):
+    def segment_page(self, found: Filter, offset, sort, descending):
         order = f"{SORT_EXPRESSIONS.get(sort, sort)} {'desc' if descending else 'asc'}"
         return self.rows(
             f"{self._SEGMENTS} order by {order}, step, rollout_id, segment_idx "
@@ -172,12 +172,12 @@ class RunData:
         )
 
     # ---- one segment, by its key (step, rollout_id, segment_idx)
-    def segment(self, key: tuple):
+    def segment(self, key):
         return self.records(
             "select * from segments where step = ? and rollout_id = ? and segment_idx = ?", key
         )[0]
 
-    def siblings(self, rollout_id: int):
+    def siblings(self, rollout_id):
         """(step, segment_idx) of every segment of one rollout, in order."""
         return self.rows(
             "select step, segment_idx from segments "
@@ -185,7 +185,7 @@ class RunData:
             [rollout_id],
         )
 
-    def tokens(self, key: tuple):
+    def tokens(self, key):
         """One segment's token rows in order, each as {column name: value}."""
         return self.records(
             "select position, token_id, loss_mask, behavior_logprob, train_logprob, "
@@ -194,7 +194,7 @@ class RunData:
             key,
         )
 
-    def routing(self, key: tuple):
+    def routing(self, key):
         """Layer -> {position: (rollout experts, learner experts)} where the learner's live routing
         disagreed."""
         layers = self.rows(
@@ -209,7 +209,7 @@ class RunData:
         return routing
 
     # ---- other tables
-    def page(self, table: str, offset: int):
+    def page(self, table, offset):
         order = "step, rollout_id, segment_idx" if table == "gate_decisions" else "time"
         # the traceback: below the table
         exclude = "run_id, traceback" if table == "failed_episodes" else "run_id"
@@ -219,7 +219,7 @@ class RunData:
         )
         return [d[0] for d in result.description], result.fetchall()
 
-    def traceback(self, step: int, rollout_id: int):
+    def traceback(self, step, rollout_id):
         return self.rows(
             "select coalesce(first(traceback), '') from failed_episodes "
             "where step = ? and rollout_id = ?",
@@ -227,7 +227,7 @@ class RunData:
         )[0][0]
 
     # ---- token text
-    def piece(self, token_id: int):
+    def piece(self, token_id):
         """The text of one token under the run's tokenizer (cached); `⟨id⟩` when the tokenizer
         cannot be found."""
         if token_id not in self.pieces:

@@ -31,6 +31,8 @@ PAGED_TABS = (
     ("requests", "requests", "enter opens the segment"),
     ("failures", "failed_episodes", "the highlighted episode's traceback below"),
 )
+# the tabs of tables, a page at a time
+TABLE_TABS = ("segments", *(name for name, _, _ in PAGED_TABS))
 
 
 def row_cells(table: DataTable, row_key):
@@ -60,7 +62,7 @@ class RunScreen(Screen):
         self.filter = Filter()
         self.sort = "step"
         self.descending = False
-        self.offsets = {"segments": 0, "gate": 0, "requests": 0, "failures": 0}
+        self.offsets = dict.fromkeys(TABLE_TABS, 0)
 
     def compose(self):
         yield Header()
@@ -71,14 +73,12 @@ class RunScreen(Screen):
                     yield Static(json.dumps(self.data.run.get("config"), indent=1), id="config")
                 for key in PLOTS:
                     yield PlotextPlot(id=f"plot-{key.replace('/', '-')}", classes="plot")
-            with TabPane("2 Segments", id="segments"):
-                yield Input(
-                    placeholder="filter: dropped mismatch reward>=0.5 text (/)", id="filter"
-                )
-                yield Static(id="segments-status", classes="status")
-                yield DataTable(id="segments-table", cursor_type="row", zebra_stripes=True)
-            for number, (name, _, _) in enumerate(PAGED_TABS, start=3):
+            for number, name in enumerate(TABLE_TABS, start=2):
                 with TabPane(f"{number} {name.title()}", id=name):
+                    if name == "segments":
+                        yield Input(
+                            placeholder="filter: dropped mismatch reward>=0.5 text (/)", id="filter"
+                        )
                     yield Static(id=f"{name}-status", classes="status")
                     yield DataTable(id=f"{name}-table", cursor_type="row", zebra_stripes=True)
                     if name == "failures":
@@ -137,7 +137,7 @@ class RunScreen(Screen):
             status += " · only mismatches"
         self.query_one("#segments-status", Static).update(status)
 
-    def load_tab(self, name: str):
+    def load_tab(self, name):
         if name == "segments":
             self.load_segments()
         else:
@@ -153,7 +153,7 @@ class RunScreen(Screen):
             table.add_row(*(cell(value, "") for value in row))
         table.move_cursor(row=cursor)
 
-    def action_tab(self, name: str):
+    def action_tab(self, name):
         self.query_one(TabbedContent).active = name
         if name == "overview":
             self.query_one(VerticalScroll).focus()
@@ -164,7 +164,7 @@ class RunScreen(Screen):
         self.action_tab("segments")
         self.query_one("#filter", Input).focus()
 
-    def action_toggle(self, word: str):
+    def action_toggle(self, word):
         box = self.query_one("#filter", Input)
         words = box.value.split()
         if word in words:
@@ -182,7 +182,7 @@ class RunScreen(Screen):
     def on_input_submitted(self):
         self.query_one("#segments-table", DataTable).focus()
 
-    def action_page(self, delta: int):
+    def action_page(self, delta):
         name = self.query_one(TabbedContent).active
         if name in self.offsets:
             old = self.offsets[name]
@@ -206,7 +206,7 @@ class RunScreen(Screen):
         following = (SEGMENT_COLUMNS.index(self.sort) + 1) % len(SEGMENT_COLUMNS)
         self.sort_by(SEGMENT_COLUMNS[following])
 
-    def sort_by(self, column: str):
+    def sort_by(self, column):
         """Sort on `column` (largest first for numbers worth ranking); sorting on it again flips
         the order."""
         if column == self.sort:

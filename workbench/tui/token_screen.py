@@ -30,7 +30,7 @@ if (
     SegmentImage = HalfcellImage
 
 
-def visible(piece: str):
+def visible(piece):
     """A token's text as it may be drawn: newlines kept (after a ↵), other control characters
     escaped."""
     escaped = "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in piece)
@@ -56,7 +56,7 @@ class TokenScreen(Screen):
         ("escape", "app.pop_screen", "Back"),
     ]
 
-    def __init__(self, data: RunData, step: int, rollout_id: int, segment_idx: int):
+    def __init__(self, data: RunData, step, rollout_id, segment_idx):
         super().__init__()
         self.data = data
         # a LoRA run's versions are its adapter's (models/lora.py)
@@ -67,7 +67,7 @@ class TokenScreen(Screen):
         self.cursor = 0
         self.open((step, rollout_id, segment_idx))
 
-    def open(self, key: tuple):
+    def open(self, key):
         """Show the segment whose key is (step, rollout_id, segment_idx)."""
         self.segment_key = key
         self.segment = self.data.segment(key)
@@ -109,10 +109,6 @@ class TokenScreen(Screen):
         files = [path for path in files if path.exists()]
         panel.display = bool(files)
         panel.mount_all(SegmentImage(path) for path in files)
-
-    def token_styles(self):
-        """The style of every token under the current channel (the cursor's not included)."""
-        return [_style(self.channel, t) for t in self.tokens]
 
     def render_all(self):
         s = self.segment
@@ -207,7 +203,7 @@ class TokenScreen(Screen):
             ]
         self.query_one("#side", Static).update("\n".join(lines))
 
-    def action_move(self, delta: float):
+    def action_move(self, delta):
         self.cursor = int(min(max(self.cursor + delta, 0), max(len(self.tokens) - 1, 0)))
         self.render_all()
 
@@ -222,7 +218,7 @@ class TokenScreen(Screen):
         self.channel = names[(names.index(self.channel) + 1) % len(names)]
         self.render_all()
 
-    def action_segment(self, delta: int):
+    def action_segment(self, delta):
         step, rollout_id, segment_idx = self.segment_key
         index = self.rollout_segments.index((step, segment_idx)) + delta
         if 0 <= index < len(self.rollout_segments):
@@ -232,7 +228,7 @@ class TokenScreen(Screen):
             self.show_images()
 
 
-def _kind(token: dict):
+def _kind(token):
     if token["loss_mask"]:
         return "sampled"
     if token["behavior_version"] == FORCED_VERSION:
@@ -240,7 +236,7 @@ def _kind(token: dict):
     return "prompt/env"
 
 
-def _style(channel: str, token: dict):
+def _style(channel, token):
     """A sampled token in the channel's colour; a forced one underlined; the rest dim."""
     if token["loss_mask"]:
         return colour(channel, token)
