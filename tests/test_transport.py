@@ -1,11 +1,15 @@
 """The collective weight transport (`ray.weight_transport=collective`): a rollout worker that Ray
 restarts joins a new weight group with learner rank 0 and the other workers, and the run goes on
-without going back to a checkpoint."""
+without going back to a checkpoint, also when it died while the learner broadcast to it; one dead
+for good stops the run at once."""
 
 import json
+import subprocess
+import sys
+import time
 
 import pytest
-from test_reliability import FAST, data_file, rows
+from test_reliability import FAST, FAULTY, data_file, rows
 
 from workbench import loop
 from workbench.config import compose_config
@@ -55,3 +59,100 @@ def test_a_dead_or_hung_rollout_worker_rejoins_the_weight_group_and_the_run_goes
     assert db.execute("select count(*) from segments where min_version <> step").fetchone()[0] == 0
     # no recovery from a checkpoint
     assert "recoveries" not in json.loads((tmp_path / "rejoin" / "run.json").read_text())
+
+
+# the fixture's episodes, each first sleeping its row's `delay` seconds
+DELAYED = """import time
+
+from workbench.api import load_plugin
+
+
+class Delayed(load_plugin({faulty!r}).Faulty):
+    def step(self, action):
+        time.sleep(self.sample.get("delay", 0))
+        return super().step(action)
+
+
+AgentRunner = Delayed
+"""
+
+
+@pytest.mark.slow
+def test_a_rollout_worker_that_dies_beside_the_learners_step_rejoins_without_waiting(tmp_path):
+    path = tmp_path / "faults.jsonl"
+    plugin = tmp_path / "delayed.py"
+    plugin.write_text(DELAYED.format(faulty=FAULTY))
+    overrides = [
+        *FAST,
+        f"agent.plugin={plugin}",
+        f"run.root={tmp_path}",
+        "run.id=rejoin-async",
+        "ray.weight_transport=collective",
+        "ray.rollout_workers=2",
+        "trainer.async_depth=1",
+        "gate=token",
+        "trainer.steps=4",
+        "trainer.timeout_s=120",
+        f"data.path={data_file(path, rows(8))}",
+    ]
+    draws = Prompts(compose_config(overrides))
+    # each worker's first sample of batches 0-3
+    first = [[jobs[0].sample["id"] for jobs in draws.next_jobs(2)] for _ in range(4)]
+    faults = rows(8)
+    # batch 1 runs beside step 0: worker 1 dies in it (after 1 s) while worker 0 still samples
+    # batch 0 (3 s), so before the learner broadcasts step 0's weights to it
+    faults[first[0][0]].update(delay=3)
+    faults[first[1][1]].update(fault="exit", marker=str(tmp_path / "exited"), delay=1)
+    data_file(path, faults)
+    start = time.monotonic()
+    # a hang past trainer.timeout_s fails the run; one without end, this timeout
+    command = [sys.executable, "-m", "workbench.cli", "train", *overrides]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # nothing waited for trainer.timeout_s
+    assert time.monotonic() - start < 120
+
+    db = open_run("rejoin-async", str(tmp_path))
+    assert db.execute("select status, steps_done from runs").fetchone() == ("finished", 4)
+    failed = db.execute(
+        "select kind, step, worker, count(*) from failed_episodes group by all order by all"
+    ).fetchall()
+    assert failed == [("worker_died", 1, 1, 2)]
+    # one version behind; step 2's batch (the restarted worker's too) on the weights of step 0
+    versions = "select step, min(min_version), max(min_version) from segments group by 1 order by 1"
+    assert db.execute(versions).fetchall() == [(0, 0, 0), (1, 0, 0), (2, 1, 1), (3, 2, 2)]
+    # step 0's broadcast failed (its weights went through the object store); the group formed
+    # again carried every later push
+    query = "select step, value > 1e6 from metrics where key = 'perf/weight_sync_bytes' order by 1"
+    assert db.execute(query).fetchall() == [(0, False), (1, True), (2, True), (3, True)]
+    # no recovery from a checkpoint
+    run = json.loads((tmp_path / "rejoin-async" / "run.json").read_text())
+    assert "recoveries" not in run
+
+
+@pytest.mark.slow
+def test_a_rollout_worker_dead_for_good_stops_the_run_at_once(tmp_path):
+    path = tmp_path / "faults.jsonl"
+    overrides = [
+        *FAST,
+        f"run.root={tmp_path}",
+        "run.id=dead",
+        "ray.weight_transport=collective",
+        "ray.rollout_workers=2",
+        "rollout.max_restarts=0",
+        "trainer.steps=3",
+        f"data.path={data_file(path, rows(6))}",
+    ]
+    draws = Prompts(compose_config(overrides))
+    first = [[jobs[0].sample["id"] for jobs in draws.next_jobs(2)] for _ in range(2)]
+    faults = rows(6)
+    # step 1: worker 1 dies, and Ray may not restart it
+    faults[first[1][1]].update(fault="exit", marker=str(tmp_path / "exited"))
+    data_file(path, faults)
+    start = time.monotonic()
+    command = [sys.executable, "-m", "workbench.cli", "train", *overrides]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 1
+    assert "The rollout worker process died" in done.stderr
+    # not after waiting 5 minutes for it to come back
+    assert time.monotonic() - start < 120

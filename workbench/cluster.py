@@ -154,16 +154,11 @@ def start_actors(cfg, model_path: str, run_dir: Path, run_row: dict):
     store = ray.remote(num_cpus=0)(StoreActor).remote(cfg, str(run_dir), run_row)
     options = placement(cfg)
     learner = start_learner(cfg, model_path, options[: cfg.ray.learner_workers])
-    restarts = cfg.rollout.max_restarts
-    # with batches beside the learner's step a worker may die while the collective transport
-    # broadcasts to it: its death stops the run, which restarts from its checkpoint
-    # (trainer.max_restarts); else a restarted worker joins a new group (faults.collect)
-    if cfg.ray.weight_transport == "collective" and cfg.trainer.async_depth:
-        restarts = 0
-    # the batches in flight (at most async_depth + 1) and the weight pushes
-    worker_cls = ray.remote(max_concurrency=cfg.trainer.async_depth + 2, max_restarts=restarts)(
-        RolloutWorker
-    )
+    # the batches in flight (at most async_depth + 1) and the weight pushes; a restarted worker
+    # joins a new collective weight group (faults.collect, window.sync)
+    worker_cls = ray.remote(
+        max_concurrency=cfg.trainer.async_depth + 2, max_restarts=cfg.rollout.max_restarts
+    )(RolloutWorker)
     workers = [
         worker_cls.options(**placed).remote(cfg, model_path, i)
         for i, placed in enumerate(options[cfg.ray.learner_workers :])

@@ -109,7 +109,7 @@ def collect(rollout: Rollout, step: int, cfg, store, learner, workers, prompts):
             except (ray.exceptions.RayError, TimeoutError) as error:
                 rows += _failure_rows(error, index, jobs)
                 # the restart loaded the first weights
-                _push_when_back(worker, learner.weights.remote())
+                when_back(worker.load_weights, learner.weights.remote())
         if len(delivered) < len(workers) and cfg.ray.weight_transport == "collective":
             from workbench.transport import join_weight_group
 
@@ -160,18 +160,17 @@ def failure_row(job, worker: int, kind: str, error: str, trace: str):
     }
 
 
-def _push_when_back(worker, weights):
-    """Give a (restarting) worker the current weights, once Ray has it running again (within
-    5 minutes)."""
+def when_back(method, *args):
+    """`method.remote(*args)`'s result (a rollout worker's method) once Ray has the worker running
+    again (within 5 minutes); a worker dead for good (rollout.max_restarts spent) raises at once."""
     import ray
 
     deadline = time.monotonic() + 300
     while True:
         try:
-            ray.get(worker.load_weights.remote(weights))
-            return
+            return ray.get(method.remote(*args))
         # restarting, or killed again while it restarted: Ray starts it again
-        except ray.exceptions.RayActorError:
+        except ray.exceptions.ActorUnavailableError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)

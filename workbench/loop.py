@@ -34,7 +34,7 @@ def _run(cfg):
             clock.lap("rollout")
             # ---- gate, train (version += minibatches), sync the new weights to the next batch
             metrics, rows, weights = learner.step.options(num_returns=3).remote(*segments)
-            window.sync(weights)
+            weights = window.sync(weights, learner)
             metrics = ray.get(metrics, timeout=cfg.trainer.timeout_s)
             clock.lap("train")  # the learner
             # ---- log: the single writer stores segments, tokens, gate decisions and metrics

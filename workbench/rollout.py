@@ -58,6 +58,9 @@ class RolloutWorker:
         # Env steps (tools, a sandbox) run side by side
         self.pool = ThreadPoolExecutor(max_workers=8)
         self._server = None
+        # the collective transport's weights by version, kept until a batch loads them: a new
+        # group (a worker restarted) keeps them for the batches in flight
+        self.received = {}
         # first prompts rendered and encoded, by messages: data repeats each epoch
         self.openings = OrderedDict()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -91,7 +94,6 @@ class RolloutWorker:
         self.weight_group = WeightGroup(address, rank, world, cfg.trainer.timeout_s)
         self.layout = layout
         self.bucket_bytes = cfg.ray.weight_bucket_mb * 2**20
-        self.received = {}
 
     def receive_weights(self):
         """The weights learner rank 0 broadcasts next, kept until the batch that starts on them

@@ -9,7 +9,11 @@ The loop's step returns a small handle instead of the weights; the window asks e
 receive while the learner sends (window.py), and a worker hands what it received to its engine as
 a push from the object store would be handed (`load_weights`: same versions, same partial swaps).
 A rollout worker that Ray restarts is in no group: every member then joins a new one
-(faults.collect), before the next push.
+(faults.collect), before the next push. One that dies during a push (beside the learner's step, with
+`trainer.async_depth` > 0) fails it: a member whose broadcast fails drops its end of the group, so
+the others' broadcasts fail at once rather than after the group's timeout (trainer.timeout_s: the
+receivers wait through the learner's step), and that push goes through the object store
+(window.sync).
 """
 
 import socket
@@ -50,26 +54,35 @@ class WeightGroup:
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=address[0])]
         self.group = dist.ProcessGroupGloo(store, rank, world, options)
 
+    def broadcast(self, tensor):
+        """Broadcast `tensor` from rank 0; where that fails (a member is gone), this member drops
+        its end: closing its connections fails the others' broadcasts at once."""
+        try:
+            self.group.broadcast(tensor, 0).wait()
+        except RuntimeError:
+            self.group = None
+            raise
+
     def send(self, state_dict: dict, version: int, bucket_bytes: int):
         """Broadcast `version` and then `state_dict`'s bytes bucket by bucket; the bytes sent."""
-        self.group.broadcast(torch.tensor([version]), 0).wait()
+        self.broadcast(torch.tensor([version]))
         tensors = list(state_dict.values())
         sent = 0
         for bucket in buckets(layout_of(state_dict), bucket_bytes):
             payload = torch.cat([tensors[i].cpu().reshape(-1).view(torch.uint8) for i in bucket])
-            self.group.broadcast(payload, 0).wait()
+            self.broadcast(payload)
             sent += payload.numel()
         return sent
 
     def receive(self, layout: list, bucket_bytes: int):
         """The (state dict, version) the learner broadcasts next."""
         version = torch.zeros(1, dtype=torch.int64)
-        self.group.broadcast(version, 0).wait()
+        self.broadcast(version)
         state_dict = {}
         for bucket in buckets(layout, bucket_bytes):
             sizes = [torch.Size(layout[i][2]).numel() * layout[i][1].itemsize for i in bucket]
             payload = torch.empty(sum(sizes), dtype=torch.uint8)
-            self.group.broadcast(payload, 0).wait()
+            self.broadcast(payload)
             for index, part in zip(bucket, payload.split(sizes), strict=True):
                 name, dtype, shape = layout[index]
                 # a fresh storage: a view at an odd offset cannot change dtype

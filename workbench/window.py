@@ -10,6 +10,7 @@ import contextlib
 from collections import deque
 
 from workbench import faults
+from workbench.transport import join_weight_group
 
 
 def batches(cfg):
@@ -42,17 +43,26 @@ class Window:
         """The oldest batch in flight, taken out of the window: the one this step trains on."""
         return self.in_flight.popleft()
 
-    def sync(self, weights):
+    def sync(self, weights, learner):
         """A step's new `weights` (a Ray reference) reach the rollouts: with partial rollouts the
         batches in flight take them now; the next batch, while the run has one left, starts on
-        them."""
+        them. The weights they got: `weights`, or the same version through the object store."""
         import ray
 
         # the collective transport: every worker receives what the learner broadcasts after its
         # step (transport.py); `weights` then stands for them
         if self.cfg.ray.weight_transport == "collective":
             receiving = [worker.receive_weights.remote() for worker in self.workers]
-            ray.get(receiving, timeout=self.cfg.trainer.timeout_s)
+            try:
+                ray.get(receiving, timeout=self.cfg.trainer.timeout_s)
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError):
+                # a worker died or restarted beside the step: these weights go through the object
+                # store, and every member joins a new group before the next push
+                weights = learner.weights.remote()
+                # (a restarted worker joins once Ray has it running)
+                for worker in self.workers:
+                    faults.when_back(worker.__ray_ready__)
+                join_weight_group(self.cfg, learner, self.workers)
         if self.cfg.rollout.partial:
             for worker in self.workers:
                 # a worker that died is restarted by Ray; its batch's episodes fail in
@@ -62,6 +72,7 @@ class Window:
         if self.next_batch < self.end:
             self.in_flight.append(faults.submit(self.workers, self.prompts, weights))
             self.next_batch += 1
+        return weights
 
     def data_state(self):
         """The data position a checkpoint saves: from before the oldest batch in flight was drawn
