@@ -13,12 +13,13 @@ runs with no stop ids and vLLM's server with `ignore_eos`), each turn appending 
 
 Per concurrency: requests/s and generated tokens/s over the wall time of the whole load; time to
 first token (the first content delta) p50/p99; at one session, the added latency p50/p99 of a
-whole request over the engine called directly (`engine.generate` on the first turn's prompt ids,
-as many calls). With `--vllm-server` (and `--engine vllm`), vLLM's own server
-(`python -m vllm.entrypoints.openai.api_server`, float32, its engine in a process of its own) runs
-the same loads with its defaults (prefix caching on) and with `--no-enable-prefix-caching`; each
-load runs on every server in turn, so the machine's drift hits all alike. `--quick`: 1 and 4
-sessions, 2 turns of 8 tokens, no vLLM server.
+whole request over the engine called directly (`engine.generate` on each request's own prompt ids,
+as the session recorded them). One session is ONE_SESSION_RUNS sessions one after another (one
+session's few turns are too few requests for a p50, let alone a p99). With `--vllm-server` (and
+`--engine vllm`), vLLM's own server (`python -m vllm.entrypoints.openai.api_server`, float32, its
+engine in a process of its own) runs the same loads with its defaults (prefix caching on) and with
+`--no-enable-prefix-caching`; each load runs on every server in turn, so the machine's drift hits
+all alike. `--quick`: 1 and 4 sessions (one session: 2 runs), 2 turns of 8 tokens, no vLLM server.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from workbench.models.tiny import tiny_model_path
 from workbench.server.loopback import LoopbackServer
 
 SYSTEM = "You are a careful assistant. " * 30
+# sessions run one after another for the one-session load
+ONE_SESSION_RUNS = 10
 
 
 def percentile(values, q) -> float:
@@ -89,13 +92,16 @@ async def session_load(base_url, api_key, index, turns, max_tokens, extra) -> li
     return rows
 
 
-def client_process(urls, turns, max_tokens, extra, results) -> None:
-    """Every session at once, in this process; its rows and the load's wall seconds."""
+def client_process(urls, turns, max_tokens, extra, results, one_by_one) -> None:
+    """Every session at once (`one_by_one`: one after another), in this process; its rows and the
+    load's wall seconds."""
 
     async def everything():
         loads = [
             session_load(url, key, k, turns, max_tokens, extra) for k, (url, key) in enumerate(urls)
         ]
+        if one_by_one:
+            return [await load for load in loads]
         return await asyncio.gather(*loads)
 
     start = time.perf_counter()
@@ -103,12 +109,12 @@ def client_process(urls, turns, max_tokens, extra, results) -> None:
     results.put((sessions, time.perf_counter() - start))
 
 
-def run_load(urls, turns, max_tokens, extra=None) -> dict:
+def run_load(urls, turns, max_tokens, extra=None, one_by_one=False) -> dict:
     """One load from a client process of its own: requests/s, tokens/s, time to first token."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     process = context.Process(
-        target=client_process, args=(urls, turns, max_tokens, extra or {}, results)
+        target=client_process, args=(urls, turns, max_tokens, extra or {}, results, one_by_one)
     )
     process.start()
     while True:
@@ -133,25 +139,28 @@ def run_load(urls, turns, max_tokens, extra=None) -> dict:
     }
 
 
-def direct_latency(engine, tokenizer, max_tokens: int, calls: int) -> list[float]:
-    """Seconds of `calls` direct engine calls on the first turn's prompt ids."""
-    messages = [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": "Session 0: tell me a story."},
-    ]
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    prompt = np.asarray(rendered["input_ids"], dtype=np.int32)
+def direct_latency(engine, server: LoopbackServer, sessions: list[str], max_tokens: int):
+    """Seconds of a direct engine call on each request's prompt ids, as `sessions` recorded them
+    (closed here)."""
+    prompts = []
+    for session in sessions:
+        segments, _ = server.close_session(session)
+        for segment in segments:
+            for start, _ in segment.turn_spans:
+                prompts.append(np.asarray(segment.token_ids[:start], dtype=np.int32))
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0)
     seconds = []
-    for _ in range(calls):
+    for prompt in prompts:
         start = time.perf_counter()
         engine.generate([prompt], params)
         seconds.append(time.perf_counter() - start)
     return seconds
 
 
-def session_urls(server: LoopbackServer, count: int) -> list[tuple[str, str]]:
+def session_urls(server: LoopbackServer, count: int, opened: list) -> list[tuple[str, str]]:
+    """The URLs of `count` new sessions, whose ids go in `opened`."""
     sessions = [server.open_session(k) for k in range(count)]
+    opened[:] = [session["session"] for session in sessions]
     return [(session["openai_base_url"], session["api_key"]) for session in sessions]
 
 
@@ -253,8 +262,10 @@ def main() -> None:
     loopback = LoopbackServer(
         engine, tokenizer, SamplingParams(max_tokens=max_tokens, temperature=1.0), seed=0
     )
+    # the loopback sessions of the last load
+    opened = []
     # name: (the session URLs of a load of `count` sessions, extra request fields)
-    servers = {"molt-wb loopback": (lambda count: session_urls(loopback, count), {})}
+    servers = {"molt-wb loopback": (lambda count: session_urls(loopback, count, opened), {})}
     with contextlib.ExitStack() as stack:
         if args.vllm_server and not args.quick:
             for prefix_caching in (True, False):
@@ -271,10 +282,15 @@ def main() -> None:
         # each load on every server in turn: the machine's drift hits all alike
         for count in counts:
             for name, (urls, extra) in servers.items():
-                result = run_load(urls(count), turns, max_tokens, extra)
+                if count == 1:
+                    runs = ONE_SESSION_RUNS
+                    if args.quick:
+                        runs = 2
+                    result = run_load(urls(runs), turns, max_tokens, extra, one_by_one=True)
+                else:
+                    result = run_load(urls(count), turns, max_tokens, extra)
                 if count == 1 and name == "molt-wb loopback":
-                    calls = len(result["latency"])
-                    result["direct"] = direct_latency(engine, tokenizer, max_tokens, calls)
+                    result["direct"] = direct_latency(engine, loopback, opened, max_tokens)
                 print_row(name, count, result)
     loopback.stop()
 

@@ -8,10 +8,14 @@ close_session, and building the SDK client, are outside the timing) with the sin
 (the installed anthropic SDK takes no temperature, so neither wire sends one). So every call
 renders the same prompt and samples exactly 16 tokens, checked from the session's request rows.
 Cases: the real `openai` and `anthropic` sync clients (max_retries=0), non-streaming and
-streaming, one request at a time; "direct" is `engine.generate` on the same rendered prompt ids.
-After a few warm-up calls the cases are interleaved round by round (direct, then the four wires),
-so drift hits all alike. requests/s is N over the summed request latencies; added = case
-percentile - direct percentile.
+streaming (live: the ids go out as the engine samples them), one request at a time; "direct" is
+`engine.generate` on the same rendered prompt ids, on one torch thread as the server's calls (the
+tiny policy's, set_threads' choice). "sdk floor" is no generation at all: a fresh OpenAI client's
+first `models.list()` (the SDK's request and a new connection, what any request pays before the
+server does anything); its added figures are its own latency. After a few warm-up calls the cases
+are interleaved round by round (direct, then the four wires, then the floor), so drift hits all
+alike, each after a collection of the young garbage (`untimed_garbage`). requests/s is N over the
+summed request latencies; added = case percentile - direct percentile.
 
 Last, 16 OpenAI requests in 16 threads (16 sessions) against the same 16 one after another: the
 server batches concurrent requests into one engine call, so the wall-time ratio is its speed-up.
@@ -20,6 +24,7 @@ warm-up and one round of 4 concurrent requests.
 """
 
 import argparse
+import gc
 import statistics
 import threading
 import time
@@ -28,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import anthropic
 import numpy as np
 import openai
+import torch
 from transformers import AutoTokenizer
 
 from workbench.engines.base import SamplingParams
@@ -49,10 +55,11 @@ class CountingEngine:
         self.batches = []
         self.lock = threading.Lock()
 
-    def generate(self, prompts, params, images=None):
+    def generate(self, prompts, params, images=None, listener=None):
         with self.lock:
             self.batches.append(len(prompts))
-        return self.engine.generate(prompts, params, images)
+        # a streamed request's ids go out as they are sampled, as on the engine itself
+        return self.engine.generate(prompts, params, images, listener)
 
 
 def openai_call(session: dict, stream: bool):
@@ -115,11 +122,20 @@ def checked_close(server: LoopbackServer, session: dict, prompt_len: int) -> Non
     assert row["new_prompt_tokens"] == prompt_len and row["generated_tokens"] == MAX_TOKENS, row
 
 
+def untimed_garbage() -> None:
+    """Collect the young garbage before a timed call: building an SDK client leaves thousands of
+    young objects, and the collection they set off (~5 ms, more under load) otherwise fell inside
+    the first timed request of each round (the OpenAI case: 12 ms added at p50 with it, 4 ms
+    without)."""
+    gc.collect(1)
+
+
 def one_request(server: LoopbackServer, case: str, prompt_len: int) -> float:
     """Seconds for one request on a fresh session (session and client set-up not timed)."""
     make, stream = CASES[case]
     session = server.open_session(0)
     client, call = make(session, stream)
+    untimed_garbage()
     start = time.perf_counter()
     call()
     elapsed = time.perf_counter() - start
@@ -128,7 +144,23 @@ def one_request(server: LoopbackServer, case: str, prompt_len: int) -> float:
     return elapsed
 
 
+def one_floor(server: LoopbackServer) -> float:
+    """Seconds of a fresh OpenAI client's first request that generates nothing (`models.list`)."""
+    session = server.open_session(0)
+    client = openai.OpenAI(
+        base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0
+    )
+    untimed_garbage()
+    start = time.perf_counter()
+    client.models.list()
+    elapsed = time.perf_counter() - start
+    client.close()
+    server.close_session(session["session"])
+    return elapsed
+
+
 def one_direct(engine: TorchEngine, prompt: np.ndarray, params: SamplingParams) -> float:
+    untimed_garbage()
     start = time.perf_counter()
     (generation,) = engine.generate([prompt], params)
     elapsed = time.perf_counter() - start
@@ -190,6 +222,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, stop_token_ids=())
     engine = TorchEngine(path)
+    # the tiny policy runs on one thread (set_threads' choice for it), whichever thread calls it
+    torch.set_num_threads(1)
     counting = CountingEngine(engine)
     server = LoopbackServer(counting, tokenizer, params)
     prompt = np.asarray(
@@ -203,11 +237,13 @@ def main() -> None:
             one_direct(engine, prompt, params)
             for case in CASES:
                 one_request(server, case, len(prompt))
-        times = {"direct": [], **{case: [] for case in CASES}}
+            one_floor(server)
+        times = {"direct": [], **{case: [] for case in CASES}, "sdk floor": []}
         for _ in range(n):
             times["direct"].append(one_direct(engine, prompt, params))
             for case in CASES:
                 times[case].append(one_request(server, case, len(prompt)))
+            times["sdk floor"].append(one_floor(server))
         runs = [concurrency(server, counting, len(prompt), parallel) for _ in range(rounds)]
     finally:
         server.stop()
@@ -225,7 +261,11 @@ def main() -> None:
     for case, values in ms.items():
         p50, p99 = np.percentile(values, [50, 99])
         rate = len(values) / (values.sum() / 1e3)
-        added = "" if case == "direct" else f"{p50 - base50:>11.2f}{p99 - base99:>11.2f}"
+        added = f"{p50 - base50:>11.2f}{p99 - base99:>11.2f}"
+        if case == "direct":
+            added = ""
+        if case == "sdk floor":
+            added = f"{p50:>11.2f}{p99:>11.2f}"
         print(f"{case:<18}{rate:>11.1f}{p50:>9.2f}{p99:>9.2f}{added}")
     sequential = statistics.median(r[0] for r in runs)
     threaded = statistics.median(r[1] for r in runs)

@@ -1,8 +1,10 @@
 """Streamed replies go out as they are sampled (#26), on every wire, and still concatenate to
 exactly the whole reply (#14): a real engine's first deltas reach the SDK before its generation
 returns, and scripted replies that open reasoning or a tool call midway, hold a stop sequence,
-multi-byte characters or trailing spaces stream exactly the text the same reply gives whole."""
+multi-byte characters or trailing spaces stream exactly the text the same reply gives whole; an
+engine that samples faster than STREAM_GAP wakes the event loop at most once per gap."""
 
+import asyncio
 import time
 
 import anthropic
@@ -13,6 +15,7 @@ import torch
 
 from workbench.engines.base import Generation, SamplingParams
 from workbench.engines.torch_engine import TorchEngine
+from workbench.server.batcher import STREAM_GAP, Batcher
 from workbench.server.loopback import LoopbackServer
 
 WIRES = ("openai", "anthropic", "responses")
@@ -161,3 +164,35 @@ def test_a_streamed_reply_is_exactly_the_whole_one(tokenizer, wire, script):
     finally:
         server.stop()
     assert "".join(deltas) == streamed == whole
+
+
+def test_a_fast_stream_wakes_the_loop_at_most_once_per_gap_and_keeps_the_ids_in_order():
+    async def stream():
+        loop = asyncio.get_running_loop()
+        batcher = Batcher(engine=None)
+        wakes = []
+        wake = loop.call_soon_threadsafe
+        # every wake of the loop from another thread, counted
+        loop.call_soon_threadsafe = lambda *call: wakes.append(1) or wake(*call)
+        taken = []
+        relay = batcher._relay([taken.extend])["listener"]
+
+        def engine_thread():
+            # 300 steps of 0.1 ms each, one id a step, far faster than STREAM_GAP
+            for token in range(300):
+                relay(0, [token])
+                time.sleep(0.0001)
+
+        start = time.perf_counter()
+        await asyncio.to_thread(engine_thread)
+        elapsed = time.perf_counter() - start
+        # the wakes queued before the engine returned are taken
+        await asyncio.sleep(0.05)
+        batcher.task.cancel()
+        return taken, len(wakes), elapsed
+
+    taken, wakes, elapsed = asyncio.run(stream())
+    # in order, from the first: the ids after the last wake go out with the reply's last events
+    assert taken == list(range(len(taken))) and len(taken) > 1
+    # one wake per gap at most, and the one that hands back the engine's result
+    assert wakes <= elapsed / STREAM_GAP + 2 < 300

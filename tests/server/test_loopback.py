@@ -393,11 +393,11 @@ class FailingOnce(TorchEngine):
 
     fail_next = False
 
-    def generate(self, prompts, params, images=None):
+    def generate(self, prompts, params, images=None, listener=None):
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("engine crashed")
-        return super().generate(prompts, params, images)
+        return super().generate(prompts, params, images, listener)
 
 
 def test_a_failed_generation_commits_nothing(tiny_path, tokenizer):

@@ -68,7 +68,7 @@ class Scripted:
         self.tokenizer = tokenizer
         self.replies = list(replies)
 
-    def generate(self, prompts, params, images=None) -> list[Generation]:
+    def generate(self, prompts, params, images=None, listener=None) -> list[Generation]:
         generations = []
         for prompt in prompts:
             reply = self.replies.pop(0)

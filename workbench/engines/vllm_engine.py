@@ -270,11 +270,11 @@ class VllmEngine(TorchEngine):
         from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        greedy = params.temperature <= 0
         sampling = VllmParams(
             max_tokens=params.max_tokens,
             temperature=params.temperature,
-            top_p=1 if greedy else params.top_p,
+            # greedy: the whole vocabulary
+            top_p=1 if params.temperature <= 0 else params.top_p,
             logprobs=0,
             detokenize=False,
             ignore_eos=True,
@@ -298,8 +298,9 @@ class VllmEngine(TorchEngine):
                 prompt_token_ids=[int(t) for t in prompt],
                 cache_salt=f"{self.version}.{self.swaps}",
             )
-            row_listener = listener and functools.partial(listener, row)
-            request = Request(len(prompt), futures[row], row_listener)
+            request = Request(
+                len(prompt), futures[row], listener and functools.partial(listener, row)
+            )
             # outputs carry this id (add_request returns an internal one)
             request_id = f"r{next(self.ids)}"
             try:

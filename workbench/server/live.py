@@ -40,17 +40,15 @@ class Live:
         self.parser = None
         self.writer: asyncio.Task | None = None
 
-    def begin(self, chat: ChatRequest, server, prompt_ids, stop_ids, prompt_tokens: int):
-        """Follow the turn `server` samples after `prompt_ids`."""
+    def begin(self, chat: ChatRequest, server, prefix, stop_ids, prompt_tokens: int):
+        """Follow the turn `server` samples after the prompt whose text is `prefix`."""
         self.tokenizer = server.tokenizer
         self.stop_ids = set(stop_ids)
         self.stops = regex.compile("|".join(regex.escape(stop) for stop in chat.stop) or r"\Z")
         template = response_template(self.tokenizer)
         content_args = template["fields"].get("content", {}).get("content_args", {})
         self.strip = content_args.get("strip", True)
-        self.parser = self.tokenizer.get_response_parser(
-            template, prefix=prompt_ids, tools=chat.tools
-        )
+        self.parser = self.tokenizer.get_response_parser(template, prefix=prefix, tools=chat.tools)
         self.ids: list[int] = []
         # ids looked at
         self.seen = 0

@@ -175,12 +175,10 @@ class LoopbackServer:
             body = await _json_body(request)
             # count_tokens takes no max_tokens
             chat = _decode(wire, dict(body, max_tokens=1))
-            episode = TokenAccumulator(self.tokenizer, chat.messages, chat.tools, self.codec)
+            # rendered as a new episode's first request
+            episode, _, _ = self._episode(Session("", "", 0), chat)
         except WireError as error:
             return _error_response(wire, error)
-        except Exception as error:
-            refused = WireError(f"The chat template refused these messages ({error}).")
-            return _error_response(wire, refused)
         return web.json_response({"input_tokens": len(episode.token_ids)})
 
     async def _handle(self, request, wire: Wire):
@@ -225,10 +223,9 @@ class LoopbackServer:
         if response is None:
             response = web.StreamResponse(headers=SSE_HEADERS)
             await response.prepare(request)
-        # the events that did not go out as the reply was sampled
-        for event in itertools.islice(wire.events(chat, reply), live.written, None):
-            await response.write(event)
-        await response.write_eof()
+        # the events that did not go out as the reply was sampled, in one write
+        rest = itertools.islice(wire.events(chat, reply), live.written, None)
+        await response.write_eof(b"".join(rest))
         return response
 
     @web.middleware
@@ -270,6 +267,8 @@ class LoopbackServer:
         forced = forced_text(self.tokenizer, episode.render, episode.messages, chat)
         forced_ids = self.tokenizer(forced, add_special_tokens=False)["input_ids"]
         prompt = np.concatenate([episode.token_ids, np.asarray(forced_ids, dtype=np.int32)])
+        # the prompt's text, which the response parsers start from
+        prefix = self.tokenizer.decode(episode.token_ids)
         params = self._sampling(chat, len(prompt))
         if self.seed is not None:
             # committed turns so far: a refused or failed request draws the same seed again
@@ -279,7 +278,7 @@ class LoopbackServer:
             params = replace(params, seed=seed)
         listener = None
         if chat.stream and not forced:
-            live.begin(chat, self, episode.token_ids, params.stop_token_ids, len(prompt))
+            live.begin(chat, self, prefix, params.stop_token_ids, len(prompt))
             listener = live.add
         generation = await self.batcher.generate(prompt, params, episode.open.images, listener)
         await live.close()
@@ -299,9 +298,7 @@ class LoopbackServer:
             versions = versions[:end]
             finish = "stop_sequence"
             text = text[:start]
-        message, malformed = parse_reply(
-            self.tokenizer, forced + text, episode.token_ids, chat.tools
-        )
+        message, malformed = parse_reply(self.tokenizer, forced + text, prefix, chat.tools)
         routes = generation.extras.get("routed_experts")
         if routes is not None:
             routes = routes[: len(prompt) + len(ids)]
@@ -444,8 +441,7 @@ async def _refuse(wire: Wire, error: WireError, live: Live):
     if live.response is None:
         return _error_response(wire, error)
     event = f"event: error\ndata: {json.dumps(wire.error(error))}\n\n"
-    await live.response.write(event.encode())
-    await live.response.write_eof()
+    await live.response.write_eof(event.encode())
     return live.response
 
 

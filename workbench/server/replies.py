@@ -23,13 +23,13 @@ def response_template(tokenizer):
     return getattr(tokenizer, "response_template", None) or RESPONSE_TEMPLATE
 
 
-def parse_reply(tokenizer, text: str, prompt_ids, tools: list[dict] | None):
+def parse_reply(tokenizer, text: str, prefix, tools: list[dict] | None):
     """The assistant message a turn's `text` (as generated, a forced opening included) says after
-    the prompt `prompt_ids`, and how many malformed tool calls it holds (its content is then its
-    whole text)."""
+    the prompt `prefix` (its text or ids), and how many malformed tool calls it holds (its content
+    is then its whole text)."""
     template = response_template(tokenizer)
     try:
-        parsed = tokenizer.parse_response(text, template, prefix=prompt_ids, tools=tools)
+        parsed = tokenizer.parse_response(text, template, prefix=prefix, tools=tools)
         calls = [_tool_call(call) for call in parsed.get("tool_calls") or []]
     # the parser's refusals: a call that is not JSON, a field the template requires
     except (ValueError, KeyError, TypeError):
