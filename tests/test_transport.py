@@ -17,25 +17,33 @@ from workbench.data import Prompts
 from workbench.store import open_run
 
 
+def collective(tmp_path, run_id, *more):
+    """Overrides of a 2-worker run on the collective transport, over the faults file's 8 rows."""
+    return [
+        *FAST,
+        f"run.root={tmp_path}",
+        f"run.id={run_id}",
+        "ray.weight_transport=collective",
+        "ray.rollout_workers=2",
+        *more,
+        f"data.path={data_file(tmp_path / 'faults.jsonl', rows(8))}",
+    ]
+
+
+def first_samples(overrides, batches):
+    """Each worker's first sample id in each of the first `batches` batches."""
+    draws = Prompts(compose_config(overrides))
+    return [[jobs[0].sample["id"] for jobs in draws.next_jobs(2)] for _ in range(batches)]
+
+
 @pytest.mark.slow
 def test_a_dead_or_hung_rollout_worker_rejoins_the_weight_group_and_the_run_goes_on(tmp_path):
     import ray
 
     path = tmp_path / "faults.jsonl"
-    overrides = [
-        *FAST,
-        f"run.root={tmp_path}",
-        "run.id=rejoin",
-        "ray.weight_transport=collective",
-        "ray.rollout_workers=2",
-        "trainer.steps=3",
-        "rollout.timeout_s=5",
-        f"data.path={data_file(path, rows(6))}",
-    ]
-    draws = Prompts(compose_config(overrides))
-    # each worker's first sample of batches 0-2
-    first = [[jobs[0].sample["id"] for jobs in draws.next_jobs(2)] for _ in range(3)]
-    faults = rows(6)
+    overrides = collective(tmp_path, "rejoin", "trainer.steps=3", "rollout.timeout_s=5")
+    first = first_samples(overrides, 3)
+    faults = rows(8)
     # step 1: worker 1 dies; step 2: worker 0 hangs and is killed
     faults[first[1][1]].update(fault="exit", marker=str(tmp_path / "exited"))
     faults[first[2][0]].update(fault="hang", marker=str(tmp_path / "hung"))
@@ -82,22 +90,16 @@ def test_a_rollout_worker_that_dies_beside_the_learners_step_rejoins_without_wai
     path = tmp_path / "faults.jsonl"
     plugin = tmp_path / "delayed.py"
     plugin.write_text(DELAYED.format(faulty=FAULTY))
-    overrides = [
-        *FAST,
+    overrides = collective(
+        tmp_path,
+        "rejoin-async",
         f"agent.plugin={plugin}",
-        f"run.root={tmp_path}",
-        "run.id=rejoin-async",
-        "ray.weight_transport=collective",
-        "ray.rollout_workers=2",
         "trainer.async_depth=1",
         "gate=token",
         "trainer.steps=4",
         "trainer.timeout_s=120",
-        f"data.path={data_file(path, rows(8))}",
-    ]
-    draws = Prompts(compose_config(overrides))
-    # each worker's first sample of batches 0-3
-    first = [[jobs[0].sample["id"] for jobs in draws.next_jobs(2)] for _ in range(4)]
+    )
+    first = first_samples(overrides, 4)
     faults = rows(8)
     # batch 1 runs beside step 0: worker 1 dies in it (after 1 s) while worker 0 still samples
     # batch 0 (3 s), so before the learner broadcasts step 0's weights to it
@@ -133,19 +135,9 @@ def test_a_rollout_worker_that_dies_beside_the_learners_step_rejoins_without_wai
 @pytest.mark.slow
 def test_a_rollout_worker_dead_for_good_stops_the_run_at_once(tmp_path):
     path = tmp_path / "faults.jsonl"
-    overrides = [
-        *FAST,
-        f"run.root={tmp_path}",
-        "run.id=dead",
-        "ray.weight_transport=collective",
-        "ray.rollout_workers=2",
-        "rollout.max_restarts=0",
-        "trainer.steps=3",
-        f"data.path={data_file(path, rows(6))}",
-    ]
-    draws = Prompts(compose_config(overrides))
-    first = [[jobs[0].sample["id"] for jobs in draws.next_jobs(2)] for _ in range(2)]
-    faults = rows(6)
+    overrides = collective(tmp_path, "dead", "rollout.max_restarts=0", "trainer.steps=3")
+    first = first_samples(overrides, 2)
+    faults = rows(8)
     # step 1: worker 1 dies, and Ray may not restart it
     faults[first[1][1]].update(fault="exit", marker=str(tmp_path / "exited"))
     data_file(path, faults)
