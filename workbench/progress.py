@@ -19,21 +19,27 @@ from rich.progress import Progress as Bar
 
 
 class StepClock:
-    """Wall time of the phases of a step, as `perf/` metrics."""
+    """Wall time of the driver's waits in each step, as `perf/` metrics. Steps overlap (the loop
+    hands the learner its next batch before it fetches a step's metrics), so `perf/step_s` runs
+    from the previous step's metrics to this one's: the steps add up to the run's wall time."""
 
     def __init__(self):
-        self.start = time.perf_counter()
-        self.mark = self.start
-        self.phases = {}
+        self.end = time.perf_counter()
 
-    def lap(self, phase):
+    @contextlib.contextmanager
+    def timed(self, phases: dict, phase: str):
+        """The seconds its block takes, added to `phases[phase]`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            phases[phase] = phases.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self, metrics, phases: dict):
         now = time.perf_counter()
-        self.phases[phase] = now - self.mark
-        self.mark = now
-
-    def metrics(self, metrics):
-        total = time.perf_counter() - self.start
-        perf = {f"perf/{phase}_s": seconds for phase, seconds in self.phases.items()}
+        total = now - self.end
+        self.end = now
+        perf = {f"perf/{phase}_s": seconds for phase, seconds in phases.items()}
         perf["perf/step_s"] = total
         perf["perf/tokens_per_s"] = metrics.get("rollout/sampled_tokens", 0) / max(total, 1e-9)
         return dict(metrics, **perf)

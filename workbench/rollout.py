@@ -14,6 +14,7 @@ the batch.
 import asyncio
 import contextlib
 import copy
+import functools
 import hashlib
 import inspect
 import threading
@@ -64,6 +65,9 @@ class RolloutWorker:
         # first prompts rendered and encoded, by messages: data repeats each epoch
         self.openings = OrderedDict()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        # a segment's round-trip audit and reply text, by its ids: groups and epochs repeat them
+        self.drift = functools.lru_cache(1024)(functools.partial(retokenize_drift, self.tokenizer))
+        self.decoded = functools.lru_cache(1024)(self.tokenizer.decode)
         self.plugin = load_plugin(cfg.agent.plugin)
         self.params = SamplingParams(
             max_tokens=cfg.engine.max_tokens,
@@ -265,8 +269,7 @@ class RolloutWorker:
                 [episodes[i].open.images for i in open_],
             )
             texts = [reply_text(self.tokenizer, g.token_ids, g.finish_reason) for g in generations]
-            # tools side by side
-            results = list(self.pool.map(lambda i, text: _caught(envs[i].step, text), open_, texts))
+            results = self._steps([envs[i] for i in open_], texts)
             still_open = []
             for i, generation, text, result in zip(open_, generations, texts, results, strict=True):
                 if not isinstance(result, Result):
@@ -299,6 +302,21 @@ class RolloutWorker:
                 )
         return segments
 
+    def _steps(self, envs: list, actions: list[str]):
+        """Each Env's `step` result (or the exception it raised), side by side in the pool's
+        threads: a thread takes every eighth, so 64 quick steps wake 8 threads, not 64."""
+
+        def run(k):
+            return [
+                _caught(env.step, action)
+                for env, action in zip(envs[k::8], actions[k::8], strict=True)
+            ]
+
+        results = [None] * len(envs)
+        for k, done in enumerate(self.pool.map(run, range(min(8, len(envs))))):
+            results[k::8] = done
+        return results
+
     def _seeded(self, jobs: list[Job], turn: int):
         """The sampling settings of one engine call, seeded by the batch (its first episode id)
         and turn: a run samples the same whichever order its queued batches reach the worker, and
@@ -326,8 +344,9 @@ class RolloutWorker:
         segments = []
         for index, piece in enumerate(pieces):
             prompt_end = piece.turn_spans[0][0] if piece.turn_spans else len(piece.token_ids)
-            response = self.tokenizer.decode(piece.token_ids[prompt_end:])
-            drift = retokenize_drift(self.tokenizer, piece.token_ids)
+            ids = tuple(piece.token_ids)
+            response = self.decoded(ids[prompt_end:])
+            drift = self.drift(ids)
             segments.append(
                 Segment(
                     self.run_id,
