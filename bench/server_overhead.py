@@ -8,11 +8,14 @@ close_session, and building the SDK client, are outside the timing) with the sin
 (the installed anthropic SDK takes no temperature, so neither wire sends one). So every call
 renders the same prompt and samples exactly 16 tokens, checked from the session's request rows.
 Cases: the real `openai` and `anthropic` sync clients (max_retries=0), non-streaming and
-streaming (live: the ids go out as the engine samples them), one request at a time; "direct" is
+streaming (live: the ids go out as the engine samples them), one request at a time. Each session's
+client shares its wire's HTTP connection pool (`http_client=`), as an agent's client keeps its
+connection over an episode's turns; "openai, new client" opens a client and connection per
+request (what an episode's first request pays). "direct" is
 `engine.generate` on the same rendered prompt ids, on one torch thread as the server's calls (the
-tiny policy's, set_threads' choice). "sdk floor" is no generation at all: a fresh OpenAI client's
-first `models.list()` (the SDK's request and a new connection, what any request pays before the
-server does anything); its added figures are its own latency. After a few warm-up calls the cases
+tiny policy's, set_threads' choice). "sdk floor" is no generation at all: `models.list()` on a
+kept connection (the SDK's own request, what any request pays before the server does anything);
+its added figures are its own latency. After a few warm-up calls the cases
 are interleaved round by round (direct, then the four wires, then the floor), so drift hits all
 alike, each after a collection of the young garbage (`untimed_garbage`). requests/s is N over the
 summed request latencies; added = case percentile - direct percentile.
@@ -62,9 +65,16 @@ class CountingEngine:
         return self.engine.generate(prompts, params, images, listener)
 
 
-def openai_call(session: dict, stream: bool):
+# each wire's HTTP connection pool, kept over the run (main)
+POOLS = {}
+
+
+def openai_call(session: dict, stream: bool, kept: bool = True):
     client = openai.OpenAI(
-        base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0
+        base_url=session["openai_base_url"],
+        api_key=session["api_key"],
+        max_retries=0,
+        http_client=POOLS["openai"] if kept else None,
     )
 
     def call() -> str:
@@ -84,7 +94,10 @@ def openai_call(session: dict, stream: bool):
 
 def anthropic_call(session: dict, stream: bool):
     client = anthropic.Anthropic(
-        base_url=session["anthropic_base_url"], api_key=session["api_key"], max_retries=0
+        base_url=session["anthropic_base_url"],
+        api_key=session["api_key"],
+        max_retries=0,
+        http_client=POOLS["anthropic"],
     )
 
     def call() -> str:
@@ -113,6 +126,7 @@ CASES = {
     "openai stream": (openai_call, True),
     "anthropic": (anthropic_call, False),
     "anthropic stream": (anthropic_call, True),
+    "openai, new client": (lambda session, stream: openai_call(session, stream, False), False),
 }
 
 
@@ -139,22 +153,22 @@ def one_request(server: LoopbackServer, case: str, prompt_len: int) -> float:
     start = time.perf_counter()
     call()
     elapsed = time.perf_counter() - start
-    client.close()
+    # a kept pool stays open
+    if client._client not in POOLS.values():
+        client.close()
     checked_close(server, session, prompt_len)
     return elapsed
 
 
 def one_floor(server: LoopbackServer) -> float:
-    """Seconds of a fresh OpenAI client's first request that generates nothing (`models.list`)."""
+    """Seconds of an OpenAI request that generates nothing (`models.list`), on the kept
+    connection."""
     session = server.open_session(0)
-    client = openai.OpenAI(
-        base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0
-    )
+    client, _ = openai_call(session, False)
     untimed_garbage()
     start = time.perf_counter()
     client.models.list()
     elapsed = time.perf_counter() - start
-    client.close()
     server.close_session(session["session"])
     return elapsed
 
@@ -198,8 +212,7 @@ def concurrency(
                     call()
             walls.append(time.perf_counter() - start)
         batches = list(counting.batches)
-        for (client, _), session in zip(calls, sessions, strict=True):
-            client.close()
+        for session in sessions:
             checked_close(server, session, prompt_len)
     return walls[0], walls[1], batches
 
@@ -225,6 +238,7 @@ def main() -> None:
     # the tiny policy runs on one thread (set_threads' choice for it), whichever thread calls it
     torch.set_num_threads(1)
     counting = CountingEngine(engine)
+    POOLS.update(openai=openai.DefaultHttpxClient(), anthropic=anthropic.DefaultHttpxClient())
     server = LoopbackServer(counting, tokenizer, params)
     prompt = np.asarray(
         tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)[
@@ -246,6 +260,8 @@ def main() -> None:
             times["sdk floor"].append(one_floor(server))
         runs = [concurrency(server, counting, len(prompt), parallel) for _ in range(rounds)]
     finally:
+        for pool in POOLS.values():
+            pool.close()
         server.stop()
 
     ms = {case: np.asarray(t) * 1e3 for case, t in times.items()}

@@ -71,14 +71,6 @@ class Rollout:
     # the learner's weights (a Ray reference) the batch starts on; None: the engines' own
     weights: object = None
 
-    def delivered(self):
-        """Has every worker answered?"""
-        import ray
-
-        return len(ray.wait(self.failures, num_returns=len(self.failures), timeout=0)[0]) == len(
-            self.failures
-        )
-
 
 def submit(workers, prompts, weights=None):
     """Start the next batch of episodes, shared among the workers, on `weights` when given."""

@@ -10,6 +10,7 @@ import contextlib
 from collections import deque
 
 from workbench import faults
+from workbench.progress import StepClock
 from workbench.transport import join_weight_group
 
 
@@ -80,3 +81,63 @@ class Window:
         if self.in_flight:
             return self.in_flight[0].data_state
         return self.prompts.state()
+
+
+class Trailing:
+    """The step the learner was handed last, not yet logged: its metrics are fetched (and the step
+    logged) once the next step's batch went to the learner, which so never waits on the driver, or
+    while that batch is not there yet; at once when it checkpoints or evaluates, or is the last."""
+
+    def __init__(self, cfg, end: int, log):
+        """`log(step, metrics, rows, segments, weights)`: what the loop does with a step."""
+        self.cfg = cfg
+        self.end = end
+        self.log = log
+        self.clock = StepClock()
+        # the driver's waits of the step being drawn, then of the trailing one
+        self.phases = {}
+        self.pending = None
+
+    def timed(self, phase: str):
+        return self.clock.timed(self.phases, phase)
+
+    def before(self, rollout: faults.Rollout):
+        """The next step's `rollout`, once every worker answered or the trailing step's metrics are
+        in: whichever comes first, the other waits (the batch goes to the learner first, behind
+        the trailing step; the trailing step is logged while the learner waits on the batch)."""
+        import ray
+
+        left = [] if self.pending is None else list(rollout.failures)
+        while left:
+            metrics = self.pending[2]
+            timeout = self.cfg.trainer.timeout_s
+            ready, _ = ray.wait([metrics, *left], num_returns=1, timeout=timeout)
+            if not ready or metrics in ready:
+                self.flush()
+                break
+            left = [ref for ref in left if ref not in ready]
+        return rollout
+
+    def after(self, step: int, metrics, rows, segments, weights):
+        """Step `step` went to the learner (its outputs are Ray references): the one before it is
+        logged, and this one at once when due."""
+        self.flush()
+        self.pending = (step, self.phases, metrics, rows, segments, weights)
+        self.phases = {}
+        every = (self.cfg.trainer.checkpoint_every, self.cfg.eval.every)
+        if step + 1 == self.end or any(n and (step + 1) % n == 0 for n in every):
+            self.flush()
+
+    def flush(self):
+        """Log the trailing step, if any, once its metrics are in."""
+        import ray
+
+        if self.pending is None:
+            return
+        (step, phases, metrics, rows, segments, weights), self.pending = self.pending, None
+        try:
+            with self.clock.timed(phases, "train"):  # the learner
+                metrics = ray.get(metrics, timeout=self.cfg.trainer.timeout_s)
+        except ray.exceptions.GetTimeoutError as error:
+            raise faults.learner_timeout(step, self.cfg) from error
+        self.log(step, self.clock.metrics(metrics, phases), rows, segments, weights)
