@@ -11,14 +11,16 @@ Cases: the real `openai` and `anthropic` sync clients (max_retries=0), non-strea
 streaming (live: the ids go out as the engine samples them), one request at a time. Each session's
 client shares its wire's HTTP connection pool (`http_client=`), as an agent's client keeps its
 connection over an episode's turns; "openai, new client" opens a client and connection per
-request (what an episode's first request pays). "direct" is
-`engine.generate` on the same rendered prompt ids, on one torch thread as the server's calls (the
-tiny policy's, set_threads' choice). "sdk floor" is no generation at all: `models.list()` on a
+request (what an episode's first request pays). "direct" is `engine.generate` on the same
+rendered prompt ids, on one torch thread as the server's calls (the tiny policy's, set_threads'
+choice). "sdk floor" is no generation at all: `models.list()` on a
 kept connection (the SDK's own request, what any request pays before the server does anything);
-its added figures are its own latency. After a few warm-up calls the cases
-are interleaved round by round (direct, then the four wires, then the floor), so drift hits all
-alike, each after a collection of the young garbage (`untimed_garbage`). requests/s is N over the
-summed request latencies; added = case percentile - direct percentile.
+its added figures are its own latency. The "bare HTTP" cases send the same requests as plain
+HTTP/1.1 on one kept `http.client` connection and parse the JSON or events by hand: no SDK, so
+their added latency is the server's own; "bare floor" is `GET /v1/models` on it. After a few
+warm-up calls the cases are interleaved round by round (direct, then each case, then the floors),
+so drift hits all alike, each after a collection of the young garbage (`untimed_garbage`).
+requests/s is N over the summed request latencies; added = case percentile - direct percentile.
 
 Last, 16 OpenAI requests in 16 threads (16 sessions) against the same 16 one after another: the
 server batches concurrent requests into one engine call, so the wall-time ratio is its speed-up.
@@ -28,6 +30,8 @@ warm-up and one round of 4 concurrent requests.
 
 import argparse
 import gc
+import http.client
+import json
 import statistics
 import threading
 import time
@@ -121,12 +125,70 @@ def anthropic_call(session: dict, stream: bool):
     return client, call
 
 
+def bare_call(session: dict, stream: bool, wire: str = "openai"):
+    """A request as plain HTTP/1.1 on the kept connection, its JSON or events parsed by hand: no
+    SDK, so the added latency is the server's own (and the standard library's few lines)."""
+    key = session["api_key"]
+    if wire == "openai":
+        path = session["openai_base_url"].split("/s/", 1)[1]
+        path = f"/s/{path}/chat/completions"
+        headers = {"Authorization": f"Bearer {key}"}
+    else:
+        path = session["anthropic_base_url"].split("/s/", 1)[1]
+        path = f"/s/{path}/v1/messages"
+        headers = {"x-api-key": key, "anthropic-version": "2023-06-01"}
+    body = {"model": "policy", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "stream": stream}
+    body = json.dumps(body).encode()
+    headers["Content-Type"] = "application/json"
+
+    def text_of(data: bytes) -> str:
+        if not stream:
+            reply = json.loads(data)
+            if wire == "openai":
+                return reply["choices"][0]["message"]["content"]
+            return "".join(block["text"] for block in reply["content"] if block["type"] == "text")
+        events = [
+            json.loads(line[6:])
+            for line in data.decode().splitlines()
+            if line[:6] == "data: " and line != "data: [DONE]"
+        ]
+        if wire == "openai":
+            return "".join(
+                e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices")
+            )
+        return "".join(
+            e["delta"]["text"]
+            for e in events
+            if e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta"
+        )
+
+    def call() -> str:
+        connection = POOLS["bare"]
+        connection.request("POST", path, body, headers)
+        response = connection.getresponse()
+        data = response.read()
+        assert response.status == 200, data
+        return text_of(data)
+
+    return None, call
+
+
 CASES = {
     "openai": (openai_call, False),
     "openai stream": (openai_call, True),
     "anthropic": (anthropic_call, False),
     "anthropic stream": (anthropic_call, True),
     "openai, new client": (lambda session, stream: openai_call(session, stream, False), False),
+    "openai, bare HTTP": (bare_call, False),
+    "openai stream, bare HTTP": (bare_call, True),
+    "anthropic, bare HTTP": (
+        lambda session, stream: bare_call(session, stream, "anthropic"),
+        False,
+    ),
+    "anthropic stream, bare HTTP": (
+        lambda session, stream: bare_call(session, stream, "anthropic"),
+        True,
+    ),
 }
 
 
@@ -154,7 +216,7 @@ def one_request(server: LoopbackServer, case: str, prompt_len: int) -> float:
     call()
     elapsed = time.perf_counter() - start
     # a kept pool stays open
-    if client._client not in POOLS.values():
+    if client is not None and client._client not in POOLS.values():
         client.close()
     checked_close(server, session, prompt_len)
     return elapsed
@@ -171,6 +233,15 @@ def one_floor(server: LoopbackServer) -> float:
     elapsed = time.perf_counter() - start
     server.close_session(session["session"])
     return elapsed
+
+
+def one_bare_floor(server: LoopbackServer) -> float:
+    """Seconds of a plain HTTP `GET /v1/models` on the kept connection: the bare client's floor."""
+    untimed_garbage()
+    start = time.perf_counter()
+    POOLS["bare"].request("GET", "/v1/models")
+    POOLS["bare"].getresponse().read()
+    return time.perf_counter() - start
 
 
 def one_direct(engine: TorchEngine, prompt: np.ndarray, params: SamplingParams) -> float:
@@ -240,6 +311,7 @@ def main() -> None:
     counting = CountingEngine(engine)
     POOLS.update(openai=openai.DefaultHttpxClient(), anthropic=anthropic.DefaultHttpxClient())
     server = LoopbackServer(counting, tokenizer, params)
+    POOLS["bare"] = http.client.HTTPConnection("127.0.0.1", server.port)
     prompt = np.asarray(
         tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)[
             "input_ids"
@@ -252,12 +324,14 @@ def main() -> None:
             for case in CASES:
                 one_request(server, case, len(prompt))
             one_floor(server)
-        times = {"direct": [], **{case: [] for case in CASES}, "sdk floor": []}
+            one_bare_floor(server)
+        times = {"direct": [], **{case: [] for case in CASES}, "sdk floor": [], "bare floor": []}
         for _ in range(n):
             times["direct"].append(one_direct(engine, prompt, params))
             for case in CASES:
                 times[case].append(one_request(server, case, len(prompt)))
             times["sdk floor"].append(one_floor(server))
+            times["bare floor"].append(one_bare_floor(server))
         runs = [concurrency(server, counting, len(prompt), parallel) for _ in range(rounds)]
     finally:
         for pool in POOLS.values():
@@ -271,7 +345,7 @@ def main() -> None:
         f"{n} sequential requests per case"
     )
     print(
-        f"{'case':<18}{'requests/s':>11}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'case':<28}{'requests/s':>11}{'p50 ms':>9}{'p99 ms':>9}"
         f"{'added p50':>11}{'added p99':>11}"
     )
     for case, values in ms.items():
@@ -280,9 +354,9 @@ def main() -> None:
         added = f"{p50 - base50:>11.2f}{p99 - base99:>11.2f}"
         if case == "direct":
             added = ""
-        if case == "sdk floor":
+        if case.endswith("floor"):
             added = f"{p50:>11.2f}{p99:>11.2f}"
-        print(f"{case:<18}{rate:>11.1f}{p50:>9.2f}{p99:>9.2f}{added}")
+        print(f"{case:<28}{rate:>11.1f}{p50:>9.2f}{p99:>9.2f}{added}")
     sequential = statistics.median(r[0] for r in runs)
     threaded = statistics.median(r[1] for r in runs)
     batches = " ".join(str(r[2]) for r in runs)
