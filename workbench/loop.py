@@ -36,7 +36,7 @@ def _run(cfg):
             evaluate.at_step(cfg, workers, store, step, weights)  # ---- every eval.every steps
 
         # a step is logged once its metrics are in, while the learner trains on the next batch
-        trailing = Trailing(cfg, window.end, log)
+        trailing = Trailing(cfg, log)
         for step in window.steps():
             # ---- generate and score: the oldest batch, sampled up to async_depth versions ago
             rollout = trailing.before(window.oldest())
@@ -46,6 +46,7 @@ def _run(cfg):
             metrics, rows, weights = learner.step.options(num_returns=3).remote(*segments)
             weights = window.sync(weights, learner)
             trailing.after(step, metrics, rows, segments, weights)
+        trailing.flush()
         status = "finished"
     except KeyboardInterrupt:
         status = "interrupted"

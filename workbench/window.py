@@ -86,58 +86,58 @@ class Window:
 class Trailing:
     """The step the learner was handed last, not yet logged: its metrics are fetched (and the step
     logged) once the next step's batch went to the learner, which so never waits on the driver, or
-    while that batch is not there yet; at once when it checkpoints or evaluates, or is the last."""
+    while that batch is not there yet; at once when it checkpoints or evaluates."""
 
-    def __init__(self, cfg, end: int, log):
+    def __init__(self, cfg, log):
         """`log(step, metrics, rows, segments, weights)`: what the loop does with a step."""
         self.cfg = cfg
-        self.end = end
         self.log = log
         self.clock = StepClock()
         # the driver's waits of the step being drawn, then of the trailing one
         self.phases = {}
-        self.pending = None
+        self.pending = ()
 
     def timed(self, phase: str):
         return self.clock.timed(self.phases, phase)
 
-    def before(self, rollout: faults.Rollout):
+    def before(self, rollout):
         """The next step's `rollout`, once every worker answered or the trailing step's metrics are
         in: whichever comes first, the other waits (the batch goes to the learner first, behind
         the trailing step; the trailing step is logged while the learner waits on the batch)."""
         import ray
 
-        left = [] if self.pending is None else list(rollout.failures)
+        left = list(rollout.failures) if self.pending else []
         while left:
             metrics = self.pending[2]
-            timeout = self.cfg.trainer.timeout_s
-            ready, _ = ray.wait([metrics, *left], num_returns=1, timeout=timeout)
+            ready, _ = ray.wait([metrics, *left], timeout=self.cfg.trainer.timeout_s)
             if not ready or metrics in ready:
                 self.flush()
                 break
-            left = [ref for ref in left if ref not in ready]
+            left.remove(*ready)
         return rollout
 
-    def after(self, step: int, metrics, rows, segments, weights):
-        """Step `step` went to the learner (its outputs are Ray references): the one before it is
-        logged, and this one at once when due."""
+    def after(self, step: int, *outputs):
+        """Step `step` went to the learner with its `outputs` (metrics, rows: Ray references;
+        segments, weights): the one before it is logged, and this one at once when due."""
         self.flush()
-        self.pending = (step, self.phases, metrics, rows, segments, weights)
+        self.pending = (step, self.phases, *outputs)
         self.phases = {}
-        every = (self.cfg.trainer.checkpoint_every, self.cfg.eval.every)
-        if step + 1 == self.end or any(n and (step + 1) % n == 0 for n in every):
+        if any(
+            n and (step + 1) % n == 0
+            for n in (self.cfg.trainer.checkpoint_every, self.cfg.eval.every)
+        ):
             self.flush()
 
     def flush(self):
         """Log the trailing step, if any, once its metrics are in."""
         import ray
 
-        if self.pending is None:
+        if not self.pending:
             return
-        (step, phases, metrics, rows, segments, weights), self.pending = self.pending, None
+        (step, phases, metrics, *outputs), self.pending = self.pending, ()
         try:
             with self.clock.timed(phases, "train"):  # the learner
                 metrics = ray.get(metrics, timeout=self.cfg.trainer.timeout_s)
         except ray.exceptions.GetTimeoutError as error:
             raise faults.learner_timeout(step, self.cfg) from error
-        self.log(step, self.clock.metrics(metrics, phases), rows, segments, weights)
+        self.log(step, self.clock.metrics(metrics, phases), *outputs)
