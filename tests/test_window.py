@@ -41,9 +41,9 @@ class Batch:
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    yield
-    ray.shutdown()
+    # the Ray an earlier test's run started in this process, else a small one
+    if not ray.is_initialized():
+        ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
 
 
 def trailing(logged: list, *overrides):
