@@ -7,6 +7,7 @@ every batch is sampled exactly d versions behind the learner and the driver neve
 """
 
 import contextlib
+import time
 from collections import deque
 
 from workbench import faults
@@ -107,13 +108,18 @@ class Trailing:
         import ray
 
         left = list(rollout.failures) if self.pending else []
+        start = time.perf_counter()
         while left:
-            metrics = self.pending[2]
+            phases, metrics = self.pending[1:3]
             ready, _ = ray.wait([metrics, *left], timeout=self.cfg.trainer.timeout_s)
             if not ready or metrics in ready:
+                # a wait on the learner
+                phases["train"] = time.perf_counter() - start
                 self.flush()
-                break
+                return rollout
             left.remove(*ready)
+        # a wait on the rollout
+        self.phases["rollout"] = time.perf_counter() - start
         return rollout
 
     def after(self, step: int, *outputs):
