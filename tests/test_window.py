@@ -41,9 +41,14 @@ class Batch:
 
 @pytest.fixture(scope="module")
 def local_ray():
-    # the Ray an earlier test's run started in this process, else a small one
-    if not ray.is_initialized():
+    # the Ray an earlier test's run started in this process, else a small one, shut down after
+    # (a later run sizes its own)
+    started = not ray.is_initialized()
+    if started:
         ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+    yield
+    if started:
+        ray.shutdown()
 
 
 def trailing(logged: list, *overrides):

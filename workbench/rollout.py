@@ -65,9 +65,10 @@ class RolloutWorker:
         # first prompts rendered and encoded, by messages: data repeats each epoch
         self.openings = OrderedDict()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        # a segment's round-trip audit and reply text, by its ids: groups and epochs repeat them
-        self.drift = functools.lru_cache(1024)(functools.partial(retokenize_drift, self.tokenizer))
-        self.decoded = functools.lru_cache(1024)(self.tokenizer.decode)
+        # a segment's round-trip audit and reply text, by its ids: a group's samples repeat them
+        # (64 kept: a batch's repeats, not many long episodes' ids)
+        self.drift = functools.lru_cache(64)(functools.partial(retokenize_drift, self.tokenizer))
+        self.decoded = functools.lru_cache(64)(self.tokenizer.decode)
         self.plugin = load_plugin(cfg.agent.plugin)
         self.params = SamplingParams(
             max_tokens=cfg.engine.max_tokens,
