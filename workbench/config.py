@@ -369,7 +369,7 @@ class ConfigError(ValueError):
     """A bad configuration; the message says what to change."""
 
 
-def compose_config(overrides: list[str] = ()):
+def compose_config(overrides=()):
     """The resolved config (an OmegaConf DictConfig typed by `Config`) for one run."""
     from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
@@ -397,7 +397,7 @@ def compose_config(overrides: list[str] = ()):
     return cfg
 
 
-def expand_sweep(overrides: list[str]):
+def expand_sweep(overrides):
     """(overrides, swept values) per job of a Hydra multirun line (`a=1,2 b=x,y` gives four
     jobs)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -409,7 +409,7 @@ def expand_sweep(overrides: list[str]):
     return [(job, _swept_values(job, swept)) for job in jobs]
 
 
-def _swept_values(job: list[str], swept: set[str]):
+def _swept_values(job, swept):
     """The values that a job's overrides give the swept keys."""
     values = {}
     for override in job:
@@ -462,7 +462,7 @@ def broken_companions():
     return broken
 
 
-def _imports(module: str):
+def _imports(module):
     try:
         __import__(module)
         return True
@@ -487,7 +487,7 @@ def validate(cfg):
     _refuse_missing_code(cfg)
 
 
-def _need(ok: bool, message: str):
+def _need(ok, message):
     if not ok:
         raise ConfigError(message)
 

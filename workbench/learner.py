@@ -46,10 +46,10 @@ class Learner:
     def __init__(
         self,
         cfg,
-        model_path: str,
-        rank: int = 0,
-        address: tuple | None = None,
-        teacher: str | None = None,
+        model_path,
+        rank=0,
+        address=None,
+        teacher=None,
     ):
         # rank `rank` of `ray.learner_workers`, joined at `address` (sharding.py); `teacher`: the
         # distillation teacher's checkpoint (model_paths.teacher_path)
@@ -99,7 +99,7 @@ class Learner:
         if self.estimator.teacher:
             self.teacher = self.frozen(teacher, cfg.model.dtype)
 
-    def frozen(self, path: str, dtype: str):
+    def frozen(self, path, dtype):
         """A frozen model (the KL reference, the teacher), sharded like the policy: it has no
         gradient or optimizer state, but unsharded its parameters alone would outweigh a rank's
         share of the policy's."""
@@ -107,7 +107,7 @@ class Learner:
         self.ranks.shard(model, dtype)
         return model
 
-    def local(self, batch: dict):
+    def local(self, batch):
         """This rank's rows of `batch` (every row on one rank). A rank without rows still runs
         the forward and backward its peers' collectives wait on: on the first row, discarded."""
         if self.ranks.world == 1:
@@ -117,10 +117,10 @@ class Learner:
             rows = torch.arange(1)
         return rows_of(batch, rows)
 
-    def save_checkpoint(self, folder: str, driver_state: dict):
+    def save_checkpoint(self, folder, driver_state):
         return save_learner(self, folder, driver_state)
 
-    def load_checkpoint(self, folder: str):
+    def load_checkpoint(self, folder):
         return load_learner(self, folder)
 
     def weights(self):
@@ -160,7 +160,7 @@ class Learner:
             return layout_of(adapter_state(self.model))
         return layout_of(self.model.state_dict())
 
-    def join_weight_group(self, address: tuple, world: int):
+    def join_weight_group(self, address, world):
         """Rank 0 joins the collective weight transport's group as its rank 0."""
         if self.ranks.rank == 0:
             self.weight_group = WeightGroup(address, 0, world, self.trainer.timeout_s)
@@ -178,16 +178,16 @@ class Learner:
             sent = 0
         return {"state_dict": None, "version": self.version}, sent
 
-    def logprobs(self, batch: dict, replay: bool | None = None, routing: dict | None = None):
+    def logprobs(self, batch, replay=None, routing=None):
         """`logprobs_entropy`'s log-probs alone."""
         return self.logprobs_entropy(batch, replay, routing, entropy=False)[0]
 
     def logprobs_entropy(
         self,
-        batch: dict,
-        replay: bool | None = None,
-        routing: dict | None = None,
-        entropy: bool = True,
+        batch,
+        replay=None,
+        routing=None,
+        entropy=True,
     ):
         """Log-probs of the batch's own ids, and with `entropy` the entropy of each distribution
         they are taken from (None where the forward computes none: `forward`); for a MoE policy
@@ -205,7 +205,7 @@ class Learner:
         return self.ranks.spliced(logprob, rows), entropies
 
     @torch.no_grad()
-    def frozen_logprobs(self, model, batch: dict):
+    def frozen_logprobs(self, model, batch):
         """Log-probs of the batch's ids under a frozen model (reference or teacher); no routing
         replay."""
         base = self.model.disable_adapter() if model is self.model else contextlib.nullcontext()
@@ -214,7 +214,7 @@ class Learner:
         rows = len(batch["rewards"])
         return self.ranks.gather(logprob[: self.ranks.count(rows)], rows)
 
-    def forward(self, model, batch: dict, replay: bool | None, entropy: bool = False):
+    def forward(self, model, batch, replay, entropy=False):
         """Log-probs [batch, seq] of the batch's own ids, with `entropy` their distributions'
         entropies [batch, seq] (else None), and the policy's route statistics where it has
         recorded routes (`replay_routes`; replayed when `replay`, not recorded when None: a frozen
@@ -263,7 +263,7 @@ class Learner:
                 stats[key][rows] = unpack(value, mask[rows], fill)
         return logprob, entropies, stats
 
-    def padded(self, model, batch: dict, recorded, replay: bool, entropy: bool):
+    def padded(self, model, batch, recorded, replay, entropy):
         """`forward` in one padded batch; a group's common prompt runs once when no routes are
         replayed and the policy reads text only (models/prefix.py: the same values, less
         compute)."""
@@ -292,7 +292,7 @@ class Learner:
             entropies = entropies.cpu()
         return logprob.cpu(), entropies, stats
 
-    def microbatches(self, batch: dict, count: int | None = None):
+    def microbatches(self, batch, count=None):
         """The batch's rows (its first `count`) in micro-batches of at most
         `trainer.max_tokens_per_microbatch` tokens, as many on every rank: a rank with fewer adds
         empty ones."""
@@ -302,7 +302,7 @@ class Learner:
         empty = torch.zeros(0, dtype=torch.long)
         return groups + [empty] * (self.ranks.most(len(groups)) - len(groups))
 
-    def routing_metrics(self, batch: dict, routing: dict, old_logprob: torch.Tensor):
+    def routing_metrics(self, batch, routing, old_logprob: torch.Tensor):
         """Live vs rollout routes, and the rollout-learner KL with replay and without (one extra
         forward)."""
         real = batch["attention_mask"].bool()[:, :, None] & routing["known"]  # [batch, seq, layers]
@@ -324,7 +324,7 @@ class Learner:
 
     # ---- the named steps of `train`
 
-    def old_logprobs(self, batch: dict):
+    def old_logprobs(self, batch):
         """π_old, the learner's log-probs of the sampled ids [batch, seq], as (live, old, entropy,
         routing): `live` is the training forward's (log-probs, entropies) when it has π_old's
         value (else None), `entropy` π_old's per position (None where no forward computes it),
@@ -350,7 +350,7 @@ class Learner:
             old_logprob, entropy = self.logprobs_entropy(batch, routing=routing)
         return None, old_logprob, entropy, routing
 
-    def apply_gate(self, batch: dict, old_logprob: torch.Tensor, consumed_at: int):
+    def apply_gate(self, batch, old_logprob: torch.Tensor, consumed_at):
         """The version gate's decisions and per-token IS weights for this batch: every `gate.*`
         key is one of `version_gate`'s options."""
         options = {key.name: getattr(self.gate, key.name) for key in dataclasses.fields(GateConfig)}
@@ -363,7 +363,7 @@ class Learner:
             **options,
         )
 
-    def advantages(self, batch: dict, old_logprob: torch.Tensor):
+    def advantages(self, batch, old_logprob: torch.Tensor):
         """Advantages [batch] or [batch, seq] of the registered estimator `algo.advantage`, and
         its metrics."""
         teacher_logprob = None
@@ -371,7 +371,7 @@ class Learner:
             teacher_logprob = self.frozen_logprobs(self.teacher, batch)
         return self.estimator.estimate(batch, old_logprob, teacher_logprob, self.algo)
 
-    def filtered(self, batch: dict, loss_mask: torch.Tensor):
+    def filtered(self, batch, loss_mask: torch.Tensor):
         """The loss mask [batch, seq] less every group of one reward when
         `algo.filter_uniform_groups` (dynamic filtering)."""
         if not self.algo.filter_uniform_groups:
@@ -379,7 +379,7 @@ class Learner:
         dropped = uniform_groups(batch["rewards"], batch["group_ids"])  # [batch]
         return loss_mask & ~dropped[:, None], {"filter/dropped_frac": float(dropped.float().mean())}
 
-    def optimizer_steps(self, batch: dict, live: tuple | None, targets: dict):
+    def optimizer_steps(self, batch, live, targets):
         """`trainer.minibatches` optimizer steps, one per slice of the batch's rows; their
         metrics, and the seconds of model compute they took."""
         steps = []
@@ -392,7 +392,7 @@ class Learner:
             compute += time.perf_counter() - start
         return steps, compute
 
-    def optimizer_step(self, minibatch: dict, targets: dict, live: tuple | None):
+    def optimizer_step(self, minibatch, targets, live):
         """One step: the registered policy loss `algo.policy_loss` (plus the KL to the reference),
         backward (micro-batch by micro-batch under `trainer.max_tokens_per_microbatch`), gradient
         clip, optimizer step; the version goes up by one."""
@@ -414,7 +414,7 @@ class Learner:
         self.version += 1
         return dict(metrics, policy=float(loss.detach()), grad_norm=self.ranks.grad_norm(grad_norm))
 
-    def loss(self, logprob, minibatch: dict, targets: dict, entropy=None):
+    def loss(self, logprob, minibatch, targets, entropy=None):
         """The registered policy loss (plus the KL to the reference, less the entropy bonus
         `algo.entropy_coef`) of a minibatch's log-probs and entropies, and its metrics."""
         loss, metrics = self.policy_loss(
@@ -439,7 +439,7 @@ class Learner:
             metrics["kl_ref"] = float(kl.detach())
         return loss, metrics
 
-    def accumulated(self, minibatch: dict, targets: dict):
+    def accumulated(self, minibatch, targets):
         """Gradients accumulated micro-batch by micro-batch, each backward through the whole
         minibatch's loss with every other row held at π_old: the loss is a sum over rows with
         denominators of the whole minibatch, so each row's gradient is what the whole loss gives

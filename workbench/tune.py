@@ -100,7 +100,7 @@ def run_study(line, trials, metric, startup, warmup, resume=None):
 class Tuner:
     """An Optuna study in `<run.root>/<sweep id>.optuna.db` and the runs of its trials."""
 
-    def __init__(self, path: str | Path, settings=None):
+    def __init__(self, path, settings=None):
         """Open the study in the file `path`: new with `settings` (line, metric, startup, warmup),
         else the one there with its own."""
         self.path = Path(path)
