@@ -56,15 +56,21 @@ def side_files(model_path):
     }
 
 
+def _sharded_state(learner):
+    """This rank's shards of the model and optimizer state, as `state/` holds them."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optimizer = get_state_dict(learner.model, learner.optimizer)
+    return {"model": model, "optimizer": optimizer}
+
+
 def save_learner(learner, folder, driver_state):
     """Runs in every learner rank: its shards of the model and optimizer into `state/`; rank 0
     the whole policy (with its tokenizer files) and trainer.pt."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model, optimizer = get_state_dict(learner.model, learner.optimizer)
-    dcp.save({"model": model, "optimizer": optimizer}, checkpoint_id=Path(folder, "state"))
+    dcp.save(_sharded_state(learner), checkpoint_id=Path(folder, "state"))
     full = learner.ranks.full_state_dict(learner.model)
     if learner.ranks.rank:
         return learner.version
@@ -90,11 +96,10 @@ def load_learner(learner, folder):
     state resharded to this run's ranks, version, torch RNG."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = torch.load(Path(folder, "trainer.pt"), weights_only=False)
-    model, optimizer = get_state_dict(learner.model, learner.optimizer)
-    loaded = {"model": model, "optimizer": optimizer}
+    loaded = _sharded_state(learner)
     dcp.load(loaded, checkpoint_id=Path(folder, "state"))
     set_state_dict(
         learner.model,

@@ -44,9 +44,9 @@ def console():
     return Console(width=None if sys.stdout.isatty() else 200)
 
 
-def fail(message):
+def fail(message, code=2):
     typer.secho(f"error: {message}", fg="red", err=True)
-    raise typer.Exit(2)
+    raise typer.Exit(code)
 
 
 @contextlib.contextmanager
@@ -56,7 +56,7 @@ def user_errors():
     try:
         yield
     except ValueError as error:
-        fail(str(error))
+        fail(error)
 
 
 @app.command(context_settings=OVERRIDES)
@@ -102,7 +102,7 @@ def train(ctx: typer.Context):
         try:
             cluster.init_ray(configs[0], sized_for=configs)
         except ConfigError as error:
-            fail(str(error))
+            fail(error)
     if parallel > 1:
         for cfg in configs:
             OmegaConf.update(cfg, "run.progress", False)
@@ -114,7 +114,7 @@ def train(ctx: typer.Context):
             return True
         except ConfigError as error:
             if not multirun:
-                fail(str(error))
+                fail(error)
             run_folder.record_refused(cfg, str(error))
             typer.secho(f"run {cfg.run.id} refused: {error}", fg="red", err=True)
         # a failed job of a sweep is recorded as failed and the sweep goes on
@@ -122,8 +122,8 @@ def train(ctx: typer.Context):
             if not multirun:
                 if not isinstance(error, RunFailed):
                     raise
-                typer.secho(f"error: {error}", fg="red", err=True)  # one sentence, no traceback
-                raise typer.Exit(1) from None
+                # one sentence, no traceback
+                fail(error, 1)
             typer.secho(f"run {cfg.run.id} failed: {error}", fg="red", err=True)
         return False
 
@@ -230,10 +230,8 @@ def serve(
     session's OpenAI base URL, Anthropic URL and key. Ctrl-C or SIGTERM flushes the run store and
     exits.
     """
-    try:
+    with user_errors():
         cfg = compose_config(ctx.args)
-    except ConfigError as error:
-        fail(str(error))
     # the server's threads inherit this
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     from workbench.server.serve import Recorder

@@ -411,12 +411,8 @@ def expand_sweep(overrides):
 
 def _swept_values(job, swept):
     """The values that a job's overrides give the swept keys."""
-    values = {}
-    for override in job:
-        key, value = override.lstrip("+~").split("=", 1)
-        if key in swept:
-            values[key] = value
-    return values
+    pairs = (override.lstrip("+~").split("=", 1) for override in job)
+    return {key: value for key, value in pairs if key in swept}
 
 
 def _model_config(model):

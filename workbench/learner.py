@@ -54,9 +54,7 @@ class Learner:
         # rank `rank` of `ray.learner_workers`, joined at `address` (sharding.py); `teacher`: the
         # distillation teacher's checkpoint (model_paths.teacher_path)
         self.ranks = Ranks(cfg, rank, address)
-        self.codec = None
-        if is_vision_language(model_path):
-            self.codec = ImageCodec(model_path)
+        self.codec = ImageCodec(model_path) if is_vision_language(model_path) else None
         torch.manual_seed(cfg.seed)
         self.algo = cfg.algo
         self.trainer = cfg.trainer
@@ -91,11 +89,9 @@ class Learner:
         # frozen models: the KL reference (a copy of the starting policy) and the distillation
         # teacher
         self.reference = None
-        # a LoRA policy's reference is its base: the adapter disabled, no second copy
-        if cfg.algo.kl_coef > 0 and self.lora:
-            self.reference = self.model
-        elif cfg.algo.kl_coef > 0:
-            self.reference = self.frozen(model_path, cfg.model.dtype)
+        if cfg.algo.kl_coef > 0:
+            # a LoRA policy's reference is its base: the adapter disabled, no second copy
+            self.reference = self.model if self.lora else self.frozen(model_path, cfg.model.dtype)
         if self.estimator.teacher:
             self.teacher = self.frozen(teacher, cfg.model.dtype)
 
@@ -227,9 +223,7 @@ class Learner:
         ids = batch["token_ids"].to(self.ranks.device)
         device_mask = mask.to(self.ranks.device)
         logprob = torch.zeros(mask.shape)
-        entropies = None
-        if entropy:
-            entropies = torch.zeros(mask.shape)
+        entropies = torch.zeros(mask.shape) if entropy else None
         stats = {}
         for rows in self.microbatches(batch):
             # an empty micro-batch (FSDP's collectives wait on every rank) runs a row, unused

@@ -57,9 +57,7 @@ def search_space(line):
         value = override.value()
         try:
             if isinstance(value, IntervalSweep):
-                kind = FloatDistribution
-                if isinstance(value.start, int):
-                    kind = IntDistribution
+                kind = IntDistribution if isinstance(value.start, int) else FloatDistribution
                 space[override.key_or_group] = kind(value.start, value.end, log="log" in value.tags)
             elif isinstance(value, (ChoiceSweep, RangeSweep)):
                 choices = list(override.sweep_string_iterator())

@@ -36,6 +36,11 @@ FIGURES = """
     from metrics"""
 
 
+def _swept_keys(runs):
+    """The keys any of `runs` swept, sorted."""
+    return sorted({key for run in runs for key in run.get("swept") or {}})
+
+
 def sweeps(root="runs"):
     """One row per sweep id: runs, finished, failed, swept keys, created (newest first)."""
     by_sweep = defaultdict(list)
@@ -51,7 +56,7 @@ def sweeps(root="runs"):
                 "runs": len(runs),
                 "finished": statuses.count("finished"),
                 "failed": statuses.count("failed"),
-                "swept": sorted({key for run in runs for key in run.get("swept") or {}}),
+                "swept": _swept_keys(runs),
                 "created": min(run.get("created", 0) for run in runs),
             }
         )
@@ -64,7 +69,7 @@ def compare_rows(selection, root="runs"):
     runs = [r for r in list_runs(root) if len(selection) == 1 and r.get("sweep_id") == selection[0]]
     if not runs:
         runs = [run_row(resolve_run(run_id, root)) for run_id in selection]
-    swept = sorted({key for run in runs for key in (run.get("swept") or {})})
+    swept = _swept_keys(runs)
     rows = []
     for run in sorted(runs, key=lambda r: r.get("created", 0)):
         figures = open_run(run["run_id"], root).execute(FIGURES).fetchone()
