@@ -17,7 +17,7 @@ import regex
 from aiohttp import web
 
 from workbench.invariants.token_identity import reply_text
-from workbench.server.replies import pieces_in, response_template
+from workbench.server.replies import compiled_template, pieces_in, response_template
 from workbench.server.wires.base import ChatReply, ChatRequest, Wire
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -48,7 +48,8 @@ class Live:
         template = response_template(self.tokenizer)
         content_args = template["fields"].get("content", {}).get("content_args", {})
         self.strip = content_args.get("strip", True)
-        self.parser = self.tokenizer.get_response_parser(template, prefix=prefix, tools=chat.tools)
+        compiled = compiled_template(self.tokenizer)
+        self.parser = self.tokenizer.get_response_parser(compiled, prefix=prefix, tools=chat.tools)
         self.ids: list[int] = []
         # ids looked at
         self.seen = 0
@@ -92,10 +93,12 @@ class Live:
                 self.response = web.StreamResponse(headers=SSE_HEADERS)
                 await self.response.prepare(self.request)
             self.pieces.append(piece)
-            # the reply's opening events (the first time), then the piece's
+            # the reply's opening events (the first time), then the piece's: one write
+            events = []
             while self.taken < len(self.pieces):
-                await self.response.write(next(self.events))
-                self.written += 1
+                events.append(next(self.events))
+            self.written += len(events)
+            await self.response.write(b"".join(events))
 
     def _taken(self):
         """The pieces sent, as the events take them: one more each time one goes out."""
