@@ -15,10 +15,11 @@ import numpy as np
 
 from workbench.engines.base import SamplingParams
 
-# least seconds between two wakes of the event loop by a streaming engine's thread: each wake hands
-# the GIL over and back (a noop wake per token slowed the tiny policy's 32-token turn by 5-12 ms on
-# this 2-core machine, 10-25 %); ids sampled meanwhile go out together
-STREAM_GAP = 0.005
+# least seconds between two wakes of the event loop by a streaming engine's thread (the first ids
+# wake it at once): each wake's work shares the GIL with the engine's thread; ids sampled meanwhile
+# go out together. On the in-process vLLM engine, one session of 32-token turns: 258 tokens/s with
+# a 5 ms gap, 301 with 20 ms, 295 with one wake per turn (bench/server_load.py)
+STREAM_GAP = 0.02
 
 
 @dataclass
