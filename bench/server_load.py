@@ -299,6 +299,9 @@ def main() -> None:
                     lambda count, url=url: [(url, "none")] * count,
                     {"ignore_eos": True},
                 )
+        # at the end (first of the stack's exits), the loopback's engine resumes and the vLLM
+        # servers resume as they stop
+        stack.callback(pause_all_but, groups, "molt-wb loopback")
         # warm-up: each engine's first calls pay one-off costs
         for name, (urls, extra) in servers.items():
             pause_all_but(groups, name)

@@ -17,7 +17,7 @@ import regex
 from aiohttp import web
 
 from workbench.invariants.token_identity import reply_text
-from workbench.server.replies import compiled_template, pieces_in, response_template
+from workbench.server.replies import compiled_template, pieces_in
 from workbench.server.wires.base import ChatReply, ChatRequest, Wire
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -45,11 +45,10 @@ class Live:
         self.tokenizer = server.tokenizer
         self.stop_ids = set(stop_ids)
         self.stops = regex.compile("|".join(regex.escape(stop) for stop in chat.stop) or r"\Z")
-        template = response_template(self.tokenizer)
-        content_args = template["fields"].get("content", {}).get("content_args", {})
-        self.strip = content_args.get("strip", True)
-        compiled = compiled_template(self.tokenizer)
-        self.parser = self.tokenizer.get_response_parser(compiled, prefix=prefix, tools=chat.tools)
+        template = compiled_template(self.tokenizer)
+        content = template.fields.get("content")
+        self.strip = content.content_args.get("strip", True) if content else True
+        self.parser = self.tokenizer.get_response_parser(template, prefix=prefix, tools=chat.tools)
         self.ids: list[int] = []
         # ids looked at
         self.seen = 0

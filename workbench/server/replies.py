@@ -36,8 +36,8 @@ def parse_reply(tokenizer, text: str, prefix, tools: list[dict] | None):
     """The assistant message a turn's `text` (as generated, a forced opening included) says after
     the prompt `prefix` (its text or ids), and how many malformed tool calls it holds (its content
     is then its whole text)."""
-    template = compiled_template(tokenizer)
     try:
+        template = compiled_template(tokenizer)
         parsed = tokenizer.parse_response(text, template, prefix=prefix, tools=tools)
         calls = [_tool_call(call) for call in parsed.get("tool_calls") or []]
     # the parser's refusals: a call that is not JSON, a field the template requires
