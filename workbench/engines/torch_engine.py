@@ -218,8 +218,11 @@ class TorchEngine:
                 token = dist.argmax(-1)
             token = torch.where(done, self.pad_token_id, token)
             if listener is not None:
-                for row in np.flatnonzero(~done.numpy()):
-                    listener(int(row), [int(token[row])])
+                # as lists: a tensor op per row cost ~50 us a step
+                finished = done.tolist()
+                for row, id in enumerate(token.tolist()):
+                    if not finished[row]:
+                        listener(row, [id])
             sampled.append(token)
             logprobs.append(dist.gather(-1, token[:, None]).squeeze(-1))
             done |= torch.isin(token, stop)

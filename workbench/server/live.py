@@ -20,7 +20,15 @@ from workbench.invariants.token_identity import reply_text
 from workbench.server.replies import compiled_template, pieces_in
 from workbench.server.wires.base import ChatReply, ChatRequest, Wire
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+class EventStream(web.StreamResponse):
+    """A server-sent event stream whose headers go out with its first events, in one send (as
+    aiohttp's own `Response` sends its headers with its body)."""
+
+    _send_headers_immediately = False
+
+    def __init__(self):
+        super().__init__(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
 
 
 class Live:
@@ -33,7 +41,7 @@ class Live:
         self.pieces: list[str] = []
         self.taken = 0
         # opened with the first piece
-        self.response: web.StreamResponse | None = None
+        self.response: EventStream | None = None
         # events written
         self.written = 0
         # None once nothing more goes out live
@@ -89,7 +97,7 @@ class Live:
     async def _write(self):
         while piece := self._release():
             if self.response is None:
-                self.response = web.StreamResponse(headers=SSE_HEADERS)
+                self.response = EventStream()
                 await self.response.prepare(self.request)
             self.pieces.append(piece)
             # the reply's opening events (the first time), then the piece's: one write

@@ -33,7 +33,7 @@ from aiohttp import web
 from workbench.engines.base import SamplingParams, derived_seed
 from workbench.invariants.token_identity import TokenAccumulator, reply_text, stream_pieces
 from workbench.server.batcher import Batcher
-from workbench.server.live import SSE_HEADERS, Live
+from workbench.server.live import EventStream, Live
 from workbench.server.replies import forced_text, parse_reply, shown
 from workbench.server.wires import WIRES, wire_at
 from workbench.server.wires.base import ChatReply, ChatRequest, Wire, WireError
@@ -221,7 +221,7 @@ class LoopbackServer:
             return web.json_response(wire.reply(reply))
         response = live.response
         if response is None:
-            response = web.StreamResponse(headers=SSE_HEADERS)
+            response = EventStream()
             await response.prepare(request)
         # the events that did not go out as the reply was sampled, in one write
         rest = itertools.islice(wire.events(chat, reply), live.written, None)
@@ -322,9 +322,9 @@ class LoopbackServer:
                 "time": time.time(),
             }
         )
-        # a streamed reply goes out in the pieces it was generated in
+        # a streamed reply goes out in the pieces it was generated in (past what went out live: one)
         pieces = [forced + text]
-        if chat.stream:
+        if chat.stream and not live.pieces:
             pieces = [forced, *stream_pieces(self.tokenizer, ids, text)]
         # a prefilled turn's reply continues the prefill
         fields = shown(message, forced + text, len(chat.prefill), pieces)
