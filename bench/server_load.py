@@ -14,8 +14,9 @@ runs with no stop ids and vLLM's server with `ignore_eos`), each turn appending 
 Per concurrency: requests/s and generated tokens/s over the wall time of the whole load; time to
 first token (the first content delta) p50/p99; at one session, the added latency p50/p99 of a
 whole request over the engine called directly (`engine.generate` on each request's own prompt ids,
-as the session recorded them). One session is ONE_SESSION_RUNS sessions one after another (one
-session's few turns are too few requests for a p50, let alone a p99). With `--vllm-server` (and
+as the session recorded them; vLLM's own servers' rows over the same direct calls). One session
+is ONE_SESSION_RUNS sessions one after another (one session's few turns are too few requests for a
+p50, let alone a p99). With `--vllm-server` (and
 `--engine vllm`), vLLM's own server (`python -m vllm.entrypoints.openai.api_server`, float32, its
 engine in a process of its own) runs the same loads with its defaults (prefix caching on) and with
 `--no-enable-prefix-caching`; each load runs on every server in turn, so the machine's drift hits
@@ -318,7 +319,11 @@ def main() -> None:
                 else:
                     result = run_load(urls(count), turns, max_tokens, extra)
                 if count == 1 and name == "molt-wb loopback":
-                    result["direct"] = direct_latency(engine, loopback, opened, max_tokens)
+                    direct = direct_latency(engine, loopback, opened, max_tokens)
+                # vLLM's own servers' requests over the same direct calls: what a server and the
+                # streaming client add there
+                if count == 1:
+                    result["direct"] = direct
                 print_row(name, count, result)
     loopback.stop()
 
