@@ -304,8 +304,9 @@ def test_real_shape_file_trains_through_the_plugin_reader(tmp_path, samples):
 @pytest.mark.slow
 @pytest.mark.parametrize("plugin", ["geo3k", "chat_geo3k"])
 def test_geo3k_recipe_runs_end_to_end(tmp_path, plugin):
-    """Both agent forms, a few steps from the warm-started tiny VL policy: segments hold images,
-    tool turns, rewards."""
+    """Both agent forms, a few steps from the recipe's warm-started tiny VL policy (the one
+    tests/test_geo3k_learning.py trains on: built once for both): segments hold images, tool turns,
+    rewards."""
     run = subprocess.run(
         [
             sys.executable,
@@ -317,7 +318,6 @@ def test_geo3k_recipe_runs_end_to_end(tmp_path, plugin):
             "trainer.steps=2",
             "trainer.prompts_per_step=2",
             "trainer.group_size=4",
-            "model.warm_start_steps=120",
             f"run.root={tmp_path}",
             "run.id=geo",
             "tracking.wandb.mode=disabled",
