@@ -5,6 +5,7 @@ multi-byte characters or trailing spaces stream exactly the text the same reply 
 engine that samples faster than STREAM_GAP wakes the event loop at most once per gap."""
 
 import asyncio
+import threading
 import time
 
 import anthropic
@@ -196,3 +197,41 @@ def test_a_fast_stream_wakes_the_loop_at_most_once_per_gap_and_keeps_the_ids_in_
     assert taken == list(range(len(taken))) and len(taken) > 1
     # one wake per gap at most, and the one that hands back the engine's result
     assert wakes <= elapsed / STREAM_GAP + 2 < 300
+
+
+def test_a_stream_that_holds_all_it_has_wakes_the_loop_at_each_id_until_text_goes_out():
+    """Its first text may still open a tool call: each id wakes the loop until the listener has
+    text out (the gap would hold the next ids for STREAM_GAP)."""
+    held = 5
+
+    async def stream():
+        batcher = Batcher(engine=None)
+        taken = []
+        handed = threading.Semaphore(0)
+
+        def listener(ids):
+            taken.extend(ids)
+            handed.release()
+            # True: nothing went out yet
+            return len(taken) < held
+
+        relay = batcher._relay([listener])["listener"]
+
+        def engine_thread():
+            # whether each held id reached the listener before the next was sampled
+            at_once = []
+            for token in range(held + 3):
+                relay(0, [token])
+                if token < held:
+                    at_once.append(handed.acquire(timeout=1.0))
+            return at_once
+
+        at_once = await asyncio.to_thread(engine_thread)
+        await asyncio.sleep(0.05)
+        batcher.task.cancel()
+        return at_once, taken
+
+    at_once, taken = asyncio.run(stream())
+    assert at_once == [True] * held
+    # in order; ids after the last wake go out with the reply's last events
+    assert taken[:held] == list(range(held)) and taken == list(range(len(taken)))

@@ -4,7 +4,8 @@ requests that arrive while the engine is busy go into its next call together).
 
 Either way a request gets its own Generation, and its sampled ids as they come where it listens
 for them and the engine hands them out (a streamed reply goes out as it is sampled): the engine's
-thread wakes the event loop with them at most once per STREAM_GAP, not at each step.
+thread wakes the event loop with them at most once per STREAM_GAP, not at each step (at each while
+a stream has sent no text yet).
 """
 
 import asyncio
@@ -78,10 +79,13 @@ class Batcher:
                 self.loop.call_soon_threadsafe(take)
 
         def take():
+            nonlocal wake_at
             while waiting:
                 row, ids = waiting.pop(0)
-                if listeners[row]:
-                    listeners[row](ids)
+                # a stream that holds all it has (its text may still open a tool call, ...) wakes
+                # the loop at its next ids: its first text goes out as soon as it is certain
+                if listeners[row] and listeners[row](ids):
+                    wake_at = 0.0
 
         return {"listener": relay}
 

@@ -76,10 +76,14 @@ class Live:
         self.events = self.wire.events(chat, self.reply)
 
     def add(self, ids: list[int]):
-        """New sampled ids (on the event loop): what they make certain goes out."""
+        """New sampled ids (on the event loop): what they make certain goes out. True while nothing
+        has yet (its first text may still open a tool call, ...): its next ids should come at once.
+        """
         self.ids += ids
         if self.parser is not None and (self.writer is None or self.writer.done()):
-            self.writer = asyncio.get_running_loop().create_task(self._write())
+            if piece := self._release():
+                self.writer = asyncio.get_running_loop().create_task(self._write(piece))
+        return self.writer is None and self.parser is not None
 
     async def close(self):
         """The turn ended: nothing more goes out live once the last write is done."""
@@ -94,8 +98,8 @@ class Live:
         pieces = dict(reply.pieces, content=[*self.pieces, *rest])
         return replace(reply, id=self.reply.id, pieces=pieces, live=True)
 
-    async def _write(self):
-        while piece := self._release():
+    async def _write(self, piece: str):
+        while piece:
             if self.response is None:
                 self.response = EventStream()
                 await self.response.prepare(self.request)
@@ -106,6 +110,7 @@ class Live:
                 events.append(next(self.events))
             self.written += len(events)
             await self.response.write(b"".join(events))
+            piece = self._release()
 
     def _taken(self):
         """The pieces sent, as the events take them: one more each time one goes out."""

@@ -265,7 +265,7 @@ class LoopbackServer:
         """Extend or seal, generate, and only then commit the turn to the session."""
         episode, action, reused = self._episode(session, chat)
         forced = forced_text(self.tokenizer, episode.render, episode.messages, chat)
-        forced_ids = self.tokenizer(forced, add_special_tokens=False)["input_ids"]
+        forced_ids = self.tokenizer(forced, add_special_tokens=False)["input_ids"] if forced else []
         prompt = np.concatenate([episode.token_ids, np.asarray(forced_ids, dtype=np.int32)])
         # the prompt's text, which the response parsers start from
         prefix = self.tokenizer.decode(episode.token_ids)
