@@ -220,9 +220,9 @@ class TorchEngine:
             if listener is not None:
                 # as lists: a tensor op per row cost ~50 us a step
                 finished = done.tolist()
-                for row, id in enumerate(token.tolist()):
+                for row, sampled_id in enumerate(token.tolist()):
                     if not finished[row]:
-                        listener(row, [id])
+                        listener(row, [sampled_id])
             sampled.append(token)
             logprobs.append(dist.gather(-1, token[:, None]).squeeze(-1))
             done |= torch.isin(token, stop)

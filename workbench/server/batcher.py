@@ -4,8 +4,8 @@ requests that arrive while the engine is busy go into its next call together).
 
 Either way a request gets its own Generation, and its sampled ids as they come where it listens
 for them and the engine hands them out (a streamed reply goes out as it is sampled): the engine's
-thread wakes the event loop with them at most once per STREAM_GAP, not at each step (at each while
-a stream has sent no text yet).
+thread wakes the event loop with them at most once per STREAM_GAP, not at each step (at each of a
+stream's first ids while it has sent no text yet, `live.HELD_IDS`).
 """
 
 import asyncio
@@ -31,7 +31,8 @@ class Waiting:
     params: SamplingParams
     images: list[bytes]
     output: asyncio.Future
-    # called on the event loop with the request's new ids (None: no stream)
+    # called on the event loop with the request's new ids (None: no stream); returns True while the
+    # stream holds all its text (its next ids wake the loop at once)
     listener: object
 
 

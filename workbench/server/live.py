@@ -20,6 +20,10 @@ from workbench.invariants.token_identity import reply_text
 from workbench.server.replies import compiled_template, pieces_in
 from workbench.server.wires.base import ChatReply, ChatRequest, Wire
 
+# a stream that holds all its text wakes the event loop at each of its first HELD_IDS ids (each wake
+# decodes all its ids so far), then once per STREAM_GAP
+HELD_IDS = 16
+
 
 class EventStream(web.StreamResponse):
     """A server-sent event stream whose headers go out with its first events, in one send (as
@@ -77,13 +81,19 @@ class Live:
 
     def add(self, ids: list[int]):
         """New sampled ids (on the event loop): what they make certain goes out. True while nothing
-        has yet (its first text may still open a tool call, ...): its next ids should come at once.
-        """
+        has gone out yet (its first text may still open a tool call, ...), for its first HELD_IDS
+        ids: its next ids should come at once."""
         self.ids += ids
         if self.parser is not None and (self.writer is None or self.writer.done()):
-            if piece := self._release():
+            try:
+                piece = self._release()
+            # the parser refused the text so far: the rest goes out when the turn ends
+            except Exception:
+                self.parser = None
+                piece = ""
+            if piece:
                 self.writer = asyncio.get_running_loop().create_task(self._write(piece))
-        return self.writer is None and self.parser is not None
+        return self.writer is None and self.parser is not None and len(self.ids) < HELD_IDS
 
     async def close(self):
         """The turn ended: nothing more goes out live once the last write is done."""
@@ -101,8 +111,9 @@ class Live:
     async def _write(self, piece: str):
         while piece:
             if self.response is None:
-                self.response = EventStream()
-                await self.response.prepare(self.request)
+                response = EventStream()
+                await response.prepare(self.request)
+                self.response = response
             self.pieces.append(piece)
             # the reply's opening events (the first time), then the piece's: one write
             events = []
