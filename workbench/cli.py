@@ -24,6 +24,7 @@ from workbench.config import (
     compose_config,
     expand_sweep,
 )
+from workbench.extras import EXTRAS, install, missing, needs
 from workbench.faults import RunFailed
 from workbench.models.tiny import cache_root
 
@@ -207,10 +208,10 @@ def tune(
     final per wall second. The study is kept in run.root as <sweep id>.optuna.db; --resume
     continues it.
     """
-    try:
-        from workbench.tune import run_study
-    except ImportError:
-        fail("molt-wb tune needs Optuna: pip install 'molt-wb[tune]'.")
+    if missing("tune"):
+        fail(needs("molt-wb tune", "tune"))
+    from workbench.tune import run_study
+
     with user_errors():
         run_study(ctx.args, trials, metric, startup, warmup, resume)
 
@@ -312,6 +313,8 @@ def compare(
 ):
     """Runs side by side: swept values, final and best reward, kept fraction, KL, stale fraction,
     tokens/s, wall time."""
+    if plot_path and missing("plot"):
+        fail(needs("compare --plot", "plot"))
     from workbench.store.compare import COLUMNS, compare_rows, plot
     from workbench.store.query import cell
 
@@ -330,10 +333,7 @@ def compare(
             table.add_row(*(cell(row[c]) for c in columns))
         console().print(table)
     if plot_path:
-        try:
-            plot(rows, swept, root, plot_path)
-        except ImportError:
-            fail("compare --plot needs matplotlib: pip install 'molt-wb[plot]'.")
+        plot(rows, swept, root, plot_path)
         typer.echo(f"wrote {plot_path}", err=True)
 
 
@@ -416,11 +416,10 @@ def inspect(
 ):
     """Browse runs in a terminal UI: overview plots, segments, gate decisions, requests, and every
     token of a segment."""
-    try:
-        from workbench.tui.app import InspectApp
-    except ImportError:
-        fail("molt-wb inspect needs Textual: pip install 'molt-wb[tui]'.")
+    if missing("tui"):
+        fail(needs("molt-wb inspect", "tui"))
     from workbench.store.query import resolve_run
+    from workbench.tui.app import InspectApp
 
     with user_errors():
         run_id = run_id and resolve_run(run_id, root).name
@@ -449,6 +448,10 @@ def doctor(root: str = ROOT):
         f"runs         {os.path.abspath(root)}\n"
         f"model cache  {cache_root()}"
     )
+    # each optional extra: present, or the command that installs it
+    for extra in EXTRAS:
+        state = f"missing ({install(extra)})" if missing(extra) else "present"
+        typer.echo(f"{extra + ' extra':<12} {state}")
     broken = broken_companions()
     if broken:
         typer.echo(

@@ -18,6 +18,7 @@ from pathlib import Path
 from workbench.algo.advantages import ADVANTAGES
 from workbench.algo.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from workbench.api import load_plugin
+from workbench.extras import missing, needs
 from workbench.invariants.version_gate import ANCHORS, DENOMINATORS, LEVELS, MODES
 from workbench.models.tiny import TINY_SPECS
 
@@ -60,7 +61,7 @@ class ModelConfig:
 @dataclass
 class EngineConfig:
     name: str = "torch"
-    """Rollout engine: torch (CPU, transformers) | vllm (pip install 'molt-wb[vllm]')."""
+    """Rollout engine: torch (CPU, transformers) | vllm (pip install -e '.[vllm]')."""
     max_tokens: int = 16
     """Most new tokens per turn."""
     temperature: float = 1.0
@@ -265,7 +266,7 @@ class WandbConfig:
 @dataclass
 class MlflowConfig:
     enabled: bool = False
-    """Log to MLflow as well (pip install 'molt-wb[mlflow]')."""
+    """Log to MLflow as well (the mlflow extra: pip install -e '.[mlflow]')."""
     tracking_uri: str | None = None
     """MLflow tracking URI; unset = sqlite:///<run.root>/mlflow.db."""
     experiment: str = "molt-wb"
@@ -706,10 +707,10 @@ def _refuse_missing_code(cfg):
     lora = cfg.model.lora.rank
     # engine names are known by now: torch or vllm
     vllm = cfg.engine.name == "vllm"
-    _need(
-        not lora or _imports("peft"),
-        "model.lora.rank needs peft: run `pip install 'molt-wb[lora]'`.",
-    )
+    # each optional extra is imported only where its feature is on (workbench/extras.py)
+    _need(not lora or not missing("lora"), needs(f"model.lora.rank={lora}", "lora"))
+    mlflow = cfg.tracking.mlflow.enabled
+    _need(not mlflow or not missing("mlflow"), needs("tracking.mlflow.enabled=true", "mlflow"))
     # a vLLM request keeps the LoRARequest it was added with; adapters on a sharded learner are
     # not built yet
     _need(

@@ -466,9 +466,9 @@ def test_inspect_command_errors_are_one_sentence(made_run, monkeypatch):
         and f"No run '{run_id[:-1]}x' under {root}/. Close matches: {run_id}" in result.output
     )
     # as if textual were not installed
-    monkeypatch.setitem(__import__("sys").modules, "workbench.tui.app", None)
+    monkeypatch.setitem(__import__("sys").modules, "textual", None)
     result = CliRunner().invoke(cli.app, ["inspect", "--root", root])
-    assert result.exit_code == 2 and "pip install 'molt-wb[tui]'" in result.output
+    assert result.exit_code == 2 and "pip install -e '.[tui]'" in result.output
 
 
 @pytest.mark.parametrize(

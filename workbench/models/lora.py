@@ -28,11 +28,12 @@ def peft_config(lora):
 def with_adapter(model, lora):
     """`model` with a fresh adapter of `model.lora` (seed 0: every process builds the same one),
     or as it is when LoRA is off or the model came with its adapter (a checkpoint's folder)."""
+    if not lora.rank or getattr(model, "_hf_peft_config_loaded", False):
+        return model
+    # peft is the lora extra's: a run without LoRA never imports it (workbench/extras.py)
     import peft
     import torch
 
-    if not lora.rank or getattr(model, "_hf_peft_config_loaded", False):
-        return model
     with torch.random.fork_rng():
         torch.manual_seed(0)
         return peft.get_peft_model(model, peft_config(lora))

@@ -5,6 +5,8 @@ import os
 import time
 from collections.abc import Mapping
 
+from workbench.extras import needs
+
 # mlflow >= 3 fetches a telemetry config over HTTP when imported; only this variable stops it.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 try:
@@ -12,10 +14,8 @@ try:
     from mlflow.tracking import MlflowClient
     from mlflow.utils import validation as limits
 except ImportError as error:
-    raise RuntimeError(
-        "tracking.mlflow.enabled is true but mlflow is not installed; "
-        "run pip install 'molt-wb[mlflow]' or set tracking.mlflow.enabled=false."
-    ) from error
+    # config validation refuses this first, before anything starts
+    raise RuntimeError(needs("tracking.mlflow.enabled=true", "mlflow")) from error
 
 RUN_STATUSES = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
 

@@ -1,0 +1,45 @@
+"""The optional extras of pyproject.toml: the modules each brings, whether they import here, and the
+one sentence that refuses a feature switched on without its extra.
+
+A bare `pip install -e .` trains, lists runs, compares them and runs `doctor`; each extra adds one
+feature, and no module imports an extra's package unless that feature is on. Config validation
+(`config.validate`) and the commands that need an extra (`inspect`, `tune`, `compare --plot`) ask
+here before they start anything.
+"""
+
+import importlib.util
+
+# extra (pyproject.toml's [project.optional-dependencies]) -> the top-level modules it installs
+# that molt-wb imports; `bench`'s psutil is left out: Ray ships its own copy on every install
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "lora": ("peft",),
+    "mlflow": ("mlflow", "sqlalchemy", "alembic"),
+    "plot": ("matplotlib",),
+    "tui": ("textual", "textual_plotext", "textual_image"),
+    "tune": ("optuna",),
+    "vllm": ("vllm",),
+    "bench": ("trl",),
+}
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        # a parent package that is absent, or a module whose __spec__ is unset
+        return False
+
+
+def missing(extra: str) -> list[str]:
+    """The modules of `extra` that do not import in this environment (none: the extra is here)."""
+    return [module for module in EXTRAS[extra] if not _importable(module)]
+
+
+def install(extra: str) -> str:
+    """The command that installs `extra` into a clone's environment."""
+    return f"pip install -e '.[{extra}]'"
+
+
+def needs(feature: str, extra: str) -> str:
+    """The one sentence that refuses `feature` without `extra`."""
+    return f"{feature} needs the {extra} extra: {install(extra)}."
