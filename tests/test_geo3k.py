@@ -23,6 +23,7 @@ from openai import BadRequestError, OpenAI
 from PIL import Image
 from transformers import AutoTokenizer
 
+from workbench import nonfinite
 from workbench.algo.losses import token_logprobs
 from workbench.api import geo3k_reward, load_plugin
 from workbench.config import compose_config
@@ -339,6 +340,8 @@ def test_geo3k_recipe_runs_end_to_end(tmp_path, plugin):
     assert max(len(spans) for _, spans, _, _ in rows) >= 2
     assert all(0.0 <= reward <= 1.0 for *_, reward, _ in rows)
     assert db.execute("select max(reward) from segments").fetchone()[0] > 0
+    # every stored metric and per-token float is finite (entropy and the mismatch were NaN)
+    assert nonfinite.scan(db) == {}
 
 
 def test_vision_markers_get_no_probability_in_any_forward(tmp_path):

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from workbench import nonfinite
 from workbench.store import open_run
 
 
@@ -46,3 +47,5 @@ def test_geo3k_recipe_reward_rises_and_right_answers_double(tmp_path):
         f"avg((reward >= 0.9)::int) filter (where step >= {steps - 5}) from segments"
     ).fetchone()
     assert right[1] >= 2 * right[0] and right[1] > 0, right
+    # every stored metric and per-token float is finite (entropy and the mismatch were NaN)
+    assert nonfinite.scan(db) == {}

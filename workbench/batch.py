@@ -129,7 +129,10 @@ def batch_metrics(
     it, the mean entropy of its sampled tokens."""
     mask = batch["loss_mask"]
     sampled = mask.sum(-1).float()
-    abs_logprob_diff = (old_logprob - batch["behavior_logprob"]).abs() * mask
+    # only where the mask is set: a prompt's vision marker has a log-prob of -inf (-inf * 0 is NaN)
+    abs_logprob_diff = torch.where(
+        mask.bool(), (old_logprob - batch["behavior_logprob"]).abs(), 0.0
+    )
     metrics = {
         "reward/mean": float(batch["rewards"].mean()),
         "reward/std": float(batch["rewards"].std(correction=0)),

@@ -231,6 +231,11 @@ class TrainerConfig:
     max_restarts: int = 3
     """Times a run whose learner or store process died starts again from its latest checkpoint
     by itself (each one a row of the `recoveries` view); 0: it stops, failed and resumable."""
+    nonfinite: str = "stop"
+    """What a NaN or infinite loss or gradient norm (loss/policy, loss/grad_norm) does: stop (the
+    run stops at that step, failed and resumable) | warn (counted in audit/nonfinite, the run goes
+    on). A non-finite measurement (any other metric, a per-token column) is always counted and
+    warned about, never stops the run."""
 
 
 @dataclass
@@ -644,6 +649,10 @@ def _refuse_out_of_range(cfg):
         "trainer.checkpoint_every must be 0 (off) or more and trainer.keep_checkpoints at least 1.",
     )
     _need(trainer.max_restarts >= 0, "trainer.max_restarts must be 0 (never) or more.")
+    _need(
+        trainer.nonfinite in ("warn", "stop"),
+        f"trainer.nonfinite={trainer.nonfinite!r} must be warn or stop.",
+    )
     _need(cfg.ray.learner_workers >= 1, "ray.learner_workers must be at least 1.")
     _need(cfg.ray.weight_bucket_mb >= 1, "ray.weight_bucket_mb must be at least 1.")
     _need(cfg.model.lora.rank >= 0, "model.lora.rank must be 0 (off) or more.")

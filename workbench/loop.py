@@ -2,7 +2,16 @@
 flows one way (rollout -> learner -> store); only weights and their version flow back, to rollouts
 up to `trainer.async_depth` versions behind (window.py; the version gate corrects for it)."""
 
-from workbench import checkpoint, cluster, evaluate, faults, model_paths, recovery, run_folder
+from workbench import (
+    checkpoint,
+    cluster,
+    evaluate,
+    faults,
+    model_paths,
+    nonfinite,
+    recovery,
+    run_folder,
+)
 from workbench.data import Prompts
 from workbench.progress import Progress
 from workbench.window import Trailing, Window
@@ -31,6 +40,7 @@ def _run(cfg):
         def log(step, metrics, rows, segments, weights):
             # ---- log: the single writer stores segments, tokens, gate decisions and metrics
             store.write_step.remote(step, metrics, rows, *segments)
+            nonfinite.stop_at(cfg, step, metrics)  # a NaN loss: before a checkpoint keeps it
             checkpoint.maybe_save(cfg, run_dir, step, learner, store, window.data_state())
             progress.update(metrics)
             evaluate.at_step(cfg, workers, store, step, weights)  # ---- every eval.every steps

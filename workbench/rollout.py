@@ -17,6 +17,8 @@ import copy
 import functools
 import hashlib
 import inspect
+import math
+import numbers
 import threading
 import traceback
 from collections import OrderedDict
@@ -190,6 +192,7 @@ class RolloutWorker:
             runner = f"{self.plugin.AgentRunner.__name__}.run"
             turns = sum(len(piece.turn_spans) for piece in pieces)
             counted = isinstance(result, Result) and result.turn_rewards is not None
+            result = finite_reward(result, runner)
             if counted and len(result.turn_rewards) != turns:
                 result = ValueError(
                     f"{runner} returned {len(result.turn_rewards)} turn_rewards for {turns} "
@@ -270,7 +273,9 @@ class RolloutWorker:
                 [episodes[i].open.images for i in open_],
             )
             texts = [reply_text(self.tokenizer, g.token_ids, g.finish_reason) for g in generations]
-            results = self._steps([envs[i] for i in open_], texts)
+            results = [
+                finite_reward(r, "Env.step") for r in self._steps([envs[i] for i in open_], texts)
+            ]
             still_open = []
             for i, generation, text, result in zip(open_, generations, texts, results, strict=True):
                 if not isinstance(result, Result):
@@ -382,6 +387,19 @@ def _episode_error(result, call: str):
     if isinstance(result, BaseException):
         return result
     return TypeError(f"{call} returned {type(result).__name__}, not a Result")
+
+
+def finite_reward(result: Result | BaseException, where: str) -> Result | BaseException:
+    """`result`, or the ValueError of a reward (or turn reward) that is NaN or infinite: that
+    episode fails, and no NaN reaches the advantages and the loss."""
+    if not isinstance(result, Result):
+        return result
+    for reward in [result.reward, *(result.turn_rewards or [])]:
+        if not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+            return ValueError(
+                f"{where} returned the reward {reward}: a reward must be a finite number."
+            )
+    return result
 
 
 def _caught(function, *args):

@@ -5,6 +5,7 @@ curve, the three invariants' figures and where the time went, read back from the
 import time
 from collections import defaultdict
 
+from workbench import nonfinite
 from workbench.store.query import REWARD_CURVE, open_run, resolve_run, run_row
 
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -21,6 +22,7 @@ def figures(run_id, root="runs"):
     # a metric a run never logged reads 0
     sums = defaultdict(float)
     means = defaultdict(float)
+    nonfinite_rows = []
     # a run stopped before its first step has no metrics yet
     if (folder / "metrics").is_dir():
         db = open_run(folder.name, root)
@@ -30,8 +32,17 @@ def figures(run_id, root="runs"):
         ).fetchall():
             sums[key] = total
             means[key] = mean
+        nonfinite_rows = db.execute(nonfinite.FIRST_STEPS).fetchall()
     wall = run.get("updated", time.time()) - run["created"]
-    return dict(run=run, folder=str(folder), rewards=rewards, sums=sums, means=means, wall_s=wall)
+    return dict(
+        run=run,
+        folder=str(folder),
+        rewards=rewards,
+        sums=sums,
+        means=means,
+        wall_s=wall,
+        nonfinite=nonfinite_rows,
+    )
 
 
 def sparkline(values, width=50):
@@ -70,6 +81,7 @@ def render(numbers, root="runs"):
         f"identity   {sums['identity/violations']:.0f} violations, "
         f"retokenize drift {means['identity/retokenize_drift']:.4f}",
         f"gate       kept {means['gate/kept_frac']:.3f}, mismatch KL {means['mismatch/kl']:.2e}",
+        nonfinite.summary_line(numbers.get("nonfinite", [])),
     ]
     if "routing/mismatch_token_frac" in means:
         lines.append(

@@ -59,10 +59,17 @@ def token_logprobs_entropy(
 
 def logits_entropy(scaled: Tensor, normaliser: Tensor):
     """Entropy [...] of softmax(scaled) over the last dimension, given its logsumexp `normaliser`
-    [...]: logsumexp(s) − Σ softmax(s)·s, with softmax(s) the one more full-vocabulary tensor."""
+    [...]: logsumexp(s) − Σ softmax(s)·s, with softmax(s) the one more full-vocabulary tensor.
+
+    An id whose logit is −inf (one the model bans, such as a vision marker) has probability 0 and
+    adds 0 (0·log 0 = 0), not 0·(−inf) = NaN."""
     probs = (scaled - normaliser.unsqueeze(-1)).exp()  # [..., V]
     # a batched dot product: no third full-vocabulary tensor for probs * scaled
-    return normaliser - torch.einsum("...v,...v->...", probs, scaled)
+    dot = torch.einsum("...v,...v->...", probs, scaled)
+    if dot.isnan().any():
+        # only where some logit is -inf: that term is set to 0, its gradient with it
+        dot = torch.einsum("...v,...v->...", probs, scaled.masked_fill(scaled.isneginf(), 0.0))
+    return normaliser - dot
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None):

@@ -7,6 +7,7 @@ waiting, and it runs its calls in order, so a checkpoint's shard marks follow th
 
 import time
 
+from workbench import nonfinite
 from workbench.store.schema import EVAL, FAILED_EPISODES, METRICS, rows_table, step_tables
 from workbench.store.writer import RunWriter
 from workbench.tracking import make_sinks
@@ -35,6 +36,8 @@ class StoreActor:
             cfg.tracking, run_dir, cfg.run.id, run_row["config"], group=cfg.run.sweep_id
         )
         self.cpu_mark = time.process_time()
+        # the keys that held a non-finite value so far: each is warned about once
+        self.nonfinite_keys = set()
 
     def write_step(self, step, metrics, rows, *worker_segments):
         # perf/store_cpu_s: this process's CPU seconds (every thread) since the last step's: taking
@@ -45,7 +48,14 @@ class StoreActor:
         self.cpu_mark = cpu_mark
         segments = [s for batch in worker_segments for s in batch]
         self.writer.save_images([image for s in segments for image in s.images])
-        self._append(step_tables(self.run_id, step, rows["learner_version"], segments, rows))
+        tables = step_tables(self.run_id, step, rows["learner_version"], segments, rows)
+        # no silent NaN: every metric and float column counted as it is written
+        counts = nonfinite.count(metrics, tables)
+        metrics = metrics | nonfinite.audit_metrics(counts)
+        for key in counts.keys() - self.nonfinite_keys:
+            print(nonfinite.warning(step, key, counts[key]), flush=True)
+        self.nonfinite_keys |= counts.keys()
+        self._append(tables)
         self.log(step, metrics)
         self.writer.update_run(
             at_flush=True,

@@ -164,6 +164,14 @@ TABLES = {
 }
 
 
+def learner_logprobs(pieces: list[np.ndarray], loss_mask: np.ndarray) -> pa.Array:
+    """The learner's log-prob of every token; NULL for a prompt token the model bans (a vision
+    marker, whose logit is -inf in every forward): no distribution gives it mass, and -inf is kept
+    where a sampled token has it."""
+    logprobs = np.concatenate(pieces)
+    return pa.array(logprobs, mask=np.isneginf(logprobs) & (loss_mask == 0))
+
+
 def step_tables(run_id, step, learner_version, segments, train):
     """Segment and token rows of one consumed batch.
 
@@ -206,7 +214,7 @@ def step_tables(run_id, step, learner_version, segments, train):
         "segment_idx": np.repeat(each("segment_idx"), lengths).astype(np.int32),
         "position": np.concatenate([np.arange(n, dtype=np.int32) for n in lengths]),
         "token_id": np.concatenate(each("token_ids")),
-        "train_logprob": np.concatenate(train["train_logprob"]),
+        "train_logprob": learner_logprobs(train["train_logprob"], token_rows["loss_mask"]),
         "is_weight": np.concatenate(train["is_weight"]),
         "advantage": np.repeat(train["advantage"], lengths),
         "entropy": pa.nulls(total, pa.float32()),

@@ -13,6 +13,7 @@ from pathlib import Path
 import duckdb
 
 from workbench.models.tiny import tiny_model_path
+from workbench.nonfinite import FIRST_STEPS
 from workbench.store.query import resolve_run, run_row
 from workbench.store.schema import TABLES
 
@@ -134,6 +135,8 @@ class RunData:
             )
         )
         rewards = [value for _, value in self.series("reward/mean")]
+        # every key that held a NaN or inf, and the step it started at (workbench/nonfinite.py)
+        nonfinite = [f"{key} from step {first}" for key, first, *_ in self.rows(FIRST_STEPS)]
         return {
             "status": self.run.get("status"),
             "steps": f"{self.run.get('steps_done', 0)}/{self.run.get('steps', '?')}",
@@ -141,6 +144,7 @@ class RunData:
             "reward (last)": rewards[-1] if rewards else None,
             "reward (best)": max(rewards, default=None),
             **stats,
+            "non-finite": ", ".join(nonfinite) or "none",
         }
 
     # ---- segments
