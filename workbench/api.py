@@ -1,6 +1,7 @@
 """The agent contract: the only module a plugin imports.
 
-A plugin (`plugins/NAME.py`, a dotted module, or a file path) exports `AgentRunner`, either
+A plugin (a shipped `plugins/NAME.py`, a name registered in the `molt_wb.plugins` entry-point
+group, a dotted module or a file path: workbench/locate.py) exports `AgentRunner`, either
 
 - an `Env`: the framework owns the LLM loop, calling `reset(sample)` for the first observation and
   then `step(action)` with each decoded reply until the episode terminates or the turn budget runs
@@ -15,14 +16,11 @@ RL when a tiny random model would otherwise never earn a reward, or a list of tu
 plugin names the Env plugin whose demonstrations it shares as `WARM_START_AS`.
 """
 
-import importlib
-import importlib.util
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 # Tools and graders for plugins, re-exported so that plugins import only this module.
 from workbench.grading import extract_answer, format_ok, geo3k_reward, grade, is_equivalent
+from workbench.locate import PLUGIN_PACKAGE, load_plugin, shipped_folder
 from workbench.sandbox import SandboxResult, run_python
 
 __all__ = [
@@ -41,7 +39,8 @@ __all__ = [
     "run_python",
 ]
 
-PLUGIN_DIR = Path(__file__).resolve().parent.parent / "plugins"
+# the shipped plugins: the repository's plugins/, installed as the package workbench.plugins
+PLUGIN_DIR = shipped_folder(PLUGIN_PACKAGE)
 
 
 @dataclass
@@ -107,29 +106,3 @@ class ChatAgent:
 
     def run(self, ctx: ChatContext):
         raise NotImplementedError
-
-
-def load_plugin(spec: str):
-    """Import a plugin by name (plugins/NAME.py), dotted module path, or .py file path."""
-    path = Path(spec) if spec.endswith(".py") else PLUGIN_DIR / f"{spec}.py"
-    if path.exists():
-        name = f"molt_wb_plugin_{path.stem}"
-        if name not in sys.modules:
-            loader = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(loader)
-            sys.modules[name] = module
-            loader.loader.exec_module(module)
-        module = sys.modules[name]
-    else:
-        try:
-            module = importlib.import_module(spec)
-        except ModuleNotFoundError:
-            raise ValueError(
-                f"Agent plugin {spec!r} was not found: give agent.plugin as a name in plugins/, "
-                f"a dotted module path or a .py file."
-            ) from None
-    if not hasattr(module, "AgentRunner"):
-        raise ValueError(
-            f"Agent plugin {spec!r} does not export AgentRunner: add `AgentRunner = YourEnv`."
-        )
-    return module

