@@ -3,6 +3,7 @@
 
 import subprocess
 import sys
+from collections import defaultdict
 
 import pytest
 
@@ -25,6 +26,10 @@ def molt_wb(*args) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "workbench.cli", *args], capture_output=True, text=True, timeout=600
     )
+
+
+# what a run does before its first step (progress.StartClock)
+STARTUP = ("model_build", "warm_start", "actor_start")
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +101,63 @@ def test_the_summary_shows_curve_invariants_time_folder_and_inspect_command(run)
         f"molt-wb inspect summed --root {root}",
     ):
         assert shown in text
-    # overhead: the wall time outside rollout and train
+    # other: the wall time outside the start's phases, rollout and train
     train = numbers["sums"]["perf/train_s"]
-    assert f"overhead {numbers['wall_s'] - rollout - train:.1f} s" in text
+    start = sum(numbers["sums"][f"perf/{phase}_s"] for phase in STARTUP)
+    assert f"other {numbers['wall_s'] - start - rollout - train:.1f} s" in text
     # printed at the end of `molt-wb train` and by `molt-wb runs RUN_ID` (a prefix is enough)
     assert text in train_output
     listed = molt_wb("runs", "summ", "--root", root)
     assert listed.returncode == 0 and text.splitlines()[1] in listed.stdout
+
+
+def numbers_of(wall_s: float, **seconds: float) -> dict:
+    """A finished run's summary figures: `wall_s` and the sum of each `perf/<phase>_s`."""
+    sums = defaultdict(float, {f"perf/{phase}_s": value for phase, value in seconds.items()})
+    run = {"run_id": "r", "status": "finished", "steps_done": 2, "steps": 2}
+    return dict(
+        run=run, folder="runs/r", rewards=[], sums=sums, means=defaultdict(float), wall_s=wall_s
+    )
+
+
+@pytest.mark.parametrize(
+    "seconds, line",
+    [
+        # an empty model cache: the model is built and warm-started before the first step
+        (
+            dict(model_build=120, warm_start=110, actor_start=14, rollout=52.7, train=37.3),
+            "time       model build 120.0 s (36%), warm start 110.0 s (33%), actor start 14.0 s "
+            "(4%), rollout 52.7 s (16%), train 37.3 s (11%), other 2.7 s (1%)",
+        ),
+        # both cached by an earlier run: not shown
+        (
+            dict(model_build=0.01, warm_start=0.02, actor_start=14, rollout=152.7, train=167.3),
+            "time       actor start 14.0 s (4%), rollout 152.7 s (45%), train 167.3 s (50%), "
+            "other 2.7 s (1%)",
+        ),
+    ],
+)
+def test_the_time_line_names_the_model_build_warm_start_and_actor_start(seconds, line):
+    text = render(numbers_of(336.7, **seconds))
+    assert line in text.splitlines()
+
+
+def test_the_first_step_carries_the_start_phases_and_no_other_step_does(run):
+    root, _ = run
+    db = open_run("summed", root)
+    keys = ", ".join(f"'perf/{phase}_s'" for phase in STARTUP)
+    carried = db.execute(
+        f"select key, step, value from metrics where key in ({keys}) order by key"
+    ).fetchall()
+    # (model.warm_start_steps=0: no warm start)
+    assert [(key, step) for key, step, _ in carried] == [
+        ("perf/actor_start_s", 0),
+        ("perf/model_build_s", 0),
+    ]
+    # Ray and its actors, each loading the policy, take time; the model was cached by conftest
+    seconds = {key: value for key, _, value in carried}
+    assert seconds["perf/actor_start_s"] > 0
+    assert figures("summed", root)["sums"]["perf/actor_start_s"] == seconds["perf/actor_start_s"]
 
 
 def test_runs_refuses_an_unknown_run_in_one_sentence(run):

@@ -13,7 +13,7 @@ from workbench import (
     run_folder,
 )
 from workbench.data import Prompts
-from workbench.progress import Progress
+from workbench.progress import Progress, StartClock
 from workbench.window import Trailing, Window
 
 
@@ -25,12 +25,14 @@ def train(cfg):
 def _run(cfg):
     import ray
 
+    startup = StartClock()  # the first step's perf/model_build_s, warm_start_s, actor_start_s
     prompts = Prompts(cfg)  # bad data fails first
     run_dir, run_row = run_folder.start_run(cfg)  # resuming: cut back to its checkpoint
     cfg = run_folder.plain(cfg)  # final from here on
-    model_path = model_paths.policy_path(cfg)
-    cluster.init_ray(cfg)
-    store, learner, workers = cluster.start_actors(cfg, model_path, run_dir, run_row)
+    model_path = model_paths.policy_path(cfg, startup)
+    with startup.timed("actor_start"):  # Ray, then its actors, each loading the policy
+        cluster.init_ray(cfg)
+        store, learner, workers = cluster.start_actors(cfg, model_path, run_dir, run_row)
     progress = Progress(cfg)
     status = "failed"
     try:
@@ -39,7 +41,7 @@ def _run(cfg):
 
         def log(step, metrics, rows, segments, weights):
             # ---- log: the single writer stores segments, tokens, gate decisions and metrics
-            store.write_step.remote(step, metrics, rows, *segments)
+            store.write_step.remote(step, startup.into(metrics), rows, *segments)
             nonfinite.stop_at(cfg, step, metrics)  # a NaN loss: before a checkpoint keeps it
             checkpoint.maybe_save(cfg, run_dir, step, learner, store, window.data_state())
             progress.update(metrics)

@@ -8,17 +8,18 @@ from workbench.algo.advantages import ADVANTAGES
 from workbench.api import load_plugin
 from workbench.checkpoint import latest
 from workbench.models.tiny import tiny_model_path
+from workbench.progress import StartClock
 
 
-def policy_path(cfg):
+def policy_path(cfg, clock: StartClock | None = None):
     """The checkpoint every actor loads: a resumed run's latest, model.path, or the tiny model
-    (warm-started if the recipe says so)."""
+    (warm-started if the recipe says so; the seconds of each on `clock`)."""
     # a LoRA run resumes on its base: the checkpoint holds the adapter (models/lora.py)
     if cfg.run.resume and not cfg.model.lora.rank:
         return str(latest(Path(cfg.run.root) / cfg.run.id) / "policy")
     if cfg.model.path:
         return str(cfg.model.path)
-    return warm_started(cfg, cfg.model.warm_start_steps)
+    return warm_started(cfg, cfg.model.warm_start_steps, clock)
 
 
 def teacher_path(cfg):
@@ -30,12 +31,15 @@ def teacher_path(cfg):
     return cfg.algo.teacher_path or warm_started(cfg, cfg.algo.teacher_warm_start_steps)
 
 
-def warm_started(cfg, steps):
-    """The tiny model `model.name` after `steps` warm-start steps on the plugin (0: as built)."""
+def warm_started(cfg, steps, clock: StartClock | None = None):
+    """The tiny model `model.name` after `steps` warm-start steps on the plugin (0: as built); the
+    seconds of its build and its warm start on `clock` (each about 0 once cached)."""
     # torch: imported only where a warm start may be built
     from workbench.sft import warm_started_path
 
-    path = tiny_model_path(cfg.model.name)
+    clock = clock or StartClock()
+    with clock.timed("model_build"):
+        path = tiny_model_path(cfg.model.name)
     if not steps:
         return str(path)
     plugin = load_plugin(cfg.agent.plugin)
@@ -43,8 +47,9 @@ def warm_started(cfg, steps):
     plugin = getattr(plugin, "WARM_START_AS", plugin)
     source = Path(plugin.__file__).read_text()
     model = cfg.model
-    return str(
-        warm_started_path(
-            path, plugin, source, steps, model.warm_start_lr, cfg.seed, model.warm_start_batch
+    with clock.timed("warm_start"):
+        return str(
+            warm_started_path(
+                path, plugin, source, steps, model.warm_start_lr, cfg.seed, model.warm_start_batch
+            )
         )
-    )

@@ -6,6 +6,7 @@ import contextlib
 import math
 import sys
 import time
+from collections.abc import Iterator
 
 from rich.console import Console
 from rich.progress import (
@@ -18,6 +19,36 @@ from rich.progress import (
 from rich.progress import Progress as Bar
 
 
+@contextlib.contextmanager
+def timed(phases: dict[str, float], phase: str) -> Iterator[None]:
+    """The seconds its block takes, added to `phases[phase]`."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        phases[phase] = phases.get(phase, 0.0) + time.perf_counter() - start
+
+
+class StartClock:
+    """Wall time of a run's start before its first step: `model_build` (the tiny model, built
+    once), `warm_start` (its supervised steps, once), `actor_start` (Ray and its actors, each
+    loading the policy). The first logged step carries them as `perf/<phase>_s` metrics, which the
+    summary names; a phase cached by an earlier run takes about 0 s."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+
+    def timed(self, phase: str) -> contextlib.AbstractContextManager:
+        """The seconds its block takes, added to the phase."""
+        return timed(self.phases, phase)
+
+    def into(self, metrics: dict) -> dict:
+        """`metrics` with the phases no step carried yet, as `perf/<phase>_s`."""
+        perf = {f"perf/{phase}_s": seconds for phase, seconds in self.phases.items()}
+        self.phases = {}
+        return metrics | perf
+
+
 class StepClock:
     """Wall time of the driver's waits in each step, as `perf/` metrics. Steps overlap (the loop
     hands the learner its next batch before it fetches a step's metrics), so `perf/step_s` runs
@@ -26,14 +57,9 @@ class StepClock:
     def __init__(self):
         self.end = time.perf_counter()
 
-    @contextlib.contextmanager
-    def timed(self, phases: dict, phase: str):
+    def timed(self, phases: dict, phase: str) -> contextlib.AbstractContextManager:
         """The seconds its block takes, added to `phases[phase]`."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            phases[phase] = phases.get(phase, 0.0) + time.perf_counter() - start
+        return timed(phases, phase)
 
     def metrics(self, metrics, phases: dict):
         now = time.perf_counter()

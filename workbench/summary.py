@@ -11,6 +11,14 @@ from workbench.store.query import REWARD_CURVE, open_run, resolve_run, run_row
 SPARKS = "▁▂▃▄▅▆▇█"
 # the first and last steps the reward rise is read over
 EDGE = 5
+# the start of a run before its first step (progress.StartClock), then each step's waits
+PHASES = {
+    "model_build": "model build",
+    "warm_start": "warm start",
+    "actor_start": "actor start",
+    "rollout": "rollout",
+    "train": "train",
+}
 
 
 def figures(run_id, root="runs"):
@@ -89,13 +97,17 @@ def render(numbers, root="runs"):
             f"KL with replay {means['mismatch/kl_replay']:.2e}, "
             f"without {means['mismatch/kl_no_replay']:.2e}"
         )
-    rollout = sums["perf/rollout_s"]
-    train = sums["perf/train_s"]
-    # start-up (Ray, model build, warm start), logging and shutdown
-    overhead = max(wall - rollout - train, 0.0)
+    spent = {}
+    for key, name in PHASES.items():
+        seconds = sums[f"perf/{key}_s"]
+        # a start-up phase cached by an earlier run took no time: not shown
+        if seconds >= 0.05 or key in ("rollout", "train"):
+            spent[name] = seconds
+    # the rest: the data, the run folder, checkpoints, logging, Ray's shutdown
+    spent["other"] = max(wall - sum(spent.values()), 0.0)
     shares = [
         f"{name} {seconds:.1f} s ({seconds / max(wall, 1e-9):.0%})"
-        for name, seconds in (("rollout", rollout), ("train", train), ("overhead", overhead))
+        for name, seconds in spent.items()
     ]
     option = f" --root {root}" if root != "runs" else ""
     lines += [
