@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pyarrow as pa
 import pytest
+from omegaconf import OmegaConf
 
 from workbench import loop
 from workbench.checkpoint import resume_config, save_learner
@@ -245,9 +246,10 @@ def test_a_dead_learner_fails_the_run_with_one_sentence_and_keeps_what_was_writt
 
     monkeypatch.setattr(Progress, "update", kill_the_learner_after_step_2)
     with pytest.raises(
-        RunFailed, match=r"^The learner process died .* molt-wb resume dead-learner$"
+        RunFailed,
+        match=rf"^The learner process died .*: molt-wb resume dead-learner --root {tmp_path}$",
     ):
-        in_process(tmp_path, "trainer.steps=30", "run.id=dead-learner")
+        in_process(tmp_path, "trainer.steps=30", "trainer.max_restarts=0", "run.id=dead-learner")
     db = open_run("dead-learner", str(tmp_path))
     assert db.execute("select status from runs").fetchone()[0] == "failed"
     assert db.execute("select count(distinct step) from segments where step < 2").fetchone()[0] == 2
@@ -259,7 +261,7 @@ def test_a_learner_step_past_trainer_timeout_s_fails_the_run_with_one_sentence(
     with pytest.raises(
         RunFailed,
         match=r"^Step 0: the learner gave no result within trainer.timeout_s=0.001 s .* "
-        r"molt-wb resume hung-learner$",
+        rf"molt-wb resume hung-learner --root {tmp_path}$",
     ):
         in_process(tmp_path, "trainer.steps=3", "trainer.timeout_s=0.001", "run.id=hung-learner")
     assert run_json(tmp_path, "hung-learner")["status"] == "failed"
@@ -365,13 +367,17 @@ def test_bad_resumes_are_refused_with_one_sentence(tmp_path):
     run = tmp_path / "r"
     run.mkdir()
     (run / "run.json").write_text(json.dumps({"run_id": "r", "status": "crashed"}))
-    with pytest.raises(ConfigError, match="has no checkpoint"):
+    with pytest.raises(ConfigError, match="has no config.yaml"):
         resume_config("r", [f"run.root={tmp_path}"])
+    saved = compose_config(["+recipe=arith", "trainer.steps=4"])
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(saved, resolve=True))
+    # no checkpoint yet: it starts again from step 0, unless it finished, which that would undo
+    assert resume_config("r", [f"run.root={tmp_path}"]).run.resume
     (run / "checkpoints" / "step-000004.tmp").mkdir(parents=True)  # half-written: not a checkpoint
-    with pytest.raises(ConfigError, match="has no checkpoint"):
+    (run / "run.json").write_text(json.dumps({"run_id": "r", "status": "finished"}))
+    with pytest.raises(ConfigError, match="finished with no checkpoint"):
         resume_config("r", [f"run.root={tmp_path}"])
     (run / "checkpoints" / "step-000004").mkdir()
-    (run / "config.yaml").write_text("trainer:\n  steps: 4\n")
     with pytest.raises(ConfigError, match="larger trainer.steps"):
         resume_config("r", [f"run.root={tmp_path}"])
     with pytest.raises(ConfigError, match="Bad override"):

@@ -135,7 +135,10 @@ def test_a_rollout_worker_that_dies_beside_the_learners_step_rejoins_without_wai
 @pytest.mark.slow
 def test_a_rollout_worker_dead_for_good_stops_the_run_at_once(tmp_path):
     path = tmp_path / "faults.jsonl"
-    overrides = collective(tmp_path, "dead", "rollout.max_restarts=0", "trainer.steps=3")
+    # nor the run from step 0 (recovery.py)
+    overrides = collective(
+        tmp_path, "dead", "rollout.max_restarts=0", "trainer.max_restarts=0", "trainer.steps=3"
+    )
     first = first_samples(overrides, 2)
     faults = rows(8)
     # step 1: worker 1 dies, and Ray may not restart it

@@ -4,7 +4,9 @@ A checkpoint is written whole under `step-NNNNNN.tmp` and renamed into place, so
 never half-written. At a checkpoint the writer flushes and records how many shards each table
 holds (its high-water marks); a resume deletes every shard past those marks before the writer
 reopens the run, so rows written after the checkpoint are dropped and written again by the resumed
-steps, with the same data, rollout ids and weight versions.
+steps, with the same data, rollout ids and weight versions. A run with no checkpoint yet resumes
+from step 0: every shard is deleted, as a fresh start with the same seed would find its folder. A
+`.tmp` folder a death left behind is never a checkpoint, and a resume deletes it.
 
     runs/<id>/checkpoints/step-NNNNNN/  NNNNNN = optimizer steps done (the learner version)
       policy/      save_pretrained of the policy + its tokenizer / processor files
@@ -20,6 +22,7 @@ import os
 import random
 import shutil
 import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +31,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from workbench.config import Config, ConfigError, validate
 from workbench.store.query import _alive, resolve_run, run_row
+from workbench.store.schema import TABLES
 from workbench.window import batches
+
+# while this file lies in a run's checkpoints/, each checkpoint write waits halfway (its state
+# written, its policy and trainer.pt not): the recovery tests and the chaos soak kill a learner
+# inside a write this way
+HOLD = "hold"
 
 
 def saved(run_dir):
@@ -71,6 +80,7 @@ def save_learner(learner, folder, driver_state):
     import torch.distributed.checkpoint as dcp
 
     dcp.save(_sharded_state(learner), checkpoint_id=Path(folder, "state"))
+    wait_while_held(folder)
     full = learner.ranks.full_state_dict(learner.model)
     if learner.ranks.rank:
         return learner.version
@@ -80,6 +90,13 @@ def save_learner(learner, folder, driver_state):
         Path(folder, "trainer.pt"),
     )
     return learner.version
+
+
+def wait_while_held(folder):
+    """Wait while a `HOLD` file lies beside the checkpoint being written into `folder`."""
+    hold = Path(folder).parent / HOLD
+    while hold.exists():
+        time.sleep(0.05)
 
 
 def save_policy(learner, folder: Path, state_dict=None):
@@ -156,29 +173,16 @@ def commit(cfg, run_dir: Path, temporary: Path, version, marks):
 
 
 def resume_config(run_id, overrides):
-    """The saved config of run `run_id` with `overrides` on top, set to resume; ConfigError says
-    why not."""
+    """The saved config of run `run_id` with `overrides` on top, set to resume from its latest
+    checkpoint, or from step 0 when it has none yet; ConfigError says why not."""
     root = next((o.split("=", 1)[1] for o in overrides if o.startswith("run.root=")), "runs")
     try:
         run_dir = resolve_run(run_id, root)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     checkpoint = latest(run_dir)
-    if checkpoint is None:
-        raise ConfigError(
-            f"Run {run_dir.name} has no checkpoint in {run_dir}/checkpoints, so it cannot be "
-            f"resumed: start a new run with trainer.checkpoint_every=N."
-        )
     row = run_row(run_dir)
-    if (
-        row.get("status") == "running"
-        and row.get("host") == socket.gethostname()
-        and _alive(row.get("pid"))
-    ):
-        raise ConfigError(
-            f"Run {run_dir.name} is still running (pid {row.get('pid')}): stop it before "
-            f"resuming it."
-        )
+    _refuse_resume(run_dir, checkpoint, row)
     try:
         cfg = saved_config(run_dir, overrides)
     except OmegaConfBaseException as error:
@@ -188,14 +192,15 @@ def resume_config(run_id, overrides):
         ) from None
     # resume continues with RL steps, which would take the supervised loss for its own
     if cfg.algo.policy_loss == "sft":
+        start = f" with model.path={checkpoint}/policy" if checkpoint else ""
         raise ConfigError(
             f"Run {run_dir.name} is a molt-wb sft run, which resume cannot continue: start a new "
-            f"one with model.path={checkpoint}/policy."
+            f"one{start}."
         )
     cfg.run.id = run_dir.name
     cfg.run.root = root
     cfg.run.resume = True
-    done = int(checkpoint.name.split("-")[1])
+    done = int(checkpoint.name.split("-")[1]) if checkpoint else 0
     if cfg.trainer.steps <= done:
         raise ConfigError(
             f"Run {run_dir.name} already has {done} of trainer.steps={cfg.trainer.steps} steps "
@@ -203,6 +208,27 @@ def resume_config(run_id, overrides):
         )
     validate(cfg)
     return cfg
+
+
+def _refuse_resume(run_dir: Path, checkpoint, row: dict):
+    """ConfigError when run `run_dir` (its latest `checkpoint` or None, its runs `row`) cannot be
+    resumed: still running, no saved config, or finished (or a serve recording) with no
+    checkpoint, which a start from step 0 would overwrite."""
+    name = run_dir.name
+    if row.get("status") == "running" and row.get("host") == socket.gethostname():
+        if _alive(row.get("pid")):
+            raise ConfigError(
+                f"Run {name} is still running (pid {row.get('pid')}): stop it before resuming it."
+            )
+    if not (run_dir / "config.yaml").exists():
+        raise ConfigError(
+            f"Run {name} has no config.yaml in {run_dir}, so it cannot be resumed: start a new run."
+        )
+    if checkpoint is None and (row.get("status") == "finished" or row.get("recipe") == "serve"):
+        raise ConfigError(
+            f"Run {name} finished with no checkpoint in {run_dir}/checkpoints, so there is no "
+            f"step to continue from: start a new run with trainer.checkpoint_every=N."
+        )
 
 
 def saved_config(run_dir: Path, overrides):
@@ -215,32 +241,39 @@ def saved_config(run_dir: Path, overrides):
 
 
 def reopen(run_dir: Path):
-    """Cut the run folder back to its latest checkpoint (shards past the writer's marks deleted);
-    its runs row, as of that checkpoint."""
+    """Cut the run folder back to its latest checkpoint (shards past the writer's marks deleted;
+    every shard when it has none yet) and drop the checkpoint writes a death cut short; its runs
+    row, as of that checkpoint."""
     checkpoint = latest(run_dir)
-    marks = json.loads((checkpoint / "writer.json").read_text())
+    # no checkpoint yet: the run starts again from step 0, as a fresh start finds its folder
+    marks = dict.fromkeys(TABLES, 0)
+    if checkpoint:
+        marks = json.loads((checkpoint / "writer.json").read_text())
     for table, count in marks.items():
         for shard in Path(run_dir, table).glob("*part-*"):
             if shard.name.startswith(".") or int(shard.name[5:11]) >= count:
                 shard.unlink()
+    # a write killed before its rename is never a checkpoint
+    for partial in Path(run_dir, "checkpoints").glob("step-*.tmp"):
+        shutil.rmtree(partial)
     row = run_row(run_dir)
     return row | {
-        "steps_done": int(checkpoint.name.split("-")[1]),
+        "steps_done": int(checkpoint.name.split("-")[1]) if checkpoint else 0,
         "resumes": row.get("resumes", 0) + 1,
-        "resumed_from": checkpoint.name,
+        "resumed_from": checkpoint.name if checkpoint else None,
     }
 
 
 def restore(cfg, run_dir: Path, learner, workers, prompts):
-    """The first loop step to run: 0 for a new run; for a resumed one, the step after its
-    checkpoint, with the learner's optimizer, version and RNG, the engines' weights and version,
-    and the data position restored."""
+    """The first loop step to run: 0 for a new run or one resumed before its first checkpoint;
+    for a resumed one, the step after its checkpoint, with the learner's optimizer, version and
+    RNG, the engines' weights and version, and the data position restored."""
     import ray
     import torch
 
-    if not cfg.run.resume:
+    checkpoint = cfg.run.resume and latest(run_dir)
+    if not checkpoint:
         return 0
-    checkpoint = latest(run_dir)
     state = torch.load(checkpoint / "trainer.pt", weights_only=False, mmap=True)
     ray.get(learner.load_checkpoint.remote(str(checkpoint)))
     weights = learner.weights.remote()

@@ -37,7 +37,9 @@ app = typer.Typer(
     help="molt-wb: a research workbench for agentic RL on language models.",
 )
 # the --root of every command that reads run folders
-ROOT = typer.Option("runs", help="Folder of run folders (run.root).")
+ROOT = typer.Option("runs", help="Folder of run folders (run.root); run.root=DIR works alike.")
+# train's and resume's: run.root=DIR, as the config has it, unless given
+RUN_ROOT = typer.Option(None, "--root", help="Folder of run folders: the same as run.root=DIR.")
 # a command whose extra arguments are Hydra overrides
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 # the user's config folders, searched before the shipped conf/ (theirs win a name clash)
@@ -58,6 +60,15 @@ def fail(message, code=2):
     raise typer.Exit(code)
 
 
+class RunFolders(typer.core.TyperCommand):
+    """A command that reads run folders: `run.root=DIR` is its `--root DIR`, so one way to name
+    the folder works on every command (train and resume take both as well)."""
+
+    def parse_args(self, ctx, args):
+        args = [f"--root={a.split('=', 1)[1]}" if a.startswith("run.root=") else a for a in args]
+        return super().parse_args(ctx, args)
+
+
 @contextlib.contextmanager
 def user_errors():
     """A mistake the user can fix (a ValueError: a ConfigError, an unknown run, ...) ends the
@@ -69,7 +80,7 @@ def user_errors():
 
 
 @app.command(context_settings=OVERRIDES)
-def train(ctx: typer.Context, config_dir: list[str] = CONFIG_DIR):
+def train(ctx: typer.Context, config_dir: list[str] = CONFIG_DIR, root: str | None = RUN_ROOT):
     """Train a policy. Arguments are Hydra overrides: `+recipe=arith trainer.steps=10
     engine.temperature=0.9`.
 
@@ -85,6 +96,8 @@ def train(ctx: typer.Context, config_dir: list[str] = CONFIG_DIR):
 
     overrides = [a for a in ctx.args if a not in ("-m", "--multirun")]
     multirun = len(overrides) != len(ctx.args)
+    if root:
+        overrides.append(f"run.root={root}")
     resume = [a.split("=", 1)[1] for a in overrides if a.startswith("resume=")]
     with user_errors():
         if resume:
@@ -145,7 +158,9 @@ def train(ctx: typer.Context, config_dir: list[str] = CONFIG_DIR):
     except KeyboardInterrupt:
         hint = ""
         if len(configs) == 1 and configs[0].run.id:
-            hint = f" Continue it with: molt-wb resume {configs[0].run.id}"
+            from workbench.recovery import resume_command
+
+            hint = f" Continue it with: {resume_command(configs[0])}"
         typer.echo(f"interrupted; what was written is kept.{hint}", err=True)
         raise typer.Exit(130) from None
     if multirun:
@@ -185,16 +200,17 @@ def sft(
 def resume(
     ctx: typer.Context,
     run_id: str = typer.Argument(..., help="The run (a unique prefix of its id)."),
+    root: str | None = RUN_ROOT,
 ):
     """Continue a run from its latest checkpoint, with its saved config: same run id, versions and
-    data continue.
+    data continue; a run with no checkpoint yet starts again from step 0 in its folder.
 
     Extra arguments are key=value overrides on the saved config (`trainer.steps=200` extends a
-    run; `run.root=DIR` finds it). Rows written after that checkpoint are dropped and written
-    again.
+    run); `--root DIR` or `run.root=DIR` finds it. Rows written after that checkpoint are dropped
+    and written again.
     """
     ctx.args = [f"resume={run_id}", *ctx.args]
-    train(ctx)
+    train(ctx, root=root)
 
 
 @app.command(context_settings=OVERRIDES)
@@ -266,7 +282,7 @@ def serve(
     typer.echo(f"run {cfg.run.id} saved: {os.path.join(cfg.run.root, cfg.run.id)}", err=True)
 
 
-@app.command()
+@app.command(cls=RunFolders)
 def runs(
     run_id: str | None = typer.Argument(
         None, help="A run id or a unique prefix: print its summary instead of the list."
@@ -289,7 +305,7 @@ def runs(
     console().print(table)
 
 
-@app.command("sweeps")
+@app.command("sweeps", cls=RunFolders)
 def list_sweeps(root: str = ROOT):
     """List sweeps: id, runs, finished, failed, swept keys, created."""
     from workbench.store.compare import sweeps
@@ -307,7 +323,7 @@ def list_sweeps(root: str = ROOT):
     console().print(table)
 
 
-@app.command()
+@app.command(cls=RunFolders)
 def compare(
     selection: Annotated[
         list[str], typer.Argument(help="A sweep id, or run ids (unique prefixes).")
@@ -345,7 +361,7 @@ def compare(
         typer.echo(f"wrote {plot_path}", err=True)
 
 
-@app.command("eval", context_settings=OVERRIDES)
+@app.command("eval", cls=RunFolders, context_settings=OVERRIDES)
 def eval_command(
     ctx: typer.Context,
     run_id: str = typer.Argument(..., help="Run id (a unique prefix is enough)."),
@@ -373,7 +389,7 @@ def eval_command(
     )
 
 
-@app.command()
+@app.command(cls=RunFolders)
 def export(
     run_id: Annotated[str, typer.Argument(help="Run id (a unique prefix is enough).")],
     where: Annotated[
@@ -413,7 +429,7 @@ def export(
     typer.echo(f"exported {run_dir.name} at version {version} to {out}")
 
 
-@app.command()
+@app.command(cls=RunFolders)
 def inspect(
     run_id: str | None = typer.Argument(
         None, help="A run id or a unique prefix; none lists the runs."

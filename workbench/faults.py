@@ -18,35 +18,61 @@ class RunFailed(RuntimeError):
     """A fault the run cannot ride out (its learner or store died, every rollout batch lost): one
     sentence naming it and the way on; the run is marked failed and keeps what it wrote."""
 
+    # what failed, and what to change before the run goes on ("" for a failure with no way on)
+    cause = ""
+    fix = ""
 
-def run_failed(cause: str, run_id: str, fix: str = ""):
-    """`cause`, then what became of the run and how it goes on (`fix` first, when given)."""
-    return RunFailed(
-        f"{cause}: the run is marked failed and keeps every step it wrote; {fix}continue it from "
-        f"its latest checkpoint with: molt-wb resume {run_id}"
+    def advised(self, way_on: str) -> "RunFailed":
+        """This failure ending in `way_on`: the command that continues the run as its folder
+        stands once it stopped (recovery.py), in place of the default advice."""
+        return RunFailed(_sentence(self.cause, self.fix, way_on))
+
+
+def _sentence(cause: str, fix: str, way_on: str) -> str:
+    return f"{cause}: the run is marked failed and keeps every step it wrote; {fix}{way_on}"
+
+
+def run_failed(cause: str, run_id: str, fix: str = "") -> RunFailed:
+    """`cause`, then what became of the run and how it goes on (`fix` first, when given); the run's
+    supervisor replaces the default way on with one for its folder as it stands (`advised`)."""
+    failed = RunFailed(
+        _sentence(
+            cause, fix, f"continue it from its latest checkpoint with: molt-wb resume {run_id}"
+        )
     )
+    failed.cause = cause
+    failed.fix = fix
+    return failed
 
 
 class ActorDied(RunFailed):
-    """The learner's or the store's process died: a run with a checkpoint restarts from it
-    (recovery.py) before this stops it."""
+    """The learner's or the store's process died (or any actor's while the actors start): the run
+    starts again from its latest checkpoint, or from step 0 before it has one (recovery.py),
+    before this stops it."""
 
-    def __init__(self, message: str, role: str):
-        super().__init__(message)
+    def __init__(self, failed: RunFailed, role: str):
+        super().__init__(str(failed))
+        self.cause = failed.cause
+        self.fix = failed.fix
         self.role = role
 
 
-def died(error, run_id: str, store, learner):
+def died(error, run_id: str, store, learner) -> ActorDied:
     """The `RunFailed` of an actor's death (`error`, a RayActorError) the loop cannot ride out."""
     roles = {store._actor_id.hex(): "store"}
     for actor in getattr(learner, "actors", [learner]):
         roles[actor._actor_id.hex()] = "learner"
-    role = roles.get(error.actor_id, "rollout worker")
-    failed = run_failed(
-        f"The {role} process died (killed, out of memory or crashed; Ray's worker logs say which)",
-        run_id,
+    return death(roles.get(error.actor_id, "rollout worker"), run_id)
+
+
+def death(role: str, run_id: str, when: str = "") -> ActorDied:
+    """The `ActorDied` of the `role` process, which died `when` (e.g. " while the actors
+    started")."""
+    cause = (
+        f"The {role} process died{when} (killed, out of memory or crashed; Ray's worker logs say "
+        f"which)"
     )
-    return ActorDied(str(failed), role)
+    return ActorDied(run_failed(cause, run_id), role)
 
 
 def learner_timeout(step: int, cfg):

@@ -14,9 +14,11 @@ from workbench.progress import StartClock
 def policy_path(cfg, clock: StartClock | None = None):
     """The checkpoint every actor loads: a resumed run's latest, model.path, or the tiny model
     (warm-started if the recipe says so; the seconds of each on `clock`)."""
-    # a LoRA run resumes on its base: the checkpoint holds the adapter (models/lora.py)
-    if cfg.run.resume and not cfg.model.lora.rank:
-        return str(latest(Path(cfg.run.root) / cfg.run.id) / "policy")
+    # a LoRA run resumes on its base: the checkpoint holds the adapter (models/lora.py); a run
+    # resumed before its first checkpoint starts again from its first policy
+    checkpoint = cfg.run.resume and latest(Path(cfg.run.root) / cfg.run.id)
+    if checkpoint and not cfg.model.lora.rank:
+        return str(checkpoint / "policy")
     if cfg.model.path:
         return str(cfg.model.path)
     return warm_started(cfg, cfg.model.warm_start_steps, clock)

@@ -61,13 +61,17 @@ def start_run(cfg):
             "reward_mean": None,
         }
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    return run_dir, row | {
+    row = row | {
         "status": "running",
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "steps": cfg.trainer.steps,
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
+    # the row from the start: a run whose actors die before the store writes it can still be
+    # recovered (recovery.py) and resumed
+    write_json_atomic(run_dir / "run.json", row)
+    return run_dir, row
 
 
 def plain(cfg):

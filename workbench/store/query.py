@@ -100,7 +100,8 @@ def resolve_run(run_id, root="runs"):
             f"{', '.join(matches[:5])}; give more of it."
         )
     close = difflib.get_close_matches(run_id, ids, n=3, cutoff=0.3)
-    hint = " `molt-wb runs` lists them."
+    listing = "molt-wb runs" if str(root) == "runs" else f"molt-wb runs --root {root}"
+    hint = f" `{listing}` lists them."
     if close:
         hint = f" Close matches: {', '.join(close)}."
     raise ValueError(f"No run {run_id!r} under {root}/.{hint}")
