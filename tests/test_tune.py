@@ -162,6 +162,8 @@ def test_trials_are_runs_of_the_sweep_the_study_holds_their_rewards_and_a_laggar
             assert run["swept"] == {"model.warm_start_steps": "0"}
             assert value == reported[trial_id][-1][1]
             assert run["status"] == "interrupted" and run["steps_done"] < 30 and len(curve) < 30
+            # it stopped at the very step its verdict came on, however fast it ran
+            assert len(curve) == len(reported[trial_id])
 
     out = molt_wb("compare", sweep_id, "--root", str(tmp_path), "--json")
     rows = json.loads(out.stdout)

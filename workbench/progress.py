@@ -1,12 +1,15 @@
 """What a run shows while it works: progress of its long pieces of work (model build, warm start,
 RL steps) and the step clock's `perf/` metrics; a new phase timing or progress field changes here.
+
+Each logged step's metrics also go to the callables in `WATCHERS`, in the driver's process, before
+the next step is logged: `molt-wb tune`'s pruner judges a trial there (tune.py).
 """
 
 import contextlib
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from rich.console import Console
 from rich.progress import (
@@ -17,6 +20,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.progress import Progress as Bar
+
+# called with each logged step's metrics; one that raises KeyboardInterrupt stops the run as Ctrl-C
+WATCHERS: list[Callable[[dict], None]] = []
 
 
 @contextlib.contextmanager
@@ -124,6 +130,8 @@ class Progress(Task):
     def update(self, metrics):
         info = f"reward {metrics['reward/mean']:.3f}  {metrics['perf/tokens_per_s']:.0f} tok/s"
         super().update(int(metrics["train/version"]), info)
+        for watcher in WATCHERS:
+            watcher(metrics)
 
 
 @contextlib.contextmanager

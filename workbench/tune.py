@@ -3,18 +3,19 @@ tagged with the study's sweep id; how a trial is sampled, watched and scored cha
 
 The search space is written in Hydra's sweep grammar, as for `molt-wb train -m`: a list, choice()
 or range() is searched as categories, interval() as a float (int(interval(...)) an integer,
-tag(log, interval(...)) on a log scale). Each trial trains in a process of its own; the median
-pruner reads its `reward/mean` curve from the run store as it grows (averaged over the last
-`SMOOTH` steps), and a trial that falls behind is stopped as Ctrl-C stops `molt-wb train` (the run
-is kept, status interrupted). The study lives beside the runs, in `<run.root>/<sweep id>.optuna.db`,
-and `--resume` continues it.
+tag(log, interval(...)) on a log scale). Each trial trains in a process of its own, which sends
+the tuner each step's `reward/mean` as it logs the step and waits for the median pruner's verdict
+on it (averaged over the last `SMOOTH` steps): a trial that falls behind stops at that very step, as
+Ctrl-C stops `molt-wb train` (the run is kept, status interrupted). Which trial is pruned, and
+where, depends on the steps it reported, never on how fast it runs. The study lives beside the
+runs, in `<run.root>/<sweep id>.optuna.db`, and `--resume` continues it.
 """
 
 import datetime
 import multiprocessing
 import os
-import signal
 import sys
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import optuna
@@ -25,10 +26,9 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from workbench import run_folder
+from workbench import progress, run_folder
 from workbench.config import ConfigError, compose_config
 from workbench.store.compare import compare_rows
-from workbench.store.query import REWARD_CURVE, open_run
 
 SUFFIX = ".optuna.db"
 # what a trial maximises, from its `molt-wb compare` row
@@ -37,8 +37,8 @@ METRICS = {
     "final": lambda row: row["final_reward"],
     "per_second": lambda row: row["final_reward"] / row["wall_s"],
 }
-# seconds between reads of a trial's reward curve
-POLL_S = 1.0
+# the exit status of a run stopped as Ctrl-C stops it
+INTERRUPTED = 130
 # the pruner sees each step's `reward/mean` averaged over this many steps up to it: one step's
 # batch is too noisy to judge by (a trial's best single step is nearly always above the median)
 SMOOTH = 10
@@ -151,8 +151,7 @@ class Tuner:
         """Sample a point, train its run to the end or until the pruner stops it; its trial."""
         trial = self.study.ask(self.space)
         swept = {key: str(value) for key, value in trial.params.items()}
-        # frequent flushes: the pruner sees the curve a second behind the run, not five
-        overrides = ["run.flush_seconds=1", *self.fixed, *(f"{k}={v}" for k, v in swept.items())]
+        overrides = [*self.fixed, *(f"{k}={v}" for k, v in swept.items())]
         try:
             cfg = compose_config([*overrides, f"run.sweep_id={self.name}", f"run.root={self.root}"])
         except ConfigError as error:
@@ -162,38 +161,39 @@ class Tuner:
         cfg.run.swept = swept
         cfg.run.progress = False
         trial.set_user_attr("run_id", cfg.run.id)
-        child = multiprocessing.get_context("spawn").Process(target=_train, args=(cfg,))
+        context = multiprocessing.get_context("spawn")
+        tuner_end, run_end = context.Pipe()
+        child = context.Process(target=_train, args=(cfg, run_end))
         child.start()
-        if self._pruned(trial, child, cfg.run.id):
+        # the child holds the run's end: its exit closes the pipe
+        run_end.close()
+        pruned = self._judge(trial, tuner_end)
+        child.join()
+        if pruned and child.exitcode == INTERRUPTED:
             return self.study.tell(trial, state=TrialState.PRUNED)
         if child.exitcode != 0:
             return self.study.tell(trial, state=TrialState.FAIL)
         _, rows = compare_rows([cfg.run.id], self.root)
         return self.study.tell(trial, METRICS[self.settings["metric"]](rows[0]))
 
-    def _pruned(self, trial, child, run_id):
-        """Report the run's `reward/mean` per step (smoothed) while it trains; once the pruner says
-        it falls behind, stop the run (SIGINT, as Ctrl-C) and say so."""
-        reported = 0
+    def _judge(self, trial: optuna.Trial, run: Connection) -> bool:
+        """Report each step's `reward/mean` the trial's run sends (smoothed) and answer whether
+        the pruner stops it there; whether it did. A finished run's whole curve is reported:
+        later trials are measured against it."""
+        rewards = []
         while True:
-            child.join(POLL_S)
-            running = child.is_alive()
-            curve = []
-            # the store's reader sees the shards flushed so far
-            if any(Path(self.root, run_id).glob("metrics/*.parquet")):
-                curve = open_run(run_id, self.root).execute(REWARD_CURVE).fetchall()
-            for index in range(reported, len(curve)):
-                window = [reward for _, reward in curve[max(0, index + 1 - SMOOTH) : index + 1]]
-                trial.report(sum(window) / len(window), curve[index][0])
-            reported = len(curve)
-            # a finished run's whole curve is reported: later trials are measured against it
-            if not running:
+            try:
+                step, reward = run.recv()
+            except EOFError:
+                # the run ended (finished, failed or interrupted) without being pruned
                 return False
-            if trial.should_prune():
-                os.kill(child.pid, signal.SIGINT)
-                child.join()
-                # a run that ended between the poll and the signal finished: it is no pruned trial
-                return child.exitcode == 130
+            rewards.append(reward)
+            window = rewards[-SMOOTH:]
+            trial.report(sum(window) / len(window), step)
+            pruned = trial.should_prune()
+            run.send(pruned)
+            if pruned:
+                return True
 
     def describe(self, trial: optuna.trial.FrozenTrial):
         """One line of a trial: its number, score (or pruned, failed), values and run."""
@@ -217,15 +217,24 @@ class Tuner:
         )
 
 
-def _train(cfg):
-    """A trial's run, in a process of its own: SIGINT stops it as Ctrl-C stops `molt-wb train`."""
+def _train(cfg, tuner: Connection):
+    """A trial's run, in a process of its own: each logged step's `reward/mean` goes to the tuner,
+    whose verdict it waits for; pruned (or SIGINT) stops it as Ctrl-C stops `molt-wb train`."""
     from workbench import loop
 
+    def judged(metrics: dict) -> None:
+        # the loop step the metrics are of: each step trains trainer.minibatches versions
+        step = int(metrics["train/version"]) // cfg.trainer.minibatches - 1
+        tuner.send((step, metrics["reward/mean"]))
+        if tuner.recv():
+            raise KeyboardInterrupt
+
+    progress.WATCHERS.append(judged)
     try:
         loop.train(cfg)
     except KeyboardInterrupt:
         # the run is kept, status interrupted; the exit status says it did not finish
-        sys.exit(130)
+        sys.exit(INTERRUPTED)
     except ConfigError as error:
         run_folder.record_refused(cfg, str(error))
         sys.exit(f"trial run {cfg.run.id} refused: {error}")
