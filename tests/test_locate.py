@@ -150,3 +150,12 @@ def test_a_name_two_packages_register_is_refused_naming_both(
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError, match="registered by several.*first-dist.*second-dist"):
         load_plugin("twice")
+
+
+def test_a_recipe_without_its_package_header_says_what_its_first_line_must_be(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "headless.yaml").write_text("# a comment first\nrecipe: headless\n")
+    with pytest.raises(ConfigError, match="first line must be `# @package _global_`"):
+        compose_config(["+recipe=headless"], [str(tmp_path)])

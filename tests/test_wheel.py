@@ -2,8 +2,9 @@
 
 Built once (`python -m build`: the sdist, then the wheel from the sdist), installed without `-e`
 into a fresh venv, and run from an empty folder: `--version`, `doctor`, `plugins`, a shipped
-recipe, a user's project (a recipe found through `--config-dir`, an environment through its file
-path) and a plugin an installed package registers in the `molt_wb.plugins` entry-point group.
+recipe, and the project of docs/your-project.md: its recipe found through `--config-dir`, its
+environment by file path, then by the name its package registers in the `molt_wb.plugins`
+entry-point group.
 
 The fresh venv reads its dependencies from this test's environment through a .pth line (a .pth
 line adds a folder to the path without running that folder's .pth files, so the editable molt-wb
@@ -13,6 +14,8 @@ the wheel with its dependencies from the registry.
 
 import json
 import os
+import re
+import shlex
 import site
 import subprocess
 import sys
@@ -33,49 +36,28 @@ SHORT = [
     "tracking=none",
     "run.progress=false",
 ]
-# a user's environment: say back the digit asked for
-SAY_DIGIT = """
-import random
-import re
-
-from workbench.api import Env, Result
+# the "Your own project" page: its files and its train commands are the ones run here
+PAGE = REPO / "docs" / "your-project.md"
+FILE_BLOCK = re.compile(r'^```\w+ title="([^"]+)"\n(.*?)^```', re.MULTILINE | re.DOTALL)
 
 
-class SayDigit(Env):
-    def reset(self, sample: dict) -> str:
-        self.digit = sample["answer"]
-        return sample["problem"]
-
-    def step(self, action: str) -> Result:
-        match = re.search(r"\\d", action)
-        return Result(reward=float(match is not None and match.group() == self.digit))
+def page_files() -> dict[str, str]:
+    """The page's file blocks (```python title="say_digit.py"), by file name."""
+    return dict(FILE_BLOCK.findall(PAGE.read_text()))
 
 
-def make_dataset(size: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    digits = [str(rng.randrange(10)) for _ in range(size)]
-    return [{"id": i, "problem": f"Say {d}.", "answer": d} for i, d in enumerate(digits)]
-"""
-# the user's recipe, in their own conf/recipe/
-RECIPE = """# @package _global_
-recipe: say_digit
-agent:
-  plugin: say_digit.py:SayDigit
-engine:
-  max_tokens: 2
-"""
-# a package that registers the same environment as `digits`
-ENTRY_POINT_PROJECT = """[build-system]
-requires = ["setuptools>=77"]
-build-backend = "setuptools.build_meta"
+def page_train_commands() -> list[list[str]]:
+    """The page's `molt-wb train` lines, as arguments after `molt-wb`."""
+    lines = PAGE.read_text().splitlines()
+    return [shlex.split(line)[1:] for line in lines if line.startswith("molt-wb train ")]
 
-[project]
-name = "molt-wb-digits"
-version = "0.2.0"
 
-[project.entry-points."molt_wb.plugins"]
-digits = "molt_wb_digits:SayDigit"
-"""
+def write_project(folder: Path) -> None:
+    """The page's project: its environment and its recipe."""
+    files = page_files()
+    for name in ("say_digit.py", "conf/recipe/say_digit.yaml"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(files[name])
 
 
 @dataclass
@@ -131,11 +113,13 @@ def install(tmp_path_factory: pytest.TempPathFactory) -> Install:
     site_packages = Path(purelib.strip())
     (site_packages / "test_dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     pip_into(venv, "--no-deps", wheel)
-    # the entry-point package: built with this environment's setuptools, as a user's would be
-    project = root / "digits_project"
-    (project / "molt_wb_digits").mkdir(parents=True)
-    (project / "pyproject.toml").write_text(ENTRY_POINT_PROJECT)
-    (project / "molt_wb_digits" / "__init__.py").write_text(SAY_DIGIT)
+    # the page's package (mypkg/envs.py: the environment), built with this environment's
+    # setuptools, as a user's would be
+    project = root / "mypkg_project"
+    (project / "mypkg").mkdir(parents=True)
+    (project / "pyproject.toml").write_text(page_files()["pyproject.toml"])
+    (project / "mypkg" / "__init__.py").write_text("")
+    (project / "mypkg" / "envs.py").write_text(page_files()["say_digit.py"])
     pip_into(venv, "--no-deps", "--no-build-isolation", project)
     return Install(venv, wheel, sdist, site_packages)
 
@@ -184,8 +168,8 @@ def test_plugins_lists_the_shipped_ones_and_the_entry_point_with_its_package(
     assert result.returncode == 0, result.stderr
     rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.strip()}
     assert "shipped" in rows["arith"] and "workbench.plugins.arith" in rows["arith"]
-    assert "entry point of molt-wb-digits 0.2.0" in rows["digits"]
-    assert "molt_wb_digits:SayDigit" in rows["digits"]
+    assert "entry point of mypkg 0.1.0" in rows["say_digit"]
+    assert "mypkg.envs:SayDigit" in rows["say_digit"]
 
 
 @pytest.mark.slow
@@ -196,15 +180,13 @@ def test_a_shipped_recipe_trains_from_an_empty_folder(install: Install, tmp_path
 
 
 @pytest.mark.slow
-def test_a_user_project_trains_through_config_dir_and_a_file_plugin(
+def test_the_pages_user_project_trains_through_config_dir_and_a_file_plugin(
     install: Install, tmp_path: Path
 ) -> None:
-    (tmp_path / "conf" / "recipe").mkdir(parents=True)
-    (tmp_path / "conf" / "recipe" / "say_digit.yaml").write_text(RECIPE)
-    (tmp_path / "say_digit.py").write_text(SAY_DIGIT)
-    result = install.molt_wb(
-        "train", "--config-dir", "conf", "+recipe=say_digit", *SHORT, cwd=tmp_path
-    )
+    write_project(tmp_path)
+    command = page_train_commands()[0]
+    assert command == ["train", "--config-dir", "conf", "+recipe=say_digit"]
+    result = install.molt_wb(*command, *SHORT, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert finished_run(tmp_path)["recipe"] == "say_digit"
     # the plugin's path as the run folder keeps it: absolute, so it is found from anywhere
@@ -213,9 +195,14 @@ def test_a_user_project_trains_through_config_dir_and_a_file_plugin(
 
 
 @pytest.mark.slow
-def test_a_plugin_an_installed_package_registers_trains_by_its_name(
+def test_the_pages_package_trains_by_the_name_its_entry_point_registers(
     install: Install, tmp_path: Path
 ) -> None:
-    result = install.molt_wb("train", "agent.plugin=digits", *SHORT, cwd=tmp_path)
+    write_project(tmp_path)
+    command = page_train_commands()[-1]
+    assert "agent.plugin=say_digit" in command
+    result = install.molt_wb(*command, *SHORT, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+    (config,) = (tmp_path / "runs").glob("*/config.yaml")
+    assert "plugin: say_digit\n" in config.read_text()
     finished_run(tmp_path)

@@ -394,6 +394,9 @@ def compose_config(overrides=(), config_dirs=()):
         hint = ""
         if isinstance(error, MissingConfigException) and not config_dirs:
             hint = " (a config of your own: give its folder with --config-dir)"
+        # a recipe without the package header: its keys land under `recipe`, a string
+        if str(error).rstrip().endswith("full_key: recipe\n    object_type=Config"):
+            hint = " (a recipe's first line must be `# @package _global_`)"
         raise ConfigError(
             f"Bad config override ({first}){hint}; check the key names with `molt-wb train --help`."
         ) from None
