@@ -1,20 +1,27 @@
-"""A chaos soak: a long asynchronous run with partial rollouts while a random actor is SIGKILLed.
+"""A chaos soak: a long asynchronous run with partial rollouts while actors are SIGKILLed at any
+moment, from its first second on.
 
-    python bench/chaos.py [--quick] [--steps 300] [--every 3] [--kills 10] [--seed 0]
+    python bench/chaos.py [--quick] [--steps 300] [--every 3] [--kills 12] [--seed 0]
 
 The arith recipe (tiny model, 2 rollout workers, async_depth 1, partial rollouts, a checkpoint
-every 10 steps) runs in this process; from its first checkpoint on, a thread SIGKILLs a random
-actor process (a rollout worker, the learner or the store) every `--every` seconds, `--kills` times
-at most. A dead worker is restarted by Ray and its episodes become failure rows; a dead learner or
-store restarts the run from its latest checkpoint (recovery.py). At the end it checks the tables
-and prints the status, the kills by role, the recoveries, the failure rows, rows duplicated in any
-table, steps missing, whether the learner's versions run 1..N without a gap, and whether every
-kill left a trace (a recovery after it, or a dead worker's failure rows). Exits 1 on any broken
-promise. `--quick`: 60 steps, a checkpoint every 5, a kill every half second, 3 kills.
+every 10 steps) runs in this process while a thread SIGKILLs an actor process (a rollout worker,
+the learner or the store) at each moment of its plan, taken in turn:
+
+    start  an actor of a start, in its first seconds: the run's own start before any checkpoint,
+           then the actors a recovery starts, while they load the checkpoint
+    write  the learner or the store while a checkpoint is being written: the write is held
+           halfway (a `checkpoints/hold` file, checkpoint.py) and the kill lands inside it
+    any    a random actor, `--every` seconds (on average) after the last kill
+
+A dead worker is restarted by Ray and its episodes become failure rows; a dead learner or store
+restarts the run from its latest checkpoint, or from step 0 before the first (recovery.py). At
+the end it checks the tables and prints the kills by moment and role, the recoveries, the failure
+rows, rows duplicated in any table, token rows and steps lost, whether the learner's versions run
+1..N without a gap, and whether every learner or store kill was followed by a recovery. Exits 1
+on any broken promise. `--quick`: 30 steps, a checkpoint every 5, 4 kills (about a minute).
 """
 
 import argparse
-import contextlib
 import json
 import random
 import sys
@@ -29,11 +36,14 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workbench import loop  # noqa: E402
-from workbench.checkpoint import latest  # noqa: E402
+from workbench.checkpoint import HOLD  # noqa: E402
 from workbench.config import compose_config  # noqa: E402
 from workbench.store import open_run  # noqa: E402
 
+ROLES = ("rollout worker", "learner", "store")
 TITLES = {"rollout worker": "ray::RolloutWorker", "learner": "ray::Learner", "store": "ray::Store"}
+# the moments of a plan, in turn: a start kill after a write or an any kill lands in the recovery
+PLAN = ("start", "write", "start", "any")
 TABLE_KEYS = {
     "segments": "rollout_id, segment_idx",
     "tokens": "rollout_id, segment_idx, position",
@@ -42,105 +52,170 @@ TABLE_KEYS = {
 }
 
 
-def title(process) -> str:
-    """A process's command line ("ray::Learner" for an actor), or "" once it is gone."""
-    try:
-        return " ".join(process.cmdline())
-    except psutil.Error:
-        return ""
-
-
-def started(process) -> float:
-    try:
-        return process.create_time()
-    except psutil.Error:
-        return 0.0
-
-
-def killer(run_dir: Path, every: float, most: int, rng: random.Random, kills: list, done):
-    """SIGKILL a random actor every `every` seconds, `most` times at most, recording each; from
-    the first checkpoint on (before it, a dead learner or store fails the run, by design)."""
-    run_json = run_dir / "run.json"
-    while not latest(run_dir) and not done.wait(0.5):
-        pass
-    while len(kills) < most and not done.wait(every * rng.uniform(0.5, 1.5)):
-        role = rng.choice(sorted(TITLES))
-        row = json.loads(run_json.read_text())
-        # the actors of the run's current start, once it has trained two steps: those of a start
-        # a recovery ended are going, and Ray restarts a worker killed before its first task unseen
-        last = (row.get("recoveries") or [{"time": 0, "checkpoint": "step-000000"}])[-1]
-        restarted = row.get("resumes", 0) == len(row.get("recoveries", []))
-        settled = restarted and row.get("steps_done", 0) >= int(last["checkpoint"][5:]) + 2
-        processes = [
-            process
-            for process in psutil.Process().children(recursive=True)
-            if title(process).startswith(TITLES[role]) and started(process) > last["time"]
-        ]
-        if not (settled and processes):
+def actors(roles=ROLES) -> list[tuple[str, psutil.Process]]:
+    """(role, process) of each live actor process of this driver's Ray with one of `roles`."""
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            title = " ".join(process.cmdline())
+        except psutil.Error:
             continue
-        steps_done = row.get("steps_done", 0)
-        with contextlib.suppress(psutil.Error):
-            rng.choice(processes).kill()
-        kills.append({"role": role, "steps_done": steps_done, "time": time.time()})
-        print(f"  killed the {role} after step {steps_done}", flush=True)
+        found += [(role, process) for role in roles if title.startswith(TITLES[role])]
+    return found
 
 
-def check(db, steps: int, kills: list) -> tuple[list[str], dict]:
+def at_start(run_dir: Path, every: float, rng: random.Random, done) -> list:
+    """The actors of the next start (processes not alive when asked), once one is up and a
+    random part of a second on, while it loads: the run's first start or a recovery's."""
+    before = {process.pid for _, process in actors()}
+    fresh = []
+    while not fresh and not done.wait(0.05):
+        fresh = [(r, p) for r, p in actors() if p.pid not in before]
+    done.wait(rng.uniform(0, 1.5))
+    return fresh
+
+
+def in_a_write(run_dir: Path, every: float, rng: random.Random, done) -> list:
+    """The learner or the store, once the next checkpoint write is held halfway: its sharded
+    state is written, its policy and trainer.pt are not."""
+    hold = run_dir / "checkpoints" / HOLD
+    # the run makes its folder itself
+    while not (run_dir / "run.json").exists() and not done.wait(0.05):
+        pass
+    hold.parent.mkdir(exist_ok=True)
+    since = time.time()
+    hold.touch()
+
+    def held() -> bool:
+        return any(
+            path.stat().st_mtime >= since
+            for path in run_dir.glob("checkpoints/step-*.tmp/state/.metadata")
+        )
+
+    while not held() and not done.wait(0.05):
+        pass
+    return actors([rng.choice(("learner", "store"))])
+
+
+def any_time(run_dir: Path, every: float, rng: random.Random, done) -> list:
+    """The actors of a random role, `every` seconds on average from now (or once one is up: a
+    recovery may be starting them)."""
+    role = rng.choice(ROLES)
+    done.wait(every * rng.uniform(0.5, 1.5))
+    while not actors([role]) and not done.wait(0.05):
+        pass
+    return actors([role])
+
+
+MOMENTS = {"start": at_start, "write": in_a_write, "any": any_time}
+
+
+def killer(run_dir: Path, plan: list[str], every: float, rng, kills: list, done):
+    """SIGKILL an actor at each moment of `plan` in turn, recording each kill; the hold of a
+    write is lifted once its kill has landed."""
+    for moment in plan:
+        chosen = MOMENTS[moment](run_dir, every, rng, done)
+        alive = [(role, process) for role, process in chosen if process.is_running()]
+        if done.is_set() or not alive:
+            (run_dir / "checkpoints" / HOLD).unlink(missing_ok=True)
+            continue
+        role, process = rng.choice(alive)
+        try:
+            process.kill()
+        except psutil.Error:
+            continue
+        finally:
+            # a SIGKILLed process runs no more code: only a new learner writes on
+            (run_dir / "checkpoints" / HOLD).unlink(missing_ok=True)
+        steps_done = json.loads((run_dir / "run.json").read_text()).get("steps_done", 0)
+        kills.append(
+            {"moment": moment, "role": role, "steps_done": steps_done, "time": time.time()}
+        )
+        print(f"  killed the {role} ({moment}) after step {steps_done}", flush=True)
+
+
+def check(db, run_dir: Path, steps: int, kills: list) -> tuple[list[str], dict]:
     """The broken promises of a finished chaos run, and its counts."""
     problems = []
-    status = db.execute("select status from runs").fetchone()[0]
+    status, closed = db.execute("select status, updated from runs").fetchone()
     if status != "finished":
         problems.append(f"status {status}")
+    duplicated = {}
     for table, key in TABLE_KEYS.items():
-        extra = db.execute(f"select count(*) - count(distinct ({key})) from {table}").fetchone()[0]
-        if extra:
-            problems.append(f"{extra} duplicated rows in {table}")
-    stepped = {row[0] for row in db.execute("select distinct step from metrics").fetchall()}
-    missing = sorted(set(range(steps)) - stepped)
-    if missing:
-        problems.append(f"steps missing from metrics: {missing[:10]}")
+        query = f"select count(*) - count(distinct ({key})) from {table}"
+        duplicated[table] = db.execute(query).fetchone()[0]
+        if duplicated[table]:
+            problems.append(f"{duplicated[table]} duplicated rows in {table}")
+    lost_tokens = db.execute(
+        "select (select sum(num_tokens) from segments) - (select count(*) from tokens)"
+    ).fetchone()[0]
+    if lost_tokens:
+        problems.append(f"{lost_tokens} token rows lost")
+    missing = set()
+    for table in ("metrics", "segments"):
+        stepped = {row[0] for row in db.execute(f"select distinct step from {table}").fetchall()}
+        lost = sorted(set(range(steps)) - stepped)
+        missing |= set(lost)
+        if lost:
+            problems.append(f"steps missing from {table}: {lost[:10]}")
     versions = db.execute(
         "select list(value order by step) from metrics where key = 'train/version'"
     ).fetchone()[0]
-    if versions != list(range(1, steps + 1)):
+    in_order = versions == list(range(1, steps + 1))
+    if not in_order:
         problems.append("the learner's versions are not 1..N step by step")
-    recoveries = db.execute("select died, time from recoveries").fetchall()
-    worker_deaths = db.execute(
-        "select time from failed_episodes where kind in ('worker_died', 'timeout')"
-    ).fetchall()
+    left = [p.name for p in run_dir.glob("checkpoints/*") if p.name == HOLD or p.suffix == ".tmp"]
+    if left:
+        problems.append(f"left in checkpoints/: {left}")
+    recoveries = db.execute("select died, checkpoint, time from recoveries").fetchall()
     for kill in kills:
-        # a recovery after it restarted every actor; a dead worker's episodes are failure rows
-        recovered = any(when >= kill["time"] for _, when in recoveries)
-        recorded = kill["role"] == "rollout worker" and any(
-            kill["time"] <= when <= kill["time"] + 120 for (when,) in worker_deaths
-        )
-        if not (recovered or recorded):
+        # a dead learner or store always ends the start it was in: a recovery follows, unless the
+        # run had closed finished by then
+        followed = any(when >= kill["time"] for _, _, when in recoveries)
+        if kill["role"] != "rollout worker" and not (followed or kill["time"] >= closed):
             problems.append(
                 f"the {kill['role']} killed after step {kill['steps_done']} left no trace"
             )
     counts = {
+        "steps": steps,
         "status": status,
-        "kills": dict(Counter(kill["role"] for kill in kills)),
+        "kills": len(kills),
         "recoveries": len(recoveries),
-        "recovered from": dict(Counter(role for role, _ in recoveries)),
-        "episodes failed by a dead or hung worker": len(worker_deaths),
+        "recoveries from step 0": sum(checkpoint is None for _, checkpoint, _ in recoveries),
         "failure rows": db.execute("select count(*) from failed_episodes").fetchone()[0],
         "segments": db.execute("select count(*) from segments").fetchone()[0],
+        "duplicated rows": sum(duplicated.values()),
+        "token rows lost": lost_tokens,
+        "steps missing": len(missing),
+        "versions 1..N in order": "yes" if in_order else "no",
     }
     return problems, counts
 
 
+def table(kills: list, recoveries: list) -> str:
+    """The kills by moment (rows) and role (columns), and the recoveries by the role that died,
+    as a Markdown table."""
+    lines = ["| moment | " + " | ".join(ROLES) + " | all |", "|---" * (len(ROLES) + 2) + "|"]
+    by = Counter((kill["moment"], kill["role"]) for kill in kills)
+    for moment in MOMENTS:
+        cells = [str(by[moment, role]) for role in ROLES]
+        lines.append(f"| kills: {moment} | " + " | ".join(cells) + f" | {sum(map(int, cells))} |")
+    died = Counter(role for role, _, _ in recoveries)
+    cells = [str(died[role]) for role in ROLES]
+    lines.append("| recoveries | " + " | ".join(cells) + f" | {len(recoveries)} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="60 steps, 3 kills: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="30 steps, 4 kills: a smoke run")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--every", type=float, default=3.0)
-    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--kills", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    steps, every, most = args.steps, args.every, args.kills
-    if args.quick:
-        steps, every, most = 60, 0.5, 3
+    steps = 30 if args.quick else args.steps
+    most = 4 if args.quick else args.kills
     root = Path(tempfile.mkdtemp(prefix="molt-wb-chaos-"))
     cfg = compose_config(
         [
@@ -159,10 +234,12 @@ def main() -> int:
             "run.id=chaos",
         ]
     )
+    plan = [PLAN[i % len(PLAN)] for i in range(most)]
     kills = []
     done = threading.Event()
     rng = random.Random(args.seed)
-    thread = threading.Thread(target=killer, args=(root / "chaos", every, most, rng, kills, done))
+    run_dir = root / "chaos"
+    thread = threading.Thread(target=killer, args=(run_dir, plan, args.every, rng, kills, done))
     started = time.perf_counter()
     thread.start()
     try:
@@ -171,8 +248,11 @@ def main() -> int:
         done.set()
         thread.join()
     seconds = time.perf_counter() - started
-    problems, counts = check(open_run("chaos", str(root)), steps, kills)
-    print(f"chaos soak: {steps} steps in {seconds:.0f} s, run folder {root / 'chaos'}")
+    db = open_run("chaos", str(root))
+    problems, counts = check(db, run_dir, steps, kills)
+    recoveries = db.execute("select died, checkpoint, time from recoveries").fetchall()
+    print(f"chaos soak: {steps} steps in {seconds:.0f} s, run folder {run_dir}")
+    print(table(kills, recoveries))
     for name, value in counts.items():
         print(f"  {name}: {value}")
     print(f"broken promises: {len(problems)}")

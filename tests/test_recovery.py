@@ -111,7 +111,7 @@ def test_a_learner_killed_before_the_first_checkpoint_starts_again_from_step_0_b
     in_process(tmp_path, "trainer.max_restarts=1", "run.id=early")
     monkeypatch.undo()
     assert len(killed) == 1
-    assert "recovering from step 0, as it has no checkpoint yet" in capfd.readouterr().err
+    assert "recovering from step 0 as it has no checkpoint yet" in capfd.readouterr().err
     db = open_run("early", str(tmp_path))
     assert db.execute("select died, steps_done, checkpoint from recoveries").fetchall() == [
         ("learner", 1, None)

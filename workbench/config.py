@@ -98,7 +98,9 @@ class RolloutConfig:
 @dataclass
 class AgentConfig:
     plugin: str = "arith"
-    """plugins/NAME.py, a dotted module path, or a .py file path; it must export AgentRunner."""
+    """A shipped plugin's name (plugins/NAME.py), a name an installed package registers in the
+    molt_wb.plugins entry points (`molt-wb plugins` lists both), a module path or a .py file's
+    path; it exports AgentRunner, or `:Class` after the module or path names the class."""
     max_turns: int = 1
     """Turn budget of one episode; an episode still open after it is truncated."""
     history_rewrite: str = "seal"

@@ -109,7 +109,7 @@ def _record(run_dir: Path, role: str, checkpoint: Path | None, restart: int, mos
     }
     row["recoveries"] = row.get("recoveries", []) + [recovery]
     write_json_atomic(run_dir / "run.json", row)
-    start = f"from {name}" if name else "from step 0, as it has no checkpoint yet,"
+    start = f"from {name}" if name else "from step 0 as it has no checkpoint yet"
     print(
         f"The {role} process died after step {recovery['steps_done']}; recovering {start} "
         f"(recovery {restart} of trainer.max_restarts={most}).",
