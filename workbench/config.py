@@ -231,8 +231,9 @@ class TrainerConfig:
     """Seconds the loop waits on one learner step before it stops the run as hung (failed,
     resumable)."""
     max_restarts: int = 3
-    """Times a run whose learner or store process died starts again from its latest checkpoint
-    by itself (each one a row of the `recoveries` view); 0: it stops, failed and resumable."""
+    """Times a run whose learner or store process died (or any actor while the actors start)
+    starts again by itself from its latest checkpoint, or from step 0 before its first (each one a
+    row of the `recoveries` view); 0: it stops, failed and resumable."""
     nonfinite: str = "stop"
     """What a NaN or infinite loss or gradient norm (loss/policy, loss/grad_norm) does: stop (the
     run stops at that step, failed and resumable) | warn (counted in audit/nonfinite, the run goes
