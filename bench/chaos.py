@@ -31,6 +31,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import duckdb
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -52,7 +53,7 @@ TABLE_KEYS = {
 }
 
 
-def actors(roles=ROLES) -> list[tuple[str, psutil.Process]]:
+def actors(roles: tuple[str, ...] = ROLES) -> list[tuple[str, psutil.Process]]:
     """(role, process) of each live actor process of this driver's Ray with one of `roles`."""
     found = []
     for process in psutil.Process().children(recursive=True):
@@ -64,7 +65,7 @@ def actors(roles=ROLES) -> list[tuple[str, psutil.Process]]:
     return found
 
 
-def at_start(run_dir: Path, every: float, rng: random.Random, done) -> list:
+def at_start(run_dir: Path, every: float, rng: random.Random, done: threading.Event) -> list:
     """The actors of the next start (processes not alive when asked), once one is up and a
     random part of a second on, while it loads: the run's first start or a recovery's."""
     before = {process.pid for _, process in actors()}
@@ -75,7 +76,7 @@ def at_start(run_dir: Path, every: float, rng: random.Random, done) -> list:
     return fresh
 
 
-def in_a_write(run_dir: Path, every: float, rng: random.Random, done) -> list:
+def in_a_write(run_dir: Path, every: float, rng: random.Random, done: threading.Event) -> list:
     """The learner or the store, once the next checkpoint write is held halfway: its sharded
     state is written, its policy and trainer.pt are not."""
     hold = run_dir / "checkpoints" / HOLD
@@ -94,23 +95,30 @@ def in_a_write(run_dir: Path, every: float, rng: random.Random, done) -> list:
 
     while not held() and not done.wait(0.05):
         pass
-    return actors([rng.choice(("learner", "store"))])
+    return actors((rng.choice(("learner", "store")),))
 
 
-def any_time(run_dir: Path, every: float, rng: random.Random, done) -> list:
+def any_time(run_dir: Path, every: float, rng: random.Random, done: threading.Event) -> list:
     """The actors of a random role, `every` seconds on average from now (or once one is up: a
     recovery may be starting them)."""
     role = rng.choice(ROLES)
     done.wait(every * rng.uniform(0.5, 1.5))
-    while not actors([role]) and not done.wait(0.05):
+    while not actors((role,)) and not done.wait(0.05):
         pass
-    return actors([role])
+    return actors((role,))
 
 
 MOMENTS = {"start": at_start, "write": in_a_write, "any": any_time}
 
 
-def killer(run_dir: Path, plan: list[str], every: float, rng, kills: list, done):
+def killer(
+    run_dir: Path,
+    plan: list[str],
+    every: float,
+    rng: random.Random,
+    kills: list[dict],
+    done: threading.Event,
+) -> None:
     """SIGKILL an actor at each moment of `plan` in turn, recording each kill; the hold of a
     write is lifted once its kill has landed."""
     for moment in plan:
@@ -134,7 +142,9 @@ def killer(run_dir: Path, plan: list[str], every: float, rng, kills: list, done)
         print(f"  killed the {role} ({moment}) after step {steps_done}", flush=True)
 
 
-def check(db, run_dir: Path, steps: int, kills: list) -> tuple[list[str], dict]:
+def check(
+    db: duckdb.DuckDBPyConnection, run_dir: Path, steps: int, kills: list[dict]
+) -> tuple[list[str], dict]:
     """The broken promises of a finished chaos run, and its counts."""
     problems = []
     status, closed = db.execute("select status, updated from runs").fetchone()
@@ -192,7 +202,7 @@ def check(db, run_dir: Path, steps: int, kills: list) -> tuple[list[str], dict]:
     return problems, counts
 
 
-def table(kills: list, recoveries: list) -> str:
+def table(kills: list[dict], recoveries: list[tuple]) -> str:
     """The kills by moment (rows) and role (columns), and the recoveries by the role that died,
     as a Markdown table."""
     lines = ["| moment | " + " | ".join(ROLES) + " | all |", "|---" * (len(ROLES) + 2) + "|"]

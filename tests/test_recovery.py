@@ -5,8 +5,10 @@ token."""
 
 import shlex
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import duckdb
 import pytest
 from test_reliability import FAST, kill_actors, wait_for
 
@@ -22,11 +24,11 @@ COMMON = ["trainer.steps=4", "trainer.checkpoint_every=2"]
 
 
 @pytest.fixture(scope="module")
-def in_process():
+def in_process() -> Iterator[Callable[..., str]]:
     """Runs in this process share one Ray; `train(root, *overrides)` runs one to the end."""
     import ray
 
-    def train(root, *overrides):
+    def train(root: Path, *overrides: str) -> str:
         return loop.train(compose_config([*FAST, *COMMON, f"run.root={root}", *overrides]))
 
     yield train
@@ -34,20 +36,22 @@ def in_process():
 
 
 @pytest.fixture(scope="module")
-def whole(tmp_path_factory, in_process):
+def whole(
+    tmp_path_factory: pytest.TempPathFactory, in_process: Callable[..., str]
+) -> duckdb.DuckDBPyConnection:
     """The uninterrupted run every interrupted one is compared with."""
     root = tmp_path_factory.mktemp("whole")
     in_process(root, "run.id=whole")
     return open_run("whole", str(root))
 
 
-def after_step(monkeypatch, done: int, action):
+def after_step(monkeypatch: pytest.MonkeyPatch, done: int, action: Callable[[], object]) -> list:
     """`action()` once, right after the run's `done`-th step is logged (after the checkpoint
     that step may write)."""
     update = Progress.update
     acted = []
 
-    def update_then_act(self, metrics):
+    def update_then_act(self: Progress, metrics: dict) -> None:
         update(self, metrics)
         if self.done == done and not acted:
             acted.append(action())
@@ -56,7 +60,7 @@ def after_step(monkeypatch, done: int, action):
     return acted
 
 
-def kill_inside_a_write(run_dir: Path, killed: list):
+def kill_inside_a_write(run_dir: Path, killed: list[int]) -> None:
     """Once a checkpoint write is held halfway (its sharded state written, the `HOLD` file
     present), SIGKILL the learner; then let writes go on."""
     hold = run_dir / "checkpoints" / HOLD
@@ -68,12 +72,12 @@ def kill_inside_a_write(run_dir: Path, killed: list):
         hold.unlink()
 
 
-def held_kill(monkeypatch, run_dir: Path, done: int) -> list:
+def held_kill(monkeypatch: pytest.MonkeyPatch, run_dir: Path, done: int) -> list[int]:
     """The learner SIGKILLed inside the checkpoint write that follows the `done`-th step; the
     pids killed."""
     killed = []
 
-    def hold():
+    def hold() -> None:
         (run_dir / "checkpoints").mkdir(exist_ok=True)
         (run_dir / "checkpoints" / HOLD).touch()
         threading.Thread(target=kill_inside_a_write, args=(run_dir, killed), daemon=True).start()
@@ -82,7 +86,7 @@ def held_kill(monkeypatch, run_dir: Path, done: int) -> list:
     return killed
 
 
-def assert_same_rows(db, whole):
+def assert_same_rows(db: duckdb.DuckDBPyConnection, whole: duckdb.DuckDBPyConnection) -> None:
     """`db` finished its 4 steps with every row once, and the rows of `whole`, token for token."""
     assert db.execute("select status, steps_done from runs").fetchone() == ("finished", 4)
     for table, key in (("segments", "rollout_id, segment_idx"), ("metrics", "step, key")):

@@ -1,6 +1,9 @@
 """One way to name a run folder on every command: `--root DIR` and `run.root=DIR` work alike on
 train, resume, runs, sweeps, inspect, eval, export and compare."""
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -20,19 +23,19 @@ RUN = [
 ]
 
 
-def molt_wb(*args: str):
+def molt_wb(*args: str) -> tuple[int, str]:
     """`molt-wb ARGS` in this process: its exit code and output."""
     result = CliRunner().invoke(cli.app, list(args))
     return result.exit_code, result.output
 
 
-def both_ways(root) -> dict[str, list[str]]:
+def both_ways(root: Path) -> dict[str, list[str]]:
     """The two ways to name the folder `root` on a command line."""
     return {"option": ["--root", str(root)], "override": [f"run.root={root}"]}
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
+def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A folder with a 2-step run trained with each way of naming it: by-option, by-override."""
     import ray
 

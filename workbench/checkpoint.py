@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from workbench.config import Config, ConfigError, validate
@@ -92,7 +92,7 @@ def save_learner(learner, folder, driver_state):
     return learner.version
 
 
-def wait_while_held(folder):
+def wait_while_held(folder: str | Path) -> None:
     """Wait while a `HOLD` file lies beside the checkpoint being written into `folder`."""
     hold = Path(folder).parent / HOLD
     while hold.exists():
@@ -172,7 +172,7 @@ def commit(cfg, run_dir: Path, temporary: Path, version, marks):
 # ---- resume
 
 
-def resume_config(run_id, overrides):
+def resume_config(run_id: str, overrides: list[str]) -> DictConfig:
     """The saved config of run `run_id` with `overrides` on top, set to resume from its latest
     checkpoint, or from step 0 when it has none yet; ConfigError says why not."""
     root = next((o.split("=", 1)[1] for o in overrides if o.startswith("run.root=")), "runs")
@@ -210,7 +210,7 @@ def resume_config(run_id, overrides):
     return cfg
 
 
-def _refuse_resume(run_dir: Path, checkpoint, row: dict):
+def _refuse_resume(run_dir: Path, checkpoint: Path | None, row: dict) -> None:
     """ConfigError when run `run_dir` (its latest `checkpoint` or None, its runs `row`) cannot be
     resumed: still running, no saved config, or finished (or a serve recording) with no
     checkpoint, which a start from step 0 would overwrite."""
@@ -240,7 +240,7 @@ def saved_config(run_dir: Path, overrides):
     )
 
 
-def reopen(run_dir: Path):
+def reopen(run_dir: Path) -> dict:
     """Cut the run folder back to its latest checkpoint (shards past the writer's marks deleted;
     every shard when it has none yet) and drop the checkpoint writes a death cut short; its runs
     row, as of that checkpoint."""
@@ -264,7 +264,7 @@ def reopen(run_dir: Path):
     }
 
 
-def restore(cfg, run_dir: Path, learner, workers, prompts):
+def restore(cfg, run_dir: Path, learner, workers, prompts) -> int:
     """The first loop step to run: 0 for a new run or one resumed before its first checkpoint;
     for a resumed one, the step after its checkpoint, with the learner's optimizer, version and
     RNG, the engines' weights and version, and the data position restored."""

@@ -64,7 +64,7 @@ class RunFolders(typer.core.TyperCommand):
     """A command that reads run folders: `run.root=DIR` is its `--root DIR`, so one way to name
     the folder works on every command (train and resume take both as well)."""
 
-    def parse_args(self, ctx, args):
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         args = [f"--root={a.split('=', 1)[1]}" if a.startswith("run.root=") else a for a in args]
         return super().parse_args(ctx, args)
 

@@ -57,7 +57,7 @@ class ActorDied(RunFailed):
         self.role = role
 
 
-def died(error, run_id: str, store, learner) -> ActorDied:
+def died(error: Exception, run_id: str, store, learner) -> ActorDied:
     """The `RunFailed` of an actor's death (`error`, a RayActorError) the loop cannot ride out."""
     roles = {store._actor_id.hex(): "store"}
     for actor in getattr(learner, "actors", [learner]):

@@ -15,9 +15,10 @@ import contextlib
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from omegaconf import open_dict
+from omegaconf import DictConfig, open_dict
 
 from workbench.checkpoint import latest
 from workbench.faults import ActorDied, RunFailed, death
@@ -28,7 +29,7 @@ from workbench.store.writer import write_json_atomic
 ROLES = {"StoreActor": "store", "Learner": "learner", "RolloutWorker": "rollout worker"}
 
 
-def supervise(cfg, run_once):
+def supervise(cfg: DictConfig, run_once: Callable[[DictConfig], str]) -> str:
     """`run_once(cfg)`, started again from the latest checkpoint (or from step 0 before the
     first) each time its learner or store dies, until it returns (the run id) or
     `trainer.max_restarts` recoveries are spent."""
@@ -61,7 +62,7 @@ def supervise(cfg, run_once):
             raise error.advised(way_on(cfg)) from error
 
 
-def resume_command(cfg) -> str:
+def resume_command(cfg: DictConfig) -> str:
     """The command that continues run `cfg.run.id` where it stands: `molt-wb resume RUN`, with
     `--root` when its folder is not under the default runs/."""
     command = f"molt-wb resume {cfg.run.id}"
@@ -70,7 +71,7 @@ def resume_command(cfg) -> str:
     return command
 
 
-def way_on(cfg) -> str:
+def way_on(cfg: DictConfig) -> str:
     """How a stopped run goes on as its folder now stands: from its latest checkpoint, or from
     step 0 when it has none yet (`molt-wb resume` starts it again in the same folder)."""
     checkpoint = latest(Path(cfg.run.root) / cfg.run.id)
@@ -79,7 +80,7 @@ def way_on(cfg) -> str:
     return f"continue it from its latest checkpoint ({checkpoint.name}) with: {resume_command(cfg)}"
 
 
-def _role(error) -> str:
+def _role(error: Exception) -> str:
     """The role of the actor a RayActorError is about (its class, as the error names it)."""
     found = re.search(r"class_name: (\w+)", str(error))
     if found is None:
@@ -87,7 +88,7 @@ def _role(error) -> str:
     return ROLES.get(found.group(1), "actor")
 
 
-def _free_placement(run_id: str):
+def _free_placement(run_id: str) -> None:
     """Remove the run's placement group, if a start that failed midway left it: the restart
     creates it again under the same name (cluster.placement)."""
     import ray
@@ -96,7 +97,7 @@ def _free_placement(run_id: str):
         ray.util.remove_placement_group(ray.util.get_placement_group(f"molt-wb-{run_id}"))
 
 
-def _record(run_dir: Path, role: str, checkpoint: Path | None, restart: int, most: int):
+def _record(run_dir: Path, role: str, checkpoint: Path | None, restart: int, most: int) -> None:
     """The recovery's line on stderr and its entry in run.json (a resume keeps the row's
     entries)."""
     row = run_row(run_dir)

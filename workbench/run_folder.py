@@ -13,7 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from omegaconf import OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from workbench.checkpoint import reopen
 from workbench.config import REPO_ROOT, ConfigError
@@ -36,7 +36,7 @@ def code_version():
     return run.stdout.strip() or "unknown"
 
 
-def start_run(cfg):
+def start_run(cfg: DictConfig) -> tuple[Path, dict]:
     """Give the run an id, create its folder, save the resolved config; return (folder, row)."""
     with open_dict(cfg):
         cfg.run.id = cfg.run.id or new_run_id()
