@@ -164,9 +164,11 @@ def train(ctx: typer.Context, config_dir: list[str] = CONFIG_DIR, root: str | No
         typer.echo(f"interrupted; what was written is kept.{hint}", err=True)
         raise typer.Exit(130) from None
     if multirun:
+        sweep_root = configs[0].run.root
+        option = f" --root {sweep_root}" if sweep_root != "runs" else ""
         typer.echo(
             f"sweep {configs[0].run.sweep_id}: {sum(outcomes)}/{len(outcomes)} runs finished; "
-            f"molt-wb compare {configs[0].run.sweep_id}"
+            f"molt-wb compare {configs[0].run.sweep_id}{option}"
         )
     if not all(outcomes):
         raise typer.Exit(1)
