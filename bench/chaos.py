@@ -9,8 +9,9 @@ the learner or the store) at each moment of its plan, taken in turn:
 
     start  an actor of a start, in its first seconds: the run's own start before any checkpoint,
            then the actors a recovery starts, while they load the checkpoint
-    write  the learner or the store while a checkpoint is being written: the write is held
-           halfway (a `checkpoints/hold` file, checkpoint.py) and the kill lands inside it
+    write  the learner or the store while a checkpoint is being written (the next write, or one
+           after 1 or 2 more commit): the write is held halfway (a `checkpoints/hold` file,
+           checkpoint.py) and the kill lands inside it
     any    a random actor, `--every` seconds (on average) after the last kill
 
 A dead worker is restarted by Ray and its episodes become failure rows; a dead learner or store
@@ -22,6 +23,7 @@ on any broken promise. `--quick`: 30 steps, a checkpoint every 5, 4 kills (about
 """
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -37,7 +39,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workbench import loop  # noqa: E402
-from workbench.checkpoint import HOLD  # noqa: E402
+from workbench.checkpoint import HOLD, latest  # noqa: E402
 from workbench.config import compose_config  # noqa: E402
 from workbench.store import open_run  # noqa: E402
 
@@ -77,25 +79,33 @@ def at_start(run_dir: Path, every: float, rng: random.Random, done: threading.Ev
 
 
 def in_a_write(run_dir: Path, every: float, rng: random.Random, done: threading.Event) -> list:
-    """The learner or the store, once the next checkpoint write is held halfway: its sharded
-    state is written, its policy and trainer.pt are not."""
-    hold = run_dir / "checkpoints" / HOLD
+    """The learner or the store, once a checkpoint write is held halfway (its sharded state
+    written, its policy and trainer.pt not): the next write, or one after 1 or 2 more commit, so
+    that the write cut short has a checkpoint before it or none."""
+    for _ in range(rng.randint(0, 2)):
+        committed = latest(run_dir)
+        while latest(run_dir) == committed and not done.wait(0.05):
+            pass
     # the run makes its folder itself
     while not (run_dir / "run.json").exists() and not done.wait(0.05):
         pass
+    hold = run_dir / "checkpoints" / HOLD
     hold.parent.mkdir(exist_ok=True)
     since = time.time()
     hold.touch()
-
-    def held() -> bool:
-        return any(
-            path.stat().st_mtime >= since
-            for path in run_dir.glob("checkpoints/step-*.tmp/state/.metadata")
-        )
-
-    while not held() and not done.wait(0.05):
+    while not held(run_dir, since) and not done.wait(0.05):
         pass
     return actors((rng.choice(("learner", "store")),))
+
+
+def held(run_dir: Path, since: float) -> bool:
+    """Whether a checkpoint write begun after `since` has its sharded state written."""
+    for path in run_dir.glob("checkpoints/step-*.tmp/state/.metadata"):
+        # a recovery may delete it meanwhile
+        with contextlib.suppress(OSError):
+            if path.stat().st_mtime >= since:
+                return True
+    return False
 
 
 def any_time(run_dir: Path, every: float, rng: random.Random, done: threading.Event) -> list:
