@@ -227,6 +227,7 @@ def table(kills: list[dict], recoveries: list[tuple]) -> str:
 
 
 def main() -> int:
+    """Run the soak, print its table and counts; 1 on any broken promise."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="30 steps, 4 kills: a smoke run")
     parser.add_argument("--steps", type=int, default=300)

@@ -104,6 +104,7 @@ def assert_same_rows(db: duckdb.DuckDBPyConnection, whole: duckdb.DuckDBPyConnec
 
 
 def checkpoints(run_dir: Path) -> list[str]:
+    """The names in a run's checkpoints/ folder (committed ones, and any .tmp or hold left)."""
     return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
 
 

@@ -29,6 +29,7 @@ class RunFailed(RuntimeError):
 
 
 def _sentence(cause: str, fix: str, way_on: str) -> str:
+    """A stopped run's one sentence: what failed, what became of the run, how it goes on."""
     return f"{cause}: the run is marked failed and keeps every step it wrote; {fix}{way_on}"
 
 
