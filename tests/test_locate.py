@@ -159,3 +159,12 @@ def test_a_recipe_without_its_package_header_says_what_its_first_line_must_be(
     (tmp_path / "recipe" / "headless.yaml").write_text("# a comment first\nrecipe: headless\n")
     with pytest.raises(ConfigError, match="first line must be `# @package _global_`"):
         compose_config(["+recipe=headless"], [str(tmp_path)])
+
+
+def test_two_plugin_files_of_one_name_are_refused_naming_both(tmp_path: Path) -> None:
+    for folder in ("one", "two"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "same_stem.py").write_text(ENV)
+    load_plugin(f"{tmp_path / 'one' / 'same_stem.py'}:Echo")
+    with pytest.raises(ValueError, match="share a name.*rename one"):
+        load_plugin(f"{tmp_path / 'two' / 'same_stem.py'}:Echo")

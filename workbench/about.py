@@ -23,6 +23,7 @@ def version() -> str:
 
 
 def _print_version(asked: bool) -> None:
+    """`--version`: print it and stop before any command runs."""
     if asked:
         typer.echo(f"molt-wb {version()}")
         raise typer.Exit()

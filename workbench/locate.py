@@ -109,6 +109,7 @@ def _split_class(spec: str) -> tuple[str, str | None]:
 
 
 def _is_file(where: str) -> bool:
+    """Whether a plugin spec (without its `:Class`) names a .py file."""
     return where.endswith(".py")
 
 
@@ -136,10 +137,17 @@ def _load_file(path: Path) -> types.ModuleType:
         except BaseException:
             del sys.modules[name]
             raise
+    loaded = Path(sys.modules[name].__file__).resolve()
+    if loaded != path.resolve():
+        raise ValueError(
+            f"Plugin files {loaded} and {path} share a name, and one process imports one module of "
+            f"a name: rename one of them."
+        )
     return sys.modules[name]
 
 
 def _entry_points(name: str) -> list[metadata.EntryPoint]:
+    """The entry points of the molt_wb.plugins group registered under `name`."""
     return [point for point in metadata.entry_points(group=ENTRY_POINT_GROUP) if point.name == name]
 
 
