@@ -1,2 +1,2 @@
-"""molt-wb's shipped agent plugins, installed as the package `workbench.plugins`: `agent.plugin=NAME`
-imports `workbench.plugins.NAME` (workbench/locate.py)."""
+"""molt-wb's shipped agent plugins, installed as the package `workbench.plugins`:
+`agent.plugin=NAME` imports `workbench.plugins.NAME` (workbench/locate.py)."""
