@@ -7,8 +7,8 @@ The arith recipe (tiny model, 2 rollout workers, async_depth 1, partial rollouts
 every 10 steps) runs in this process while a thread SIGKILLs an actor process (a rollout worker,
 the learner or the store) at each moment of its plan, taken in turn:
 
-    start  an actor of a start, in its first seconds: the run's own start before any checkpoint,
-           then the actors a recovery starts, while they load the checkpoint
+    start  an actor of a start, within `--every` seconds of the first one up: the run's own start
+           before any checkpoint, then the actors a recovery starts, while they load
     write  the learner or the store while a checkpoint is being written (the next write, or one
            after 1 or 2 more commit): the write is held halfway (a `checkpoints/hold` file,
            checkpoint.py) and the kill lands inside it
@@ -68,14 +68,14 @@ def actors(roles: tuple[str, ...] = ROLES) -> list[tuple[str, psutil.Process]]:
 
 
 def at_start(run_dir: Path, every: float, rng: random.Random, done: threading.Event) -> list:
-    """The actors of the next start (processes not alive when asked), once one is up and a
-    random part of a second on, while it loads: the run's first start or a recovery's."""
+    """The actors of the next start (processes not alive when asked) up by a random time within
+    `every` seconds of the first one, while they load: the run's first start or a recovery's."""
     before = {process.pid for _, process in actors()}
-    fresh = []
-    while not fresh and not done.wait(0.05):
-        fresh = [(r, p) for r, p in actors() if p.pid not in before]
-    done.wait(rng.uniform(0, 1.5))
-    return fresh
+    while not done.wait(0.05):
+        if any(process.pid not in before for _, process in actors()):
+            break
+    done.wait(rng.uniform(0, every))
+    return [(role, process) for role, process in actors() if process.pid not in before]
 
 
 def in_a_write(run_dir: Path, every: float, rng: random.Random, done: threading.Event) -> list:
@@ -109,13 +109,12 @@ def held(run_dir: Path, since: float) -> bool:
 
 
 def any_time(run_dir: Path, every: float, rng: random.Random, done: threading.Event) -> list:
-    """The actors of a random role, `every` seconds on average from now (or once one is up: a
-    recovery may be starting them)."""
-    role = rng.choice(ROLES)
+    """Every actor, `every` seconds on average from now (or once one is up: a recovery may be
+    starting them)."""
     done.wait(every * rng.uniform(0.5, 1.5))
-    while not actors((role,)) and not done.wait(0.05):
+    while not actors() and not done.wait(0.05):
         pass
-    return actors((role,))
+    return actors()
 
 
 MOMENTS = {"start": at_start, "write": in_a_write, "any": any_time}
