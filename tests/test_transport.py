@@ -6,7 +6,6 @@ for good stops the run at once."""
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 from test_reliability import FAST, FAULTY, data_file, rows
@@ -97,7 +96,7 @@ def test_a_rollout_worker_that_dies_beside_the_learners_step_rejoins_without_wai
         "trainer.async_depth=1",
         "gate=token",
         "trainer.steps=4",
-        "trainer.timeout_s=120",
+        "trainer.timeout_s=900",
     )
     first = first_samples(overrides, 4)
     faults = rows(8)
@@ -106,13 +105,11 @@ def test_a_rollout_worker_that_dies_beside_the_learners_step_rejoins_without_wai
     faults[first[0][0]].update(delay=3)
     faults[first[1][1]].update(fault="exit", marker=str(tmp_path / "exited"), delay=1)
     data_file(path, faults)
-    start = time.monotonic()
-    # a hang past trainer.timeout_s fails the run; one without end, this timeout
+    # nothing waited for trainer.timeout_s: such a wait would outlast this command's limit, however
+    # loaded the machine (no wall-clock bound on the run itself)
     command = [sys.executable, "-m", "workbench.cli", "train", *overrides]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=400)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    # nothing waited for trainer.timeout_s
-    assert time.monotonic() - start < 120
 
     db = open_run("rejoin-async", str(tmp_path))
     assert db.execute("select status, steps_done from runs").fetchone() == ("finished", 4)
@@ -144,10 +141,9 @@ def test_a_rollout_worker_dead_for_good_stops_the_run_at_once(tmp_path):
     # step 1: worker 1 dies, and Ray may not restart it
     faults[first[1][1]].update(fault="exit", marker=str(tmp_path / "exited"))
     data_file(path, faults)
-    start = time.monotonic()
+    # not after waiting 5 minutes for it to come back (faults.when_back): such a wait would outlast
+    # this command's limit, however loaded the machine
     command = [sys.executable, "-m", "workbench.cli", "train", *overrides]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=400)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=280)
     assert done.returncode == 1
     assert "The rollout worker process died" in done.stderr
-    # not after waiting 5 minutes for it to come back
-    assert time.monotonic() - start < 120

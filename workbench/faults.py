@@ -99,13 +99,16 @@ class Rollout:
     weights: object = None
 
 
-def submit(workers, prompts, weights=None):
-    """Start the next batch of episodes, shared among the workers, on `weights` when given."""
+def submit(workers, prompts, weights=None, before: Rollout | None = None):
+    """Start the next batch of episodes, shared among the workers, on `weights` when given; each
+    worker runs its part after its part of `before` (the batch sent before it, maybe in flight)."""
     data_state = prompts.state()
     jobs = prompts.next_jobs(len(workers))
+    # a worker's ticket: its result of the batch before (rollout.py waits for it)
+    tickets = [[ref] for ref in before.failures] if before else [None] * len(workers)
     futures = [
-        w.rollout_with_failures.options(num_returns=2).remote(j, None, weights)
-        for w, j in zip(workers, jobs, strict=True)
+        w.rollout_with_failures.options(num_returns=2).remote(j, None, weights, ticket)
+        for w, j, ticket in zip(workers, jobs, tickets, strict=True)
     ]
     return Rollout(jobs, [f[0] for f in futures], [f[1] for f in futures], data_state, weights)
 

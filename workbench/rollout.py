@@ -130,14 +130,26 @@ class RolloutWorker:
         return list({s.rollout_id: s.reward for s in self.rollout(jobs, params, weights)}.values())
 
     def rollout_with_failures(
-        self, jobs: list[Job], params: SamplingParams | None = None, weights: dict | None = None
+        self,
+        jobs: list[Job],
+        params: SamplingParams | None = None,
+        weights: dict | None = None,
+        after: list | None = None,
     ):
         """(segments of ended episodes, a failure row for each episode whose plugin code raised).
 
         `weights` (as `load_weights` takes them) travel with the call, so the batch starts on
         exactly them whenever Ray starts it; the loop sends each batch the weights async_depth
-        versions behind.
+        versions behind. `after`: the ticket of the batch the driver sent this worker before this
+        one (a Ray reference to its result), which this one waits for.
         """
+        # batches run in the order the driver sent them: Ray hands this threaded actor's calls to
+        # its threads in order, but which thread then takes the lock first is a race. The ticket
+        # is done when that batch ended, or failed with a worker that died before this one.
+        if after:
+            import ray
+
+            ray.wait(after, fetch_local=False)
         chat = isinstance(self.plugin.AgentRunner, type) and issubclass(
             self.plugin.AgentRunner, ChatAgent
         )

@@ -33,7 +33,9 @@ class Window:
         self.start = start
         self.end = batches(cfg)
         first = min(cfg.trainer.async_depth + 1, self.end - start)
-        self.in_flight = deque(faults.submit(workers, prompts) for _ in range(first))
+        self.in_flight = deque()
+        for _ in range(first):
+            self._submit()
         # the loop step whose batch is drawn next
         self.next_batch = start + len(self.in_flight)
 
@@ -72,9 +74,15 @@ class Window:
                 with contextlib.suppress(ray.exceptions.RayActorError):
                     ray.get(worker.load_weights.remote(weights))
         if self.next_batch < self.end:
-            self.in_flight.append(faults.submit(self.workers, self.prompts, weights))
+            self._submit(weights)
             self.next_batch += 1
         return weights
+
+    def _submit(self, weights: object = None) -> None:
+        """Draw the next batch, on `weights` when given; each worker runs it after its part of the
+        newest batch in flight, as it was sent."""
+        newest = self.in_flight[-1] if self.in_flight else None
+        self.in_flight.append(faults.submit(self.workers, self.prompts, weights, newest))
 
     def data_state(self):
         """The data position a checkpoint saves: from before the oldest batch in flight was drawn
