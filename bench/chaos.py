@@ -7,19 +7,23 @@ The arith recipe (tiny model, 2 rollout workers, async_depth 1, partial rollouts
 every 10 steps) runs in this process while a thread SIGKILLs an actor process (a rollout worker,
 the learner or the store) at each moment of its plan, taken in turn:
 
-    start  an actor of a start, within `--every` seconds of the first one up: the run's own start
-           before any checkpoint, then the actors a recovery starts, while they load
+    first  the learner or the store of the run's own start, from its first second: before any
+           checkpoint (then, in turn, write, start, any, write, ...)
     write  the learner or the store while a checkpoint is being written (the next write, or one
            after 1 or 2 more commit): the write is held halfway (a `checkpoints/hold` file,
            checkpoint.py) and the kill lands inside it
-    any    a random actor, `--every` seconds (on average) after the last kill
+    start  an actor of the next start, within `--every` seconds of the first one up: the actors a
+           recovery starts while they load the checkpoint, or a worker Ray restarts
+    any    a random actor at a random time within `--every` seconds once the run has trained 2
+           more steps: in a batch, a learner step, a weight push or a store write
 
 A dead worker is restarted by Ray and its episodes become failure rows; a dead learner or store
 restarts the run from its latest checkpoint, or from step 0 before the first (recovery.py). At
 the end it checks the tables and prints the kills by moment and role, the recoveries, the failure
 rows, rows duplicated in any table, token rows and steps lost, whether the learner's versions run
 1..N without a gap, and whether every learner or store kill was followed by a recovery. Exits 1
-on any broken promise. `--quick`: 30 steps, a checkpoint every 5, 4 kills (about a minute).
+on any broken promise. `--quick`: 60 steps, a checkpoint every 5, 4 kills, `--every 1` (about a
+minute).
 """
 
 import argparse
@@ -45,8 +49,9 @@ from workbench.store import open_run  # noqa: E402
 
 ROLES = ("rollout worker", "learner", "store")
 TITLES = {"rollout worker": "ray::RolloutWorker", "learner": "ray::Learner", "store": "ray::Store"}
-# the moments of a plan, in turn: a start kill after a write or an any kill lands in the recovery
-PLAN = ("start", "write", "start", "any")
+# the moments of a plan after the first: these in turn (a start kill after a write or an any kill
+# lands in the recovery or the worker restart it caused)
+PLAN = ("write", "start", "any")
 TABLE_KEYS = {
     "segments": "rollout_id, segment_idx",
     "tokens": "rollout_id, segment_idx, position",
@@ -108,16 +113,31 @@ def held(run_dir: Path, since: float) -> bool:
     return False
 
 
+def first_start(run_dir: Path, every: float, rng: random.Random, done: threading.Event) -> list:
+    """The learner or the store of the run's own start, from its first second: before any
+    checkpoint, so the run starts again from step 0."""
+    started = at_start(run_dir, every, rng, done)
+    return [(role, process) for role, process in started if role != "rollout worker"]
+
+
 def any_time(run_dir: Path, every: float, rng: random.Random, done: threading.Event) -> list:
-    """Every actor, `every` seconds on average from now (or once one is up: a recovery may be
-    starting them)."""
-    done.wait(every * rng.uniform(0.5, 1.5))
-    while not actors() and not done.wait(0.05):
+    """Every actor, at a random time within `every` seconds once the run trains again (2 steps
+    past where it stood): in a batch, a learner step, a weight push or a write to the store."""
+    stood = steps_done(run_dir)
+    while steps_done(run_dir) < stood + 2 and not done.wait(0.05):
         pass
+    done.wait(rng.uniform(0, every))
     return actors()
 
 
-MOMENTS = {"start": at_start, "write": in_a_write, "any": any_time}
+def steps_done(run_dir: Path) -> int:
+    """The steps the run has logged, as its row says (0 before it has one)."""
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads((run_dir / "run.json").read_text()).get("steps_done", 0)
+    return 0
+
+
+MOMENTS = {"first": first_start, "write": in_a_write, "start": at_start, "any": any_time}
 
 
 def killer(
@@ -135,6 +155,7 @@ def killer(
         alive = [(role, process) for role, process in chosen if process.is_running()]
         if done.is_set() or not alive:
             (run_dir / "checkpoints" / HOLD).unlink(missing_ok=True)
+            print(f"  no kill at the {moment} moment: no actor up, or the run ended", flush=True)
             continue
         role, process = rng.choice(alive)
         try:
@@ -144,15 +165,15 @@ def killer(
         finally:
             # a SIGKILLed process runs no more code: only a new learner writes on
             (run_dir / "checkpoints" / HOLD).unlink(missing_ok=True)
-        steps_done = json.loads((run_dir / "run.json").read_text()).get("steps_done", 0)
+        done_by_then = steps_done(run_dir)
         kills.append(
-            {"moment": moment, "role": role, "steps_done": steps_done, "time": time.time()}
+            {"moment": moment, "role": role, "steps_done": done_by_then, "time": time.time()}
         )
-        print(f"  killed the {role} ({moment}) after step {steps_done}", flush=True)
+        print(f"  killed the {role} ({moment}) after step {done_by_then}", flush=True)
 
 
 def check(
-    db: duckdb.DuckDBPyConnection, run_dir: Path, steps: int, kills: list[dict]
+    db: duckdb.DuckDBPyConnection, run_dir: Path, steps: int, kills: list[dict], planned: int
 ) -> tuple[list[str], dict]:
     """The broken promises of a finished chaos run, and its counts."""
     problems = []
@@ -198,7 +219,7 @@ def check(
     counts = {
         "steps": steps,
         "status": status,
-        "kills": len(kills),
+        "kills (planned)": f"{len(kills)} ({planned})",
         "recoveries": len(recoveries),
         "recoveries from step 0": sum(checkpoint is None for _, checkpoint, _ in recoveries),
         "failure rows": db.execute("select count(*) from failed_episodes").fetchone()[0],
@@ -228,13 +249,16 @@ def table(kills: list[dict], recoveries: list[tuple]) -> str:
 def main() -> int:
     """Run the soak, print its table and counts; 1 on any broken promise."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="30 steps, 4 kills: a smoke run")
+    parser.add_argument(
+        "--quick", action="store_true", help="60 steps, 4 kills, --every 1: a smoke run"
+    )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--every", type=float, default=3.0)
     parser.add_argument("--kills", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    steps = 30 if args.quick else args.steps
+    steps = 60 if args.quick else args.steps
+    every = 1.0 if args.quick else args.every
     most = 4 if args.quick else args.kills
     root = Path(tempfile.mkdtemp(prefix="molt-wb-chaos-"))
     cfg = compose_config(
@@ -250,16 +274,18 @@ def main() -> int:
             "ray.rollout_workers=2",
             "tracking=none",
             "run.progress=false",
+            # the row's steps_done, which the any moment waits on, at most a second old
+            "run.flush_seconds=1",
             f"run.root={root}",
             "run.id=chaos",
         ]
     )
-    plan = [PLAN[i % len(PLAN)] for i in range(most)]
+    plan = ["first"] + [PLAN[i % len(PLAN)] for i in range(most - 1)]
     kills = []
     done = threading.Event()
     rng = random.Random(args.seed)
     run_dir = root / "chaos"
-    thread = threading.Thread(target=killer, args=(run_dir, plan, args.every, rng, kills, done))
+    thread = threading.Thread(target=killer, args=(run_dir, plan, every, rng, kills, done))
     started = time.perf_counter()
     thread.start()
     try:
@@ -269,7 +295,7 @@ def main() -> int:
         thread.join()
     seconds = time.perf_counter() - started
     db = open_run("chaos", str(root))
-    problems, counts = check(db, run_dir, steps, kills)
+    problems, counts = check(db, run_dir, steps, kills, len(plan))
     recoveries = db.execute("select died, checkpoint, time from recoveries").fetchall()
     print(f"chaos soak: {steps} steps in {seconds:.0f} s, run folder {run_dir}")
     print(table(kills, recoveries))
