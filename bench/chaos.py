@@ -12,8 +12,8 @@ the learner or the store) at each moment of its plan, taken in turn:
     write  the learner or the store while a checkpoint is being written (the next write, or one
            after 1 or 2 more commit): the write is held halfway (a `checkpoints/hold` file,
            checkpoint.py) and the kill lands inside it
-    start  an actor of the next start, within `--every` seconds of the first one up: the actors a
-           recovery starts while they load the checkpoint, or a worker Ray restarts
+    start  an actor of a random role of the next start, within `--every` seconds of it being up:
+           the actors a recovery starts while they load the checkpoint
     any    a random actor at a random time within `--every` seconds once the run has trained 2
            more steps: in a batch, a learner step, a weight push or a store write
 
@@ -72,15 +72,18 @@ def actors(roles: tuple[str, ...] = ROLES) -> list[tuple[str, psutil.Process]]:
     return found
 
 
-def at_start(run_dir: Path, every: float, rng: random.Random, done: threading.Event) -> list:
-    """The actors of the next start (processes not alive when asked) up by a random time within
-    `every` seconds of the first one, while they load: the run's first start or a recovery's."""
+def at_start(
+    run_dir: Path, every: float, rng: random.Random, done: threading.Event, roles: tuple = ROLES
+) -> list:
+    """The actor of a random one of `roles` of the next start (a process not alive when asked),
+    a random time within `every` seconds after it is up: while it starts or loads a checkpoint."""
+    role = rng.choice(roles)
     before = {process.pid for _, process in actors()}
-    while not done.wait(0.05):
-        if any(process.pid not in before for _, process in actors()):
-            break
+    fresh = []
+    while not fresh and not done.wait(0.05):
+        fresh = [(role, process) for _, process in actors((role,)) if process.pid not in before]
     done.wait(rng.uniform(0, every))
-    return [(role, process) for role, process in actors() if process.pid not in before]
+    return fresh
 
 
 def in_a_write(run_dir: Path, every: float, rng: random.Random, done: threading.Event) -> list:
@@ -116,8 +119,7 @@ def held(run_dir: Path, since: float) -> bool:
 def first_start(run_dir: Path, every: float, rng: random.Random, done: threading.Event) -> list:
     """The learner or the store of the run's own start, from its first second: before any
     checkpoint, so the run starts again from step 0."""
-    started = at_start(run_dir, every, rng, done)
-    return [(role, process) for role, process in started if role != "rollout worker"]
+    return at_start(run_dir, every, rng, done, ("learner", "store"))
 
 
 def any_time(run_dir: Path, every: float, rng: random.Random, done: threading.Event) -> list:
