@@ -506,7 +506,15 @@ def validate(cfg):
 
 
 def _need(ok, message):
+    """Refuse the config with `message` unless `ok`: a value in range, a file that exists."""
     if not ok:
+        raise ConfigError(message)
+
+
+def _refuse(combination, message):
+    """Refuse the config with `message` when `combination` holds: written as what is refused
+    (`lora and workers > 1`), never as its negation."""
+    if combination:
         raise ConfigError(message)
 
 
@@ -517,32 +525,32 @@ def _refuse_unsafe_combinations(cfg):
     on_policy = cfg.trainer.async_depth == 0 and not cfg.rollout.partial
     # bypass: π_old is the behavior log-prob itself, and that is π_old only while the batch is
     # the learner's current policy's own sample
-    _need(
-        not gate.bypass or on_policy,
+    _refuse(
+        gate.bypass and not on_policy,
         "gate.bypass takes the behavior log-probs as π_old, which they are only on-policy: set "
         "trainer.async_depth=0 and rollout.partial=false, or gate.bypass=false.",
     )
     # the loss takes ratios against π_old, not the older policy that sampled: nothing corrects it
-    _need(
-        gate.level != "off" or on_policy,
+    _refuse(
+        gate.level == "off" and not on_policy,
         "Asynchronous or partial rollout trains on tokens of older policies: set gate.level=token, "
         "seq or geo.",
     )
     # top-p samples from a truncated, renormalised softmax; the learner recomputes the full one
-    _need(
-        (gate.level == "off" and gate.veto is None and not gate.bypass) or cfg.engine.top_p >= 1,
+    _refuse(
+        cfg.engine.top_p < 1 and (gate.level != "off" or gate.veto is not None or gate.bypass),
         "engine.top_p < 1 gives behavior log-probs the learner cannot recompute, so the gate would "
         "misjudge every token: set engine.top_p=1.",
     )
     # seq and geo keep or drop whole sequences and ignore gate.mode: clip would act as mask
-    _need(
-        gate.mode != "clip" or gate.level not in ("seq", "geo"),
+    _refuse(
+        gate.mode == "clip" and gate.level in ("seq", "geo"),
         f"gate.level={gate.level} is a rejection filter: unset gate.mode (clip is for "
         f"gate.level=token).",
     )
     # token_band acts under a sequence filter only: elsewhere it would be silently ignored
-    _need(
-        gate.token_band is None or gate.level in ("seq", "geo"),
+    _refuse(
+        gate.token_band is not None and gate.level not in ("seq", "geo"),
         "gate.token_band masks tokens under gate.level=seq or geo: at gate.level=token use "
         "gate.mode=mask with gate.band.",
     )
@@ -556,14 +564,14 @@ def _refuse_unsafe_combinations(cfg):
     )
     # a group of one has no baseline: group-relative estimators give it advantage 0, nothing learns
     estimator = ADVANTAGES.get(algo.advantage)
-    _need(
-        cfg.trainer.group_size >= 2 or estimator is None or not estimator.groups,
+    _refuse(
+        cfg.trainer.group_size < 2 and estimator is not None and estimator.groups,
         f"algo.advantage={algo.advantage} compares samples of one prompt: set trainer.group_size "
         f"to 2 or more.",
     )
     # the discount acts on turn returns only: under another estimator it would be silently ignored
-    _need(
-        algo.turn_discount == 1 or algo.advantage == "turn",
+    _refuse(
+        algo.turn_discount != 1 and algo.advantage != "turn",
         "algo.turn_discount discounts turn returns under algo.advantage=turn only: set "
         "algo.advantage=turn or algo.turn_discount=1.",
     )
@@ -628,14 +636,14 @@ def _refuse_out_of_range(cfg):
     gate = cfg.gate
     trainer = cfg.trainer
     _need(cfg.engine.temperature > 0, "RL needs sampling: set engine.temperature above 0.")
-    _need(
-        algo.aggregation != "constant" or algo.constant_denominator,
+    _refuse(
+        algo.aggregation == "constant" and not algo.constant_denominator,
         "algo.aggregation=constant needs algo.constant_denominator (e.g. batch size x max tokens).",
     )
-    _need(
-        not ADVANTAGES[algo.advantage].teacher
-        or algo.teacher_path
-        or algo.teacher_warm_start_steps,
+    _refuse(
+        ADVANTAGES[algo.advantage].teacher
+        and not algo.teacher_path
+        and not algo.teacher_warm_start_steps,
         f"algo.advantage={algo.advantage} needs a teacher: set algo.teacher_path or "
         f"algo.teacher_warm_start_steps.",
     )
@@ -659,7 +667,9 @@ def _refuse_out_of_range(cfg):
             len(band) == 2 and 0 <= band[0] <= band[1],
             f"{key}={list(band)} must be [low, high] with 0 <= low <= high.",
         )
-    _need(gate.veto is None or gate.veto > 1, "gate.veto must be a ratio above 1 (or null).")
+    _refuse(
+        gate.veto is not None and gate.veto <= 1, "gate.veto must be a ratio above 1 (or null)."
+    )
     _need(
         trainer.checkpoint_every >= 0 and trainer.keep_checkpoints >= 1,
         "trainer.checkpoint_every must be 0 (off) or more and trainer.keep_checkpoints at least 1.",
@@ -696,33 +706,33 @@ def _refuse_out_of_range(cfg):
 def _refuse_missing_files(cfg):
     """Files and folders the config names exist and are of the right kind."""
     algo = cfg.algo
-    _need(
-        not cfg.model.path or Path(cfg.model.path, "config.json").exists(),
+    _refuse(
+        cfg.model.path and not Path(cfg.model.path, "config.json").exists(),
         f"model.path={cfg.model.path} is not a Hugging Face checkpoint folder (no config.json): "
         f"fix the path.",
     )
     # replay on a dense policy would do nothing while the run claims R3 (reads its config.json)
-    _need(
-        not algo.routing_replay or _is_moe(cfg.model),
+    _refuse(
+        algo.routing_replay and not _is_moe(cfg.model),
         f"algo.routing_replay needs a mixture-of-experts policy and model "
         f"{cfg.model.path or cfg.model.name} is dense: use model=tiny-moe or set "
         f"algo.routing_replay=false.",
     )
-    _need(
-        not algo.teacher_path or Path(algo.teacher_path, "config.json").exists(),
+    _refuse(
+        algo.teacher_path and not Path(algo.teacher_path, "config.json").exists(),
         f"algo.teacher_path={algo.teacher_path} is not a Hugging Face checkpoint folder (no "
         f"config.json): fix the path.",
     )
-    _need(
-        not cfg.data.path or Path(cfg.data.path).exists(),
+    _refuse(
+        cfg.data.path and not Path(cfg.data.path).exists(),
         f"data.path={cfg.data.path} does not exist: give a local .parquet or .jsonl file.",
     )
-    _need(
-        not cfg.data.path or cfg.data.path.endswith((".parquet", ".jsonl")),
+    _refuse(
+        cfg.data.path and not cfg.data.path.endswith((".parquet", ".jsonl")),
         f"data.path={cfg.data.path} is neither .parquet nor .jsonl: convert it to one of those.",
     )
-    _need(
-        not cfg.eval.path or Path(cfg.eval.path).exists(),
+    _refuse(
+        cfg.eval.path and not Path(cfg.eval.path).exists(),
         f"eval.path={cfg.eval.path} does not exist: give a local .parquet or .jsonl file.",
     )
 
@@ -733,9 +743,9 @@ def _refuse_missing_code(cfg):
     # engine names are known by now: torch or vllm
     vllm = cfg.engine.name == "vllm"
     # each optional extra is imported only where its feature is on (workbench/extras.py)
-    _need(not lora or not missing("lora"), needs(f"model.lora.rank={lora}", "lora"))
+    _refuse(lora and missing("lora"), needs(f"model.lora.rank={lora}", "lora"))
     mlflow = cfg.tracking.mlflow.enabled
-    _need(not mlflow or not missing("mlflow"), needs("tracking.mlflow.enabled=true", "mlflow"))
+    _refuse(mlflow and missing("mlflow"), needs("tracking.mlflow.enabled=true", "mlflow"))
     # a vLLM request keeps the LoRARequest it was added with; adapters on a sharded learner are
     # not built yet
     _need(
@@ -744,8 +754,8 @@ def _refuse_missing_code(cfg):
         "the adapter it started with, so it cannot switch versions between token steps; use "
         "engine=torch or rollout.partial=false.",
     )
-    _need(
-        not lora or cfg.ray.learner_workers == 1,
+    _refuse(
+        lora and cfg.ray.learner_workers != 1,
         "model.lora.rank needs ray.learner_workers=1: adapters on a sharded learner are not built.",
     )
     broken = vllm and broken_companions()
@@ -754,12 +764,12 @@ def _refuse_missing_code(cfg):
         f"engine=vllm: {', '.join(broken or [])} do not import with this torch (CUDA builds pip "
         f"pulls in with vLLM): run `pip uninstall -y {' '.join(TORCH_COMPANIONS)}`.",
     )
-    _need(
-        not vllm or importlib.util.find_spec("vllm"),
+    _refuse(
+        vllm and not importlib.util.find_spec("vllm"),
         f"engine=vllm needs vLLM in this environment: run `{VLLM_INSTALL}`.",
     )
-    _need(
-        not vllm or not _is_vision_language(cfg.model) or _imports("torchvision"),
+    _refuse(
+        vllm and _is_vision_language(cfg.model) and not _imports("torchvision"),
         "engine=vllm with a vision-language policy needs torchvision built for this torch (vLLM's "
         "vision models import it): install the matching torchvision or use engine=torch.",
     )
@@ -767,14 +777,14 @@ def _refuse_missing_code(cfg):
         plugin = load_plugin(cfg.agent.plugin)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    _need(
-        cfg.data.path or hasattr(plugin, "make_dataset"),
+    _refuse(
+        not cfg.data.path and not hasattr(plugin, "make_dataset"),
         f"Plugin {cfg.agent.plugin} has no make_dataset(size, seed): set data.path to a local data "
         f"file.",
     )
-    _need(
-        not cfg.model.warm_start_steps
-        or hasattr(getattr(plugin, "WARM_START_AS", plugin), "warm_start"),
+    _refuse(
+        cfg.model.warm_start_steps
+        and not hasattr(getattr(plugin, "WARM_START_AS", plugin), "warm_start"),
         f"model.warm_start_steps is set but plugin {cfg.agent.plugin} has no warm_start(sample, "
         f"rng): set it to 0.",
     )
