@@ -43,9 +43,10 @@ def _run(cfg):
             # ---- log: the single writer stores segments, tokens, gate decisions and metrics
             store.write_step.remote(step, startup.into(metrics), rows, *segments)
             nonfinite.stop_at(cfg, step, metrics)  # a NaN loss: before a checkpoint keeps it
+            # ---- every eval.every steps; before the checkpoint, which then holds its rows
+            evaluate.at_step(cfg, workers, store, step, weights)
             checkpoint.maybe_save(cfg, run_dir, step, learner, store, window.data_state())
             progress.update(metrics)
-            evaluate.at_step(cfg, workers, store, step, weights)  # ---- every eval.every steps
 
         # a step is logged once its metrics are in, while the learner trains on the next batch
         trailing = Trailing(cfg, log)
