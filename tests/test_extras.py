@@ -8,6 +8,7 @@ import os
 import site
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,12 @@ def molt_wb(python: str, *args: str, cwd: Path | None = None) -> subprocess.Comp
     )
 
 
+def test_every_extra_of_pyproject_is_known_to_doctor_and_the_refusals() -> None:
+    pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    extras = set(pyproject["project"]["optional-dependencies"]) - {"test"}
+    assert extras == set(EXTRAS)
+
+
 def test_the_bare_python_lacks_every_extra_and_nothing_else(bare_python: str) -> None:
     code = (
         "import importlib.util as u, sys;"
@@ -78,8 +85,8 @@ def test_help_and_doctor_work_and_doctor_lists_each_extra_as_missing(bare_python
 
 def test_doctor_lists_each_installed_extra_as_present() -> None:
     doctor = molt_wb(sys.executable, "doctor")
-    # the test environment installs every extra but vllm and bench
-    for extra in ("lora", "mlflow", "plot", "tui", "tune"):
+    # the test extra installs these (not vllm, bench)
+    for extra in ("lora", "mlflow", "plot", "tui", "tune", "docs"):
         assert f"{extra + ' extra':<12} present" in doctor.stdout.splitlines()
 
 
@@ -112,6 +119,24 @@ def test_a_feature_without_its_extra_is_refused_in_one_sentence_naming_it(
     result = molt_wb(bare_python, *args, cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr == f"error: {sentence}\n"
+
+
+def test_export_merged_of_a_lora_run_without_its_extra_is_refused_before_it_writes(
+    bare_python: str, tmp_path: Path
+) -> None:
+    run = tmp_path / "runs" / "lora"
+    run.mkdir(parents=True)
+    (run / "run.json").write_text("{}")
+    # a LoRA checkpoint's policy is its PEFT adapter folder
+    policy = run / "checkpoints" / "step-000002" / "policy"
+    policy.mkdir(parents=True)
+    (policy / "adapter_config.json").write_text("{}")
+    out = tmp_path / "merged"
+    result = molt_wb(bare_python, "export", "lora", "2", str(out), "--merged", cwd=tmp_path)
+    assert result.returncode == 2
+    sentence = "export --merged of a LoRA run needs the lora extra: pip install -e '.[lora]'."
+    assert result.stderr == f"error: {sentence}\n"
+    assert not out.exists()
 
 
 def test_engine_vllm_without_its_extra_names_the_install(bare_python: str, tmp_path: Path) -> None:

