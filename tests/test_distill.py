@@ -10,12 +10,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from workbench.batch import collate
 from workbench.config import compose_config
-from workbench.data import Prompts
-from workbench.learner import Learner
-from workbench.model_paths import policy_path, teacher_path
-from workbench.rollout import RolloutWorker
+from workbench.learner.batch import collate
+from workbench.learner.learner import Learner
+from workbench.rollout.worker import RolloutWorker
+from workbench.run.data import Prompts
+from workbench.run.model_paths import policy_path, teacher_path
 
 
 def exact_reverse_kl(student, teacher, batch) -> float:

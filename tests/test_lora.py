@@ -13,11 +13,11 @@ import torch
 from omegaconf import OmegaConf
 
 from workbench.algo.losses import approx_kl, token_logprobs
-from workbench.batch import collate
 from workbench.config import ConfigError, compose_config
 from workbench.engines.base import SamplingParams, from_wire
 from workbench.engines.torch_engine import TorchEngine, load_policy
-from workbench.learner import Learner
+from workbench.learner.batch import collate
+from workbench.learner.learner import Learner
 from workbench.models.tiny import tiny_model_path
 from workbench.segment import Segment
 from workbench.store import open_run

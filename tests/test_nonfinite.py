@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from workbench import nonfinite
 from workbench.algo.losses import policy_gradient_loss, token_logprobs_entropy
-from workbench.batch import batch_metrics
 from workbench.config import ConfigError, compose_config
-from workbench.faults import RunFailed
-from workbench.store import open_run
+from workbench.learner.batch import batch_metrics
+from workbench.run import faults
+from workbench.run.faults import RunFailed
+from workbench.run.summary import figures, render
+from workbench.store import nonfinite, open_run
 from workbench.store.actor import StoreActor
-from workbench.summary import figures, render
 from workbench.tui.data import RunData
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -127,12 +127,12 @@ def test_a_nonfinite_loss_or_gradient_stops_the_run_unless_told_to_warn():
     cfg = compose_config(["+recipe=arith", "run.id=nan"])
     metrics = {"loss/policy": 0.3, "loss/grad_norm": float("inf"), "policy/entropy": math.nan}
     with pytest.raises(RunFailed, match=r"Step 4's loss/grad_norm is not finite") as stopped:
-        nonfinite.stop_at(cfg, 4, metrics)
+        faults.nonfinite_loss(cfg, 4, metrics)
     assert "trainer.nonfinite=warn" in str(stopped.value)
     # a measurement alone never stops it
-    nonfinite.stop_at(cfg, 4, metrics | {"loss/grad_norm": 1.0})
+    faults.nonfinite_loss(cfg, 4, metrics | {"loss/grad_norm": 1.0})
     warn = compose_config(["+recipe=arith", "run.id=nan", "trainer.nonfinite=warn"])
-    nonfinite.stop_at(warn, 4, metrics)
+    faults.nonfinite_loss(warn, 4, metrics)
     with pytest.raises(ConfigError, match="trainer.nonfinite='never' must be warn or stop"):
         compose_config(["+recipe=arith", "trainer.nonfinite=never"])
 

@@ -20,11 +20,11 @@ from typer.testing import CliRunner
 from workbench import cli
 from workbench.algo.losses import masked_mean, token_logprobs
 from workbench.api import load_plugin
-from workbench.batch import collate
-from workbench.checkpoint import saved
+from workbench.learner.batch import collate
 from workbench.models.multimodal import ImageCodec, forward_inputs, load_policy
 from workbench.models.tiny import tiny_model_path
-from workbench.sft import conversations, demonstration, teacher_batches, warm_started_path
+from workbench.run.checkpoint import saved
+from workbench.run.sft import conversations, demonstration, teacher_batches, warm_started_path
 from workbench.store import list_runs, open_run
 
 

@@ -9,8 +9,8 @@ import pytest
 import ray
 
 from workbench.config import compose_config
-from workbench.run_folder import plain
-from workbench.window import Trailing
+from workbench.run.run_folder import plain
+from workbench.run.window import Trailing
 
 
 @ray.remote(num_cpus=0)

@@ -18,10 +18,11 @@ plugin names the Env plugin whose demonstrations it shares as `WARM_START_AS`.
 
 from dataclasses import dataclass, field
 
-# Tools and graders for plugins, re-exported so that plugins import only this module.
-from workbench.grading import extract_answer, format_ok, geo3k_reward, grade, is_equivalent
 from workbench.locate import PLUGIN_PACKAGE, load_plugin, shipped_folder
-from workbench.sandbox import SandboxResult, run_python
+
+# Tools and graders for plugins, re-exported so that plugins import only this module.
+from workbench.tools.grading import extract_answer, format_ok, geo3k_reward, grade, is_equivalent
+from workbench.tools.sandbox import SandboxResult, run_python
 
 __all__ = [
     "PLUGIN_DIR",

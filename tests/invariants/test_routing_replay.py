@@ -11,12 +11,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from workbench.batch import collate
 from workbench.config import ConfigError, compose_config
 from workbench.engines.base import SamplingParams
 from workbench.engines.torch_engine import TorchEngine
 from workbench.invariants.routing_replay import decode_vllm_routed_experts, find_routers
-from workbench.learner import Learner
+from workbench.learner.batch import collate
+from workbench.learner.learner import Learner
 from workbench.models.tiny import tiny_model_path
 from workbench.segment import Segment
 from workbench.store import open_run

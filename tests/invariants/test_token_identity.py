@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from workbench.batch import audit_identity, collate
 from workbench.config import compose_config
 from workbench.invariants.token_identity import TokenAccumulator
-from workbench.rollout import Job, RolloutWorker
+from workbench.learner.batch import audit_identity, collate
+from workbench.rollout.worker import Job, RolloutWorker
 from workbench.segment import Batch, Segment
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"

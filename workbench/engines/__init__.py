@@ -1,4 +1,5 @@
-"""Rollout engines behind one protocol (engines/base.py): `engine=torch` (CPU) or `engine=vllm`."""
+"""Rollout engines behind one protocol (engines/base.py): `engine=torch` (CPU) or `engine=vllm`.
+A new engine is one module here implementing that protocol, and its case in `make_engine`."""
 
 
 def make_engine(cfg, model_path: str, seed: int):

@@ -7,7 +7,7 @@ waiting, and it runs its calls in order, so a checkpoint's shard marks follow th
 
 import time
 
-from workbench import nonfinite
+from workbench.store import nonfinite
 from workbench.store.schema import EVAL, FAILED_EPISODES, METRICS, rows_table, step_tables
 from workbench.store.writer import RunWriter
 from workbench.tracking import make_sinks

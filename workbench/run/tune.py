@@ -26,8 +26,8 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from workbench import progress, run_folder
 from workbench.config import ConfigError, compose_config
+from workbench.run import progress, run_folder
 from workbench.store.compare import compare_rows
 
 SUFFIX = ".optuna.db"
@@ -220,7 +220,7 @@ class Tuner:
 def _train(cfg, tuner: Connection):
     """A trial's run, in a process of its own: each logged step's `reward/mean` goes to the tuner,
     whose verdict it waits for; pruned (or SIGINT) stops it as Ctrl-C stops `molt-wb train`."""
-    from workbench import loop
+    from workbench.run import loop
 
     def judged(metrics: dict) -> None:
         # the loop step the metrics are of: each step trains trainer.minibatches versions

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
 
-from workbench.checkpoint import latest
-from workbench.faults import ActorDied, RunFailed, death
+from workbench.run.checkpoint import latest
+from workbench.run.faults import ActorDied, RunFailed, death
 from workbench.store.query import run_row
 from workbench.store.writer import write_json_atomic
 

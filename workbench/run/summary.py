@@ -5,7 +5,7 @@ curve, the three invariants' figures and where the time went, read back from the
 import time
 from collections import defaultdict
 
-from workbench import nonfinite
+from workbench.store import nonfinite
 from workbench.store.query import REWARD_CURVE, open_run, resolve_run, run_row
 
 SPARKS = "▁▂▃▄▅▆▇█"

@@ -9,9 +9,13 @@ held becomes a failure row, the restarted worker gets the learner's current weig
 a batch that lost every episode is drawn again, at most three times in a row.
 """
 
+import math
 import sys
 import time
 from dataclasses import dataclass
+
+from workbench.rollout.worker import failure_row
+from workbench.store import nonfinite
 
 
 class RunFailed(RuntimeError):
@@ -74,6 +78,19 @@ def death(role: str, run_id: str, when: str = "") -> ActorDied:
         f"which)"
     )
     return ActorDied(run_failed(cause, run_id), role)
+
+
+def nonfinite_loss(cfg, step: int, metrics: dict[str, float]) -> None:
+    """Under `trainer.nonfinite=stop`, end the run with one sentence when step `step`'s loss or
+    gradient norm is not finite (its rows are already on their way to the store)."""
+    bad = [key for key in nonfinite.STOP_KEYS if key in metrics and not math.isfinite(metrics[key])]
+    if bad and cfg.trainer.nonfinite == "stop":
+        raise run_failed(
+            f"Step {step}'s {' and '.join(bad)} is not finite (NaN or inf), so neither are the "
+            "weights it trained (trainer.nonfinite=stop)",
+            cfg.run.id,
+            "lower trainer.lr or trainer.max_grad_norm, or set trainer.nonfinite=warn, then ",
+        )
 
 
 def learner_timeout(step: int, cfg):
@@ -141,7 +158,7 @@ def collect(rollout: Rollout, step: int, cfg, store, learner, workers, prompts):
                 # the restart loaded the first weights
                 when_back(worker.load_weights, learner.weights.remote())
         if len(delivered) < len(workers) and cfg.ray.weight_transport == "collective":
-            from workbench.transport import join_weight_group
+            from workbench.learner.transport import join_weight_group
 
             # a restarted worker is in no group: every member joins a new one
             join_weight_group(cfg, learner, workers)
@@ -175,19 +192,6 @@ def _failure_rows(error: Exception, worker: int, jobs: list):
     lines = str(error).strip().splitlines()
     message = lines[0] if lines else type(error).__name__
     return [failure_row(job, worker, kind, message, str(error)) for job in jobs]
-
-
-def failure_row(job, worker: int, kind: str, error: str, trace: str):
-    """The `failed_episodes` row of the episode `job` of rollout worker `worker`."""
-    return {
-        "rollout_id": job.rollout_id,
-        "group_id": job.group_id,
-        "worker": worker,
-        "kind": kind,
-        "error": error,
-        "traceback": trace,
-        "time": time.time(),
-    }
 
 
 def when_back(method, *args):

@@ -14,7 +14,12 @@ import torch
 
 from workbench.algo.advantages import ADVANTAGES, uniform_groups
 from workbench.algo.losses import POLICY_LOSSES, approx_kl, token_logprobs_entropy
-from workbench.batch import (
+from workbench.config import GateConfig
+from workbench.engines.base import to_wire
+from workbench.engines.torch_engine import set_threads
+from workbench.invariants.routing_replay import find_routers, replay_routes
+from workbench.invariants.version_gate import gate_metrics, version_gate
+from workbench.learner.batch import (
     audit_identity,
     batch_metrics,
     collate,
@@ -24,19 +29,14 @@ from workbench.batch import (
     step_means,
     store_rows,
 )
-from workbench.checkpoint import load_learner, save_learner, side_files
-from workbench.config import GateConfig
-from workbench.engines.base import to_wire
-from workbench.engines.torch_engine import set_threads
-from workbench.invariants.routing_replay import find_routers, replay_routes
-from workbench.invariants.version_gate import gate_metrics, version_gate
+from workbench.learner.sharding import Ranks
+from workbench.learner.state import load_learner, save_learner, side_files
+from workbench.learner.transport import WeightGroup, layout_of
 from workbench.models.lora import adapter_state, with_adapter
 from workbench.models.multimodal import ImageCodec, forward_inputs, is_vision_language, load_policy
 from workbench.models.packing import microbatches, pack_like, packed_logprobs, unpack
 from workbench.models.prefix import plan, shared_prefix_logprobs
 from workbench.segment import Segment
-from workbench.sharding import Ranks
-from workbench.transport import WeightGroup, layout_of
 
 
 class Learner:

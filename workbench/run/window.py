@@ -10,9 +10,9 @@ import contextlib
 import time
 from collections import deque
 
-from workbench import faults
-from workbench.progress import StepClock
-from workbench.transport import join_weight_group
+from workbench.learner.transport import join_weight_group
+from workbench.run import faults
+from workbench.run.progress import StepClock
 
 
 def batches(cfg):

@@ -20,6 +20,7 @@ import inspect
 import math
 import numbers
 import threading
+import time
 import traceback
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +29,6 @@ from dataclasses import dataclass, replace
 from workbench.api import ChatAgent, ChatContext, Result, load_plugin
 from workbench.engines import make_engine
 from workbench.engines.base import SamplingParams, derived_seed, from_wire
-from workbench.faults import failure_row
 from workbench.invariants.token_identity import TokenAccumulator, reply_text, retokenize_drift
 from workbench.segment import Batch, Segment
 from workbench.server.loopback import LoopbackServer
@@ -95,7 +95,7 @@ class RolloutWorker:
 
     def join_weight_group(self, address: tuple, world: int, layout: list, cfg):
         """Join the collective weight transport's group as rank worker_index + 1."""
-        from workbench.transport import WeightGroup
+        from workbench.learner.transport import WeightGroup
 
         rank = self.worker_index + 1
         self.weight_group = WeightGroup(address, rank, world, cfg.trainer.timeout_s)
@@ -399,6 +399,19 @@ def _episode_error(result, call: str):
     if isinstance(result, BaseException):
         return result
     return TypeError(f"{call} returned {type(result).__name__}, not a Result")
+
+
+def failure_row(job, worker: int, kind: str, error: str, trace: str):
+    """The `failed_episodes` row of the episode `job` of rollout worker `worker`."""
+    return {
+        "rollout_id": job.rollout_id,
+        "group_id": job.group_id,
+        "worker": worker,
+        "kind": kind,
+        "error": error,
+        "traceback": trace,
+        "time": time.time(),
+    }
 
 
 def finite_reward(result: Result | BaseException, where: str) -> Result | BaseException:

@@ -2,19 +2,10 @@
 flows one way (rollout -> learner -> store); only weights and their version flow back, to rollouts
 up to `trainer.async_depth` versions behind (window.py; the version gate corrects for it)."""
 
-from workbench import (
-    checkpoint,
-    cluster,
-    evaluate,
-    faults,
-    model_paths,
-    nonfinite,
-    recovery,
-    run_folder,
-)
-from workbench.data import Prompts
-from workbench.progress import Progress, StartClock
-from workbench.window import Trailing, Window
+from workbench.run import checkpoint, cluster, evaluate, faults, model_paths, recovery, run_folder
+from workbench.run.data import Prompts
+from workbench.run.progress import Progress, StartClock
+from workbench.run.window import Trailing, Window
 
 
 def train(cfg):
@@ -31,7 +22,6 @@ def _run(cfg):
     cfg = run_folder.plain(cfg)  # final from here on
     model_path = model_paths.policy_path(cfg, startup)
     with startup.timed("actor_start"):  # Ray, then its actors, each loading the policy
-        cluster.init_ray(cfg)
         store, learner, workers = cluster.start_actors(cfg, model_path, run_dir, run_row)
     progress = Progress(cfg)
     status = "failed"
@@ -42,13 +32,12 @@ def _run(cfg):
         def log(step, metrics, rows, segments, weights):
             # ---- log: the single writer stores segments, tokens, gate decisions and metrics
             store.write_step.remote(step, startup.into(metrics), rows, *segments)
-            nonfinite.stop_at(cfg, step, metrics)  # a NaN loss: before a checkpoint keeps it
+            faults.nonfinite_loss(cfg, step, metrics)  # stops the run before a checkpoint
             checkpoint.maybe_save(cfg, run_dir, step, learner, store, window.data_state())
             progress.update(metrics)
             evaluate.at_step(cfg, workers, store, step, weights)  # ---- every eval.every steps
 
-        # a step is logged once its metrics are in, while the learner trains on the next batch
-        trailing = Trailing(cfg, log)
+        trailing = Trailing(cfg, log)  # logs a step once its metrics are in, as the next trains
         for step in window.steps():
             # ---- generate and score: the oldest batch, sampled up to async_depth versions ago
             rollout = trailing.before(window.oldest())

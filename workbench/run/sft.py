@@ -11,16 +11,17 @@ import math
 import random
 from pathlib import Path
 
-from workbench import run_folder
-from workbench.checkpoint import commit, save_policy
 from workbench.config import AlgoConfig, Config, TrainerConfig
-from workbench.data import load_samples
 from workbench.invariants.token_identity import TokenAccumulator
-from workbench.learner import Learner
+from workbench.learner.learner import Learner
+from workbench.learner.state import save_policy
 from workbench.models.multimodal import ImageCodec, is_vision_language
 from workbench.models.tiny import built_into
-from workbench.progress import Task, stage
-from workbench.rollout import opening_messages
+from workbench.rollout.worker import opening_messages
+from workbench.run import run_folder
+from workbench.run.checkpoint import commit
+from workbench.run.data import load_samples
+from workbench.run.progress import Task, stage
 from workbench.segment import Segment
 from workbench.server.wires.base import WireError, user_content
 from workbench.store.actor import StoreActor
