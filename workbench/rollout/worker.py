@@ -167,7 +167,7 @@ class RolloutWorker:
                     segments = self._env_rollout(jobs, failures)
         # this call's generation seconds, for the learner's perf/generate_s
         if segments and generated is not None:
-            segments[0].audit["generate_s"] = self.engine.compute_s - generated
+            segments[0].generate_s = self.engine.compute_s - generated
         return Batch(segments), list(failures.values())
 
     def _failed(self, job: Job, kind: str, error: BaseException):
