@@ -8,7 +8,8 @@ Usage: loc.py [ROOT] [--budget-core N]   (ROOT: a folder or one file; defaults t
 - code tokens leave out comments, docstrings and bare string statements;
 - logic tokens are code tokens less type annotations (of parameters, returns and annotated
   assignments, with their ':' and '->'): types document code and cost nothing at run time, so
-  they never count against a budget;
+  they never count against a budget, nor do the statements that exist only for them (an
+  `if TYPE_CHECKING:` block, `from __future__ import annotations`);
 - the audit path is the set of files in CORE below (both the flat and the winged layout); its
   logic tokens are the size a reviewer must read to check the three invariants.
 Prints one row per sub-folder, the largest files, the totals and the audit path; exits 1 when the
@@ -53,6 +54,31 @@ def annotation_spans(src: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     return [((n.lineno, n.col_offset), (n.end_lineno, n.end_col_offset)) for n in nodes]
 
 
+def is_type_checking(test: ast.expr) -> bool:
+    """`TYPE_CHECKING` or `typing.TYPE_CHECKING`."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def typing_only_spans(src: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(start, end) positions of the statements that exist only for annotations: an
+    `if TYPE_CHECKING:` block, `from __future__ import annotations` and the import of
+    TYPE_CHECKING itself."""
+    try:
+        tree = ast.parse(src)
+    except SyntaxError:
+        return []
+    nodes = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and is_type_checking(node.test) and not node.orelse:
+            nodes.append(node)
+        elif isinstance(node, ast.ImportFrom) and (
+            (node.module == "__future__" and [a.name for a in node.names] == ["annotations"])
+            or (node.module == "typing" and [a.name for a in node.names] == ["TYPE_CHECKING"])):
+            nodes.append(node)
+    return [((n.lineno, n.col_offset), (n.end_lineno, n.end_col_offset)) for n in nodes]
+
+
 def measure(path: Path) -> tuple[int, int, int, int]:
     """(code lines, code tokens, annotation tokens, physical lines over 100 characters)."""
     try:
@@ -88,6 +114,8 @@ def measure(path: Path) -> tuple[int, int, int, int]:
         j = bisect.bisect_left(starts, end)
         # the annotation's own tokens, and the ':' or '->' just before it
         annotated += (j - i) + (1 if i > 0 and kinds[i - 1] in (":", "->") else 0)
+    for start, end in typing_only_spans(src):
+        annotated += bisect.bisect_left(starts, end) - bisect.bisect_left(starts, start)
     return len(lines), len(starts), annotated, wide
 
 
