@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -54,12 +55,13 @@ def test_the_mismatch_figure_is_taken_only_where_the_mask_is_set():
     NaN."""
     old = torch.tensor([[0.0, float("-inf"), -1.0, -2.0]])
     behavior = torch.tensor([[0.0, 0.0, -1.5, -2.0]])
-    batch = {
-        "loss_mask": torch.tensor([[0, 0, 1, 1]]),
-        "behavior_logprob": behavior,
-        "rewards": torch.tensor([1.0]),
-        "attention_mask": torch.ones(1, 4),
-    }
+    # the fields of a TrainBatch the metrics read
+    batch = SimpleNamespace(
+        loss_mask=torch.tensor([[0, 0, 1, 1]]),
+        behavior_logprob=behavior,
+        rewards=torch.tensor([1.0]),
+        attention_mask=torch.ones(1, 4),
+    )
     metrics = batch_metrics([None], batch, old, entropy=torch.zeros(1, 4))
     assert metrics["mismatch/max_abs_logprob_diff"] == pytest.approx(0.5)
     assert all(math.isfinite(value) for value in metrics.values())

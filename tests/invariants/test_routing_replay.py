@@ -84,10 +84,10 @@ def test_replay_on_the_same_weights_reproduces_rollout_logprobs(moe):
     routing = {}
     with torch.no_grad():
         replayed = learner.logprobs(batch, routing=routing)
-    mask = batch["loss_mask"]
-    assert (replayed - batch["behavior_logprob"])[mask].abs().max() < 1e-5
+    mask = batch.loss_mask
+    assert (replayed - batch.behavior_logprob)[mask].abs().max() < 1e-5
     assert not routing["mismatch"].any()
-    assert routing["known"][batch["attention_mask"].bool()].float().mean() > 0.8
+    assert routing["known"][batch.attention_mask.bool()].float().mean() > 0.8
 
 
 def perturbed_router_engine(path, scale=0.05):

@@ -149,7 +149,7 @@ def test_multi_turn_env_episodes_are_token_exact_segments(tiny_path):
         )
     batch = collate(segments)
     np.testing.assert_array_equal(
-        batch["token_ids"][0, : len(segments[0].token_ids)].numpy(), segments[0].token_ids
+        batch.token_ids[0, : len(segments[0].token_ids)].numpy(), segments[0].token_ids
     )
     # the next epoch's episode opens from the kept render
     again = worker.rollout([Job({"problem": "Say 1."}, 0, 2)])

@@ -12,11 +12,15 @@ tests/algo/test_advantages.py.
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from workbench.algo.losses import masked_mean
+
+if TYPE_CHECKING:
+    from workbench.learner.batch import TrainBatch
 
 # the estimators `compute_advantages` computes from rewards alone
 REWARD_ESTIMATORS = ("reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo")
@@ -27,7 +31,8 @@ class Estimator:
     """An advantage estimator as the learner calls it, and what it needs."""
 
     estimate: Callable[..., tuple[Tensor, dict[str, float]]]
-    """(batch, logprob [B, T], teacher_logprob [B, T] or None, algo config) ->
+    """(train batch (`learner.batch.TrainBatch`), logprob [B, T], teacher_logprob [B, T] or None,
+    algo config) ->
     (advantages [B] or [B, T], metrics)."""
     teacher: bool = False
     """It reads a frozen teacher's log-probs: the learner loads the teacher for it."""
@@ -168,9 +173,9 @@ def advantage(name: str, teacher: bool = False, groups: bool = True):
 def _from_rewards(estimator: str):
     """`compute_advantages(..., estimator)` as the learner calls it: one advantage per row."""
 
-    def estimate(batch: dict, logprob: Tensor, teacher_logprob: None, algo):
+    def estimate(train_batch: "TrainBatch", logprob: Tensor, teacher_logprob: None, algo):
         advantages = compute_advantages(
-            batch["rewards"], batch["group_ids"], estimator, batch["rollout_ids"]
+            train_batch.rewards, train_batch.group_ids, estimator, train_batch.rollout_ids
         )
         return advantages, {}
 
@@ -183,16 +188,22 @@ for name in REWARD_ESTIMATORS:
 
 
 @advantage("on_policy_distill", teacher=True, groups=False)
-def on_policy_distill(batch: dict, logprob: Tensor, teacher_logprob: Tensor, algo):
+def on_policy_distill(train_batch: "TrainBatch", logprob: Tensor, teacher_logprob: Tensor, algo):
     """Per token, from the frozen teacher; no reward. Its metric: k1 of KL(student || teacher)."""
-    mask = batch["loss_mask"]
+    mask = train_batch.loss_mask
     advantages = distill_advantages(logprob, teacher_logprob, mask, algo.distill_coef)  # [B, T]
     distill_kl = masked_mean(logprob - teacher_logprob, mask)
     return advantages, {"distill/kl": float(distill_kl)}
 
 
 @advantage("turn")
-def turn(batch: dict, logprob: Tensor, teacher_logprob: None, algo):
+def turn(train_batch: "TrainBatch", logprob: Tensor, teacher_logprob: None, algo):
     """`turn_advantages` of the batch, γ = `algo.turn_discount`."""
-    keys = ("turn_rewards", "turns", "group_ids", "rollout_ids")
-    return turn_advantages(*map(batch.get, keys), algo.turn_discount), {}
+    advantages = turn_advantages(
+        train_batch.turn_rewards,
+        train_batch.turns,
+        train_batch.group_ids,
+        train_batch.rollout_ids,
+        algo.turn_discount,
+    )
+    return advantages, {}

@@ -58,6 +58,28 @@ class LossTargets:
     reference: torch.Tensor | None = None  # [rows, tokens]
 
 
+@dataclass
+class TokenLogprobs:
+    """A policy forward's log-probs of a batch's own ids, and the entropies of the distributions
+    they are taken from; they carry the graph where the forward did."""
+
+    logprob: torch.Tensor  # [rows, tokens]
+    entropy: torch.Tensor | None  # [rows, tokens]; None where the forward computed none
+
+
+@dataclass
+class OldLogprobs:
+    """π_old of one batch, as `Learner.old_logprobs` computes it."""
+
+    logprob: torch.Tensor  # [rows, tokens] detached
+    # π_old's entropies; None where no forward computes them
+    entropy: torch.Tensor | None  # [rows, tokens]
+    # the route mismatches of a MoE policy (`replay_routes`: mismatch, known, live), else empty
+    routing: dict[str, torch.Tensor]
+    # the training forward itself, when it has π_old's value (it then runs once), else None
+    live: TokenLogprobs | None = None
+
+
 # a dataclass of per-row fields: `rows_of` picks rows of either
 Rows = TypeVar("Rows", TrainBatch, LossTargets)
 

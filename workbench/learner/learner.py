@@ -6,20 +6,25 @@ version) to every rollout engine. The maths is in workbench.algo, found through 
 (`ADVANTAGES`, `POLICY_LOSSES`); this module only batches and calls them.
 """
 
-import contextlib
 import dataclasses
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from workbench.algo.advantages import ADVANTAGES, uniform_groups
-from workbench.algo.losses import POLICY_LOSSES, approx_kl, token_logprobs_entropy
-from workbench.config import GateConfig
+from workbench.algo.losses import POLICY_LOSSES, approx_kl
+from workbench.config import Config, GateConfig
 from workbench.engines.base import to_wire
 from workbench.engines.torch_engine import set_threads
-from workbench.invariants.routing_replay import find_routers, replay_routes
-from workbench.invariants.version_gate import gate_metrics, version_gate
+from workbench.invariants.routing_replay import find_routers
+from workbench.invariants.version_gate import GateResult, gate_metrics, version_gate
 from workbench.learner.batch import (
+    LossTargets,
+    OldLogprobs,
+    TokenLogprobs,
+    TrainBatch,
     audit_identity,
     batch_metrics,
     collate,
@@ -29,28 +34,27 @@ from workbench.learner.batch import (
     step_means,
     store_rows,
 )
+from workbench.learner.forward import PolicyForward
 from workbench.learner.sharding import Ranks
 from workbench.learner.state import load_learner, save_learner, side_files
 from workbench.learner.transport import WeightGroup, layout_of
 from workbench.models.lora import adapter_state, with_adapter
-from workbench.models.multimodal import ImageCodec, forward_inputs, is_vision_language, load_policy
-from workbench.models.packing import microbatches, pack_like, packed_logprobs, unpack
-from workbench.models.prefix import plan, shared_prefix_logprobs
+from workbench.models.multimodal import ImageCodec, is_vision_language, load_policy
 from workbench.segment import Segment
 
 
-class Learner:
+class Learner(PolicyForward):
     """The policy in training, its optimizer and weight version; `train` takes one rollout batch
     through the named steps below."""
 
     def __init__(
         self,
-        cfg,
-        model_path,
-        rank=0,
-        address=None,
-        teacher=None,
-    ):
+        cfg: Config,
+        model_path: str,
+        rank: int = 0,
+        address: tuple[str, int] | None = None,
+        teacher: str | None = None,
+    ) -> None:
         # rank `rank` of `ray.learner_workers`, joined at `address` (sharding.py); `teacher`: the
         # distillation teacher's checkpoint (model_paths.teacher_path)
         self.ranks = Ranks(cfg, rank, address)
@@ -95,7 +99,7 @@ class Learner:
         if self.estimator.teacher:
             self.teacher = self.frozen(teacher, cfg.model.dtype)
 
-    def frozen(self, path, dtype):
+    def frozen(self, path: str, dtype: str) -> torch.nn.Module:
         """A frozen model (the KL reference, the teacher), sharded like the policy: it has no
         gradient or optimizer state, but unsharded its parameters alone would outweigh a rank's
         share of the policy's."""
@@ -103,23 +107,13 @@ class Learner:
         self.ranks.shard(model, dtype)
         return model
 
-    def local(self, batch):
-        """This rank's rows of `batch` (every row on one rank). A rank without rows still runs
-        the forward and backward its peers' collectives wait on: on the first row, discarded."""
-        if self.ranks.world == 1:
-            return batch
-        rows = torch.arange(len(batch["rewards"]))[self.ranks.mine(len(batch["rewards"]))]
-        if not len(rows):
-            rows = torch.arange(1)
-        return rows_of(batch, rows)
-
-    def save_checkpoint(self, folder, driver_state):
+    def save_checkpoint(self, folder: str | Path, driver_state: dict[str, Any]) -> int:
         return save_learner(self, folder, driver_state)
 
-    def load_checkpoint(self, folder):
+    def load_checkpoint(self, folder: str | Path) -> int:
         return load_learner(self, folder)
 
-    def weights(self):
+    def weights(self) -> dict[str, Any] | None:
         """The current weights (in `to_wire` form) and their version, as the rollout workers load
         them."""
         full = self.sync_state()
@@ -127,14 +121,16 @@ class Learner:
             return None
         return {"state_dict": to_wire(full), "version": self.version}
 
-    def sync_state(self):
+    def sync_state(self) -> dict[str, torch.Tensor] | None:
         """What a push carries: the adapter of a LoRA policy, else the full weights gathered
         from the shards (on rank 0; others: None)."""
         if self.lora:
             return adapter_state(self.model)
         return self.ranks.full_state_dict(self.model)
 
-    def step(self, *worker_segments: list[Segment]):
+    def step(
+        self, *worker_segments: list[Segment]
+    ) -> tuple[dict[str, float], dict[str, Any], dict[str, Any] | None]:
         """`train`, then the new `weights`: one call of the loop's, so the next batch waits on
         nothing more. `perf/weight_sync_s`: gathering the full weights from the shards and
         packing them for the engines; `perf/weight_sync_bytes`: what the engines receive."""
@@ -150,18 +146,18 @@ class Learner:
             metrics["perf/weight_sync_bytes"] = float(sent)
         return metrics, rows, weights
 
-    def weight_layout(self):
+    def weight_layout(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """The full weights' names, dtypes and shapes (a sharded tensor's are its whole one's)."""
         if self.lora:
             return layout_of(adapter_state(self.model))
         return layout_of(self.model.state_dict())
 
-    def join_weight_group(self, address, world):
+    def join_weight_group(self, address: tuple[str, int], world: int) -> None:
         """Rank 0 joins the collective weight transport's group as its rank 0."""
         if self.ranks.rank == 0:
             self.weight_group = WeightGroup(address, 0, world, self.trainer.timeout_s)
 
-    def broadcast_weights(self):
+    def broadcast_weights(self) -> tuple[dict[str, Any] | None, int]:
         """The new weights gathered from the shards and broadcast to the rollout workers; the
         handle that stands for them (no tensors) and the bytes sent."""
         full = self.sync_state()
@@ -174,139 +170,20 @@ class Learner:
             sent = 0
         return {"state_dict": None, "version": self.version}, sent
 
-    def logprobs(self, batch, replay=None, routing=None):
-        """`logprobs_entropy`'s log-probs alone."""
-        return self.logprobs_entropy(batch, replay, routing, entropy=False)[0]
-
-    def logprobs_entropy(
-        self,
-        batch,
-        replay=None,
-        routing=None,
-        entropy=True,
-    ):
-        """Log-probs of the batch's own ids, and with `entropy` the entropy of each distribution
-        they are taken from (None where the forward computes none: `forward`); for a MoE policy
-        with recorded routes, under routing replay (`algo.routing_replay`, or `replay` to
-        override) and with the route mismatches put in `routing`."""
-        rows = len(batch["rewards"])
-        if replay is None:
-            replay = self.replay
-        logprob, entropies, stats = self.forward(self.model, self.local(batch), replay, entropy)
-        if routing is not None:
-            for key, value in stats.items():
-                routing[key] = self.ranks.gather(value[: self.ranks.count(rows)], rows)
-        if entropies is not None:
-            entropies = self.ranks.spliced(entropies, rows)
-        return self.ranks.spliced(logprob, rows), entropies
-
-    @torch.no_grad()
-    def frozen_logprobs(self, model, batch):
-        """Log-probs of the batch's ids under a frozen model (reference or teacher); no routing
-        replay."""
-        base = self.model.disable_adapter() if model is self.model else contextlib.nullcontext()
-        with base:
-            logprob, _, _ = self.forward(model, self.local(batch), replay=None)
-        rows = len(batch["rewards"])
-        return self.ranks.gather(logprob[: self.ranks.count(rows)], rows)
-
-    def forward(self, model, batch, replay, entropy=False):
-        """Log-probs [batch, seq] of the batch's own ids, with `entropy` their distributions'
-        entropies [batch, seq] (else None), and the policy's route statistics where it has
-        recorded routes (`replay_routes`; replayed when `replay`, not recorded when None: a frozen
-        model). With `trainer.max_tokens_per_microbatch`, in packed micro-batches
-        (models/packing.py)."""
-        recorded = batch.get("routed_experts") if self.moe and replay is not None else None
-        if not self.trainer.max_tokens_per_microbatch or self.codec is not None:
-            return self.padded(model, batch, recorded, replay, entropy)
-        mask = batch["attention_mask"]
-        ids = batch["token_ids"].to(self.ranks.device)
-        device_mask = mask.to(self.ranks.device)
-        logprob = torch.zeros(mask.shape)
-        entropies = torch.zeros(mask.shape) if entropy else None
-        stats = {}
-        for rows in self.microbatches(batch):
-            # an empty micro-batch (FSDP's collectives wait on every rank) runs a row, unused
-            run = rows if len(rows) else torch.arange(1)
-            routes = contextlib.nullcontext({})
-            if recorded is not None:
-                routes = replay_routes(model, pack_like(recorded[run], mask[run]), replay)
-            with routes as found:
-                piece = packed_logprobs(
-                    model,
-                    ids,
-                    device_mask,
-                    self.temperature,
-                    run.tolist(),
-                    entropy,
-                    self.entropy_grad,
-                )
-            if not len(rows):
-                continue
-            if entropy:
-                entropies = entropies.index_copy(0, rows, piece[1].cpu())
-                piece = piece[0]
-            logprob = logprob.index_copy(0, rows, piece.cpu())
-            for key, value in found.items():
-                # padding: no expert (-1) for the live routes, false for the masks
-                fill = -1 if key == "live" else 0
-                if key not in stats:
-                    stats[key] = torch.full(
-                        (*mask.shape, *value.shape[2:]), fill, dtype=value.dtype
-                    )
-                stats[key][rows] = unpack(value, mask[rows], fill)
-        return logprob, entropies, stats
-
-    def padded(self, model, batch, recorded, replay, entropy):
-        """`forward` in one padded batch; a group's common prompt runs once when no routes are
-        replayed and the policy reads text only (models/prefix.py: the same values, less
-        compute)."""
-        ids = batch["token_ids"].to(self.ranks.device)
-        mask = batch["attention_mask"].to(self.ranks.device)
-        routes = contextlib.nullcontext({})
-        if recorded is not None:
-            routes = replay_routes(model, recorded, replay)
-        # models/prefix.py plans on the CPU: on a GPU every row runs its own prompt
-        cpu = self.ranks.device.type == "cpu"
-        with routes as stats:
-            if recorded is None and self.trainer.shared_prefix and self.codec is None and cpu:
-                split = plan(ids, mask.sum(-1), batch["group_ids"])
-                if split is not None:
-                    logprob = shared_prefix_logprobs(
-                        model, ids, mask, split, self.temperature, None, entropy, self.entropy_grad
-                    )
-                    if not entropy:
-                        return logprob.cpu(), None, stats
-                    return logprob[0].cpu(), logprob[1].cpu(), stats
-            inputs = forward_inputs(model, ids, mask, batch.get("images"), self.codec)
-            logprob, entropies = token_logprobs_entropy(
-                model(**inputs).logits, ids, self.temperature, entropy, self.entropy_grad
-            )
-        if entropies is not None:
-            entropies = entropies.cpu()
-        return logprob.cpu(), entropies, stats
-
-    def microbatches(self, batch, count=None):
-        """The batch's rows (its first `count`) in micro-batches of at most
-        `trainer.max_tokens_per_microbatch` tokens, as many on every rank: a rank with fewer adds
-        empty ones."""
-        lengths = batch["attention_mask"].sum(-1)[:count].tolist()
-        budget = self.trainer.max_tokens_per_microbatch
-        groups = [torch.tensor(rows) for rows in microbatches(lengths, budget)]
-        empty = torch.zeros(0, dtype=torch.long)
-        return groups + [empty] * (self.ranks.most(len(groups)) - len(groups))
-
-    def routing_metrics(self, batch, routing, old_logprob: torch.Tensor):
+    def routing_metrics(
+        self, train_batch: TrainBatch, routing: dict[str, torch.Tensor], old_logprob: torch.Tensor
+    ) -> dict[str, float]:
         """Live vs rollout routes, and the rollout-learner KL with replay and without (one extra
         forward)."""
-        real = batch["attention_mask"].bool()[:, :, None] & routing["known"]  # [batch, seq, layers]
+        # [rows, tokens, layers]
+        real = train_batch.attention_mask.bool()[:, :, None] & routing["known"]
         tokens = real.any(-1)
         mismatch = routing["mismatch"] & real
         with torch.no_grad():
-            other = self.logprobs(batch, replay=not self.replay)
+            other = self.logprobs(train_batch, replay=not self.replay)
         with_replay, without = (old_logprob, other) if self.replay else (other, old_logprob)
-        behavior = batch["behavior_logprob"]
-        mask = batch["loss_mask"]
+        behavior = train_batch.behavior_logprob
+        mask = train_batch.loss_mask
         return {
             "routing/mismatch_token_frac": float(
                 mismatch.any(-1).sum() / tokens.sum().clamp(min=1)
@@ -318,13 +195,12 @@ class Learner:
 
     # ---- the named steps of `train`
 
-    def old_logprobs(self, batch):
-        """π_old, the learner's log-probs of the sampled ids [batch, seq], as (live, old, entropy,
-        routing): `live` is the training forward's (log-probs, entropies) when it has π_old's
-        value (else None), `entropy` π_old's per position (None where no forward computes it),
-        `routing` the route mismatches of a MoE policy (else empty). Under `gate.bypass` the
-        behavior log-probs are π_old: on-policy (config.py refuses it otherwise, the gate checks
-        every batch) they are its value, up to the engine's float rounding."""
+    def old_logprobs(self, train_batch: TrainBatch) -> OldLogprobs:
+        """π_old, the learner's log-probs of the sampled ids [rows, tokens], with its entropies,
+        the route mismatches of a MoE policy and, when the training forward itself has π_old's
+        value, that forward (`OldLogprobs`). Under `gate.bypass` the behavior log-probs are π_old:
+        on-policy (config.py refuses it otherwise, the gate checks every batch) they are its
+        value, up to the engine's float rounding."""
         # one optimizer step on a dense policy: π_old is the value of the training forward
         # itself, so it runs once
         if (
@@ -332,61 +208,71 @@ class Learner:
             and not self.moe
             and not self.trainer.max_tokens_per_microbatch
         ):
-            live = self.logprobs_entropy(batch)
-            old_logprob = live[0].detach()
+            live = self.logprobs_entropy(train_batch)
+            old_logprob = live.logprob.detach()
             if self.gate.bypass:
-                old_logprob = batch["behavior_logprob"]
-            return live, old_logprob, live[1].detach(), {}
+                old_logprob = train_batch.behavior_logprob
+            return OldLogprobs(old_logprob, live.entropy.detach(), {}, live)
         if self.gate.bypass:
-            return None, batch["behavior_logprob"], None, {}
+            return OldLogprobs(train_batch.behavior_logprob, None, {})
         routing = {}
         with torch.no_grad():
-            old_logprob, entropy = self.logprobs_entropy(batch, routing=routing)
-        return None, old_logprob, entropy, routing
+            pi_old = self.logprobs_entropy(train_batch, routing=routing)
+        return OldLogprobs(pi_old.logprob, pi_old.entropy, routing)
 
-    def apply_gate(self, batch, old_logprob: torch.Tensor, consumed_at):
+    def apply_gate(
+        self, train_batch: TrainBatch, old_logprob: torch.Tensor, consumed_at: int
+    ) -> GateResult:
         """The version gate's decisions and per-token IS weights for this batch: every `gate.*`
         key is one of `version_gate`'s options."""
         options = {key.name: getattr(self.gate, key.name) for key in dataclasses.fields(GateConfig)}
         return version_gate(
-            batch["behavior_logprob"],
+            train_batch.behavior_logprob,
             old_logprob,
-            batch["loss_mask"],
-            batch["behavior_version"],
+            train_batch.loss_mask,
+            train_batch.behavior_version,
             consumed_at,
             **options,
         )
 
-    def advantages(self, batch, old_logprob: torch.Tensor):
-        """Advantages [batch] or [batch, seq] of the registered estimator `algo.advantage`, and
+    def advantages(
+        self, train_batch: TrainBatch, old_logprob: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Advantages [rows] or [rows, tokens] of the registered estimator `algo.advantage`, and
         its metrics."""
         teacher_logprob = None
         if self.estimator.teacher:
-            teacher_logprob = self.frozen_logprobs(self.teacher, batch)
-        return self.estimator.estimate(batch, old_logprob, teacher_logprob, self.algo)
+            teacher_logprob = self.frozen_logprobs(self.teacher, train_batch)
+        return self.estimator.estimate(train_batch, old_logprob, teacher_logprob, self.algo)
 
-    def filtered(self, batch, loss_mask: torch.Tensor):
-        """The loss mask [batch, seq] less every group of one reward when
+    def filtered(
+        self, train_batch: TrainBatch, loss_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss mask [rows, tokens] less every group of one reward when
         `algo.filter_uniform_groups` (dynamic filtering)."""
         if not self.algo.filter_uniform_groups:
             return loss_mask, {}
-        dropped = uniform_groups(batch["rewards"], batch["group_ids"])  # [batch]
+        dropped = uniform_groups(train_batch.rewards, train_batch.group_ids)  # [rows]
         return loss_mask & ~dropped[:, None], {"filter/dropped_frac": float(dropped.float().mean())}
 
-    def optimizer_steps(self, batch, live, targets):
+    def optimizer_steps(
+        self, train_batch: TrainBatch, live: TokenLogprobs | None, targets: LossTargets
+    ) -> tuple[list[dict[str, float]], float]:
         """`trainer.minibatches` optimizer steps, one per slice of the batch's rows; their
         metrics, and the seconds of model compute they took."""
         steps = []
         compute = 0.0
-        for rows in torch.arange(len(batch["rewards"])).chunk(self.trainer.minibatches):
-            minibatch = rows_of(batch, rows)
+        for rows in torch.arange(len(train_batch.rewards)).chunk(self.trainer.minibatches):
+            minibatch = rows_of(train_batch, rows)
             minibatch_targets = rows_of(targets, rows)
             start = time.perf_counter()
             steps.append(self.optimizer_step(minibatch, minibatch_targets, live))
             compute += time.perf_counter() - start
         return steps, compute
 
-    def optimizer_step(self, minibatch, targets, live):
+    def optimizer_step(
+        self, minibatch: TrainBatch, targets: LossTargets, live: TokenLogprobs | None
+    ) -> dict[str, float]:
         """One step: the registered policy loss `algo.policy_loss` (plus the KL to the reference),
         backward (micro-batch by micro-batch under `trainer.max_tokens_per_microbatch`), gradient
         clip, optimizer step; the version goes up by one."""
@@ -398,7 +284,7 @@ class Learner:
             if live is None:
                 # under replay when on: router logits and gradient stay live
                 live = self.logprobs_entropy(minibatch, entropy=bool(self.algo.entropy_coef))
-            loss, metrics = self.loss(live[0], minibatch, targets, live[1])
+            loss, metrics = self.loss(live.logprob, minibatch, targets, live.entropy)
             # FSDP2 averages the ranks' gradients; each is already its rows' share of the loss
             (loss * self.ranks.world).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -408,67 +294,70 @@ class Learner:
         self.version += 1
         return dict(metrics, policy=float(loss.detach()), grad_norm=self.ranks.grad_norm(grad_norm))
 
-    def loss(self, logprob, minibatch, targets, entropy=None):
+    def loss(
+        self,
+        logprob: torch.Tensor,
+        minibatch: TrainBatch,
+        targets: LossTargets,
+        entropy: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """The registered policy loss (plus the KL to the reference, less the entropy bonus
         `algo.entropy_coef`) of a minibatch's log-probs and entropies, and its metrics."""
         loss, metrics = self.policy_loss(
             logprob,
-            targets["old_logprob"],
-            targets["advantages"],
-            targets["loss_mask"],
-            minibatch["loss_mask"],
+            targets.old_logprob,
+            targets.advantages,
+            targets.loss_mask,
+            minibatch.loss_mask,
             clip_low=self.algo.clip_low,
             clip_high=self.algo.clip_high,
             aggregation=self.algo.aggregation,
             constant_denominator=self.algo.constant_denominator,
-            is_weight=targets["is_weight"],
+            is_weight=targets.is_weight,
             entropy=entropy,
             entropy_coef=self.algo.entropy_coef,
         )
-        if "reference" in targets:
-            kl = approx_kl(
-                logprob, targets["reference"], targets["loss_mask"], self.algo.kl_estimator
-            )
+        if targets.reference is not None:
+            kl = approx_kl(logprob, targets.reference, targets.loss_mask, self.algo.kl_estimator)
             loss = loss + self.algo.kl_coef * kl
             metrics["kl_ref"] = float(kl.detach())
         return loss, metrics
 
-    def accumulated(self, minibatch, targets):
+    def accumulated(self, minibatch: TrainBatch, targets: LossTargets) -> torch.Tensor:
         """Gradients accumulated micro-batch by micro-batch, each backward through the whole
         minibatch's loss with every other row held at π_old: the loss is a sum over rows with
         denominators of the whole minibatch, so each row's gradient is what the whole loss gives
-        it. The live log-probs of every row, detached."""
-        rows = len(minibatch["rewards"])
+        it. The live log-probs of every row [rows, tokens], detached."""
+        rows = len(minibatch.rewards)
         local = self.local(minibatch)
         start = self.ranks.mine(rows).start
-        mine = torch.zeros(local["attention_mask"].shape)
+        mine = torch.zeros(local.attention_mask.shape)
         for group in self.microbatches(local, self.ranks.count(rows)):
             # an empty micro-batch runs a row with weight 0 (FSDP's collectives wait on it)
             run = group if len(group) else torch.arange(1)
-            piece, _, _ = self.forward(self.model, rows_of(local, run), self.replay)
-            whole = targets["old_logprob"] + 0 * piece.sum()
+            piece, _, _ = self.forward(self.model, rows_of(local, run), replay=self.replay)
+            whole = targets.old_logprob + 0 * piece.sum()
             if len(group):
-                whole = targets["old_logprob"].index_copy(0, group + start, piece)
+                whole = targets.old_logprob.index_copy(0, group + start, piece)
                 mine[group] = piece.detach()
             loss, _ = self.loss(whole, minibatch, targets)
             (loss * self.ranks.world).backward()
         return self.ranks.gather(mine[: self.ranks.count(rows)], rows)
 
-    def sft(self, segments: list[Segment]):
+    def sft(self, segments: list[Segment]) -> tuple[dict[str, float], dict[str, Any]]:
         """One supervised step on demonstrations (`molt-wb sft`, the warm start): `optimizer_step`
         with the loss `algo.policy_loss=sft` over their trainable tokens; no π_old, gate or
         advantages. Returns (metrics, per-token rows) as `train` does."""
-        batch = collate(segments)
-        live = self.logprobs_entropy(batch, entropy=False)
+        train_batch = collate(segments)
+        live = self.logprobs_entropy(train_batch, entropy=False)
         # no π_old, advantages or IS weights: the sft loss reads the mask alone
-        targets = dict.fromkeys(("old_logprob", "advantages", "is_weight"))
-        targets["loss_mask"] = batch["loss_mask"]
+        targets = LossTargets(None, None, train_batch.loss_mask, None)
         # loss/policy is the sft loss, loss/tokens the tokens it is over
-        metrics = step_means([self.optimizer_step(batch, targets, live)])
+        metrics = step_means([self.optimizer_step(train_batch, targets, live)])
         metrics["train/version"] = float(self.version)
-        real = batch["attention_mask"].bool()
+        real = train_batch.attention_mask.bool()
         rows = {
-            "train_logprob": [live[0].detach()[real].numpy()],
+            "train_logprob": [live.logprob.detach()[real].numpy()],
             "is_weight": [torch.ones(int(real.sum())).numpy()],
             "advantage": [0.0] * len(segments),
             "learner_version": self.version - 1,
@@ -476,44 +365,41 @@ class Learner:
         }
         return metrics, rows
 
-    def train(self, *worker_segments: list[Segment]):
-        """One rollout batch -> `trainer.minibatches` optimizer steps. Returns (metrics, per-token
-        rows)."""
-        segments = [s for batch in worker_segments for s in batch]
+    def train(self, *worker_segments: list[Segment]) -> tuple[dict[str, float], dict[str, Any]]:
+        """One rollout batch (each rollout worker's Segments) -> `trainer.minibatches` optimizer
+        steps. Returns (metrics, per-token rows)."""
+        segments = [s for one_worker in worker_segments for s in one_worker]
         consumed_at = self.version
-        batch = collate(segments)
-        identity = audit_identity(segments, batch)
+        train_batch = collate(segments)
+        identity = audit_identity(segments, train_batch)
         # model compute: forwards, backward, optimizer (perf/learner_compute_s)
         start = time.perf_counter()
-        live, old_logprob, entropy, routing = self.old_logprobs(batch)
+        pi_old = self.old_logprobs(train_batch)
         compute = time.perf_counter() - start
-        gate = self.apply_gate(batch, old_logprob, consumed_at)
-        metrics = batch_metrics(segments, batch, old_logprob, entropy)
-        metrics.update(gate_metrics(gate, batch["loss_mask"]))
+        gate = self.apply_gate(train_batch, pi_old.logprob, consumed_at)
+        metrics = batch_metrics(segments, train_batch, pi_old.logprob, pi_old.entropy)
+        metrics.update(gate_metrics(gate, train_batch.loss_mask))
         metrics.update(identity)
-        advantages, advantage_metrics = self.advantages(batch, old_logprob)
+        advantages, advantage_metrics = self.advantages(train_batch, pi_old.logprob)
         metrics.update(advantage_metrics)
-        loss_mask, filter_metrics = self.filtered(batch, gate.loss_mask)
+        loss_mask, filter_metrics = self.filtered(train_batch, gate.loss_mask)
         metrics.update(filter_metrics)
         # the PPO ratio's anchor (gate.anchor): π_old, or the policy that sampled
-        anchor = batch["behavior_logprob"] if self.gate.anchor == "behavior" else old_logprob
-        targets = {
-            "old_logprob": anchor,
-            "advantages": advantages,
-            "loss_mask": loss_mask,
-            "is_weight": gate.token_weight,
-        }
+        anchor = train_batch.behavior_logprob if self.gate.anchor == "behavior" else pi_old.logprob
+        targets = LossTargets(anchor, advantages, loss_mask, gate.token_weight)
         if self.reference is not None:
-            targets["reference"] = self.frozen_logprobs(self.reference, batch)
+            targets.reference = self.frozen_logprobs(self.reference, train_batch)
         routing_rows = []
-        if routing:
-            metrics.update(self.routing_metrics(batch, routing, old_logprob))
-            routing_rows = routing_table_rows(segments, routing)
-        steps, step_compute = self.optimizer_steps(batch, live, targets)
+        if pi_old.routing:
+            metrics.update(self.routing_metrics(train_batch, pi_old.routing, pi_old.logprob))
+            routing_rows = routing_table_rows(segments, pi_old.routing)
+        steps, step_compute = self.optimizer_steps(train_batch, pi_old.live, targets)
         metrics.update(step_means(steps))
         metrics["loss/advantage_abs_mean"] = float(advantages.abs().mean())
         metrics["train/version"] = float(self.version)
         metrics["perf/learner_compute_s"] = compute + step_compute
         metrics["perf/generate_s"] = generate_seconds(worker_segments)
-        rows = store_rows(batch, old_logprob, gate, advantages, consumed_at, routing_rows, entropy)
+        rows = store_rows(
+            train_batch, pi_old.logprob, gate, advantages, consumed_at, routing_rows, pi_old.entropy
+        )
         return metrics, rows

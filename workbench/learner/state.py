@@ -6,8 +6,16 @@ with its tokenizer and processor files into `policy/`, and `trainer.pt` (version
 the driver's loop state). The driver (run/checkpoint.py) names the folder, commits and prunes.
 """
 
+from __future__ import annotations
+
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from workbench.learner.sharding import Ranks
 
 # while this file lies in a run's checkpoints/, each checkpoint write waits halfway (its state
 # written, its policy and trainer.pt not): the recovery tests and the chaos soak kill a learner
@@ -15,7 +23,18 @@ from pathlib import Path
 HOLD = "hold"
 
 
-def side_files(model_path):
+class LearnerState(Protocol):
+    """What a checkpoint holds of a learner rank (`learner.Learner`)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    ranks: Ranks
+    version: int
+    # the tokenizer, chat template and image processor files: `side_files`
+    side_files: dict[str, bytes]
+
+
+def side_files(model_path: str | Path) -> dict[str, bytes]:
     """The tokenizer, chat template and image processor files beside a policy's weights, read
     once: a resumed run's `model_path` is a checkpoint that `keep_checkpoints` later deletes."""
     return {
@@ -26,7 +45,7 @@ def side_files(model_path):
     }
 
 
-def _sharded_state(learner):
+def _sharded_state(learner: LearnerState) -> dict[str, dict[str, Any]]:
     """This rank's shards of the model and optimizer state, as `state/` holds them."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -34,7 +53,7 @@ def _sharded_state(learner):
     return {"model": model, "optimizer": optimizer}
 
 
-def save_learner(learner, folder, driver_state):
+def save_learner(learner: LearnerState, folder: str | Path, driver_state: dict[str, Any]) -> int:
     """Runs in every learner rank: its shards of the model and optimizer into `state/`; rank 0
     the whole policy (with its tokenizer files) and trainer.pt."""
     import torch
@@ -60,7 +79,9 @@ def wait_while_held(folder: str | Path) -> None:
         time.sleep(0.05)
 
 
-def save_policy(learner, folder: Path, state_dict=None):
+def save_policy(
+    learner: LearnerState, folder: Path, state_dict: dict[str, torch.Tensor] | None = None
+) -> None:
     """The learner's policy as `save_pretrained` writes it (`state_dict`: its whole weights, when
     sharded), its tokenizer and processor files beside it."""
     learner.model.save_pretrained(folder, state_dict=state_dict)
@@ -69,7 +90,7 @@ def save_policy(learner, folder: Path, state_dict=None):
             (folder / name).write_bytes(content)
 
 
-def load_learner(learner, folder):
+def load_learner(learner: LearnerState, folder: str | Path) -> int:
     """Runs in every learner rank (built from the checkpoint's policy/): model and optimizer
     state resharded to this run's ranks, version, torch RNG."""
     import torch
