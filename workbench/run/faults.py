@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ray.exceptions import RayActorError
 
     from workbench.config import Config
+    from workbench.run.cluster import LearnerRanks
     from workbench.run.data import Prompts
 
 
@@ -73,9 +74,10 @@ class ActorDied(RunFailed):
         self.role = role
 
 
-def died(error: RayActorError, run_id: str, store: ActorHandle, learner: ActorHandle) -> ActorDied:
-    """The `RunFailed` of an actor's death (`error`) the loop cannot ride out. `learner`: its
-    actor, or `cluster.LearnerRanks` standing for its ranks (cluster.py imports this module)."""
+def died(
+    error: RayActorError, run_id: str, store: ActorHandle, learner: ActorHandle | LearnerRanks
+) -> ActorDied:
+    """The `RunFailed` of an actor's death (`error`) the loop cannot ride out."""
     roles = {store._actor_id.hex(): "store"}
     for actor in getattr(learner, "actors", [learner]):
         roles[actor._actor_id.hex()] = "learner"
@@ -155,12 +157,12 @@ def collect(
     step: int,
     cfg: Config,
     store: ActorHandle,
-    learner: ActorHandle,
+    learner: ActorHandle | LearnerRanks,
     workers: list[ActorHandle],
     prompts: Prompts,
 ) -> list[ObjectRef]:
     """The segment references (list[Segment] each) of the workers that delivered; each episode
-    that did not is recorded as failed. `learner`: as for `died`."""
+    that did not is recorded as failed."""
     import ray
 
     for _ in range(3):

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
     from workbench.config import Config
+    from workbench.run.cluster import LearnerRanks
     from workbench.run.data import Prompts
 
 
@@ -59,12 +60,10 @@ class Window:
         """The oldest batch in flight, taken out of the window: the one this step trains on."""
         return self.in_flight.popleft()
 
-    def sync(self, weights: ObjectRef, learner: ActorHandle) -> ObjectRef:
+    def sync(self, weights: ObjectRef, learner: ActorHandle | LearnerRanks) -> ObjectRef:
         """A step's new `weights` (a Ray reference) reach the rollouts: with partial rollouts the
         batches in flight take them now; the next batch, while the run has one left, starts on
-        them. The weights they got: `weights`, or the same version through the object store.
-        `learner`: its actor, or `cluster.LearnerRanks` standing for its ranks (cluster.py imports
-        this module)."""
+        them. The weights they got: `weights`, or the same version through the object store."""
         import ray
 
         # the collective transport: every worker receives what the learner broadcasts after its
