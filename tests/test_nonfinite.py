@@ -98,6 +98,8 @@ def test_each_nonfinite_value_is_counted_warned_once_and_named_with_its_first_st
         == 1
     )
     assert warned.count("warning: tokens.train_logprob has 1") == 1
+    # the command it points to finds the run where it is
+    assert f"(`molt-wb runs nan --root {tmp_path}` names every such key)" in warned
     db = open_run("nan", str(tmp_path))
     audit = dict(
         db.execute(

@@ -29,6 +29,7 @@ from workbench.extras import EXTRAS, install, missing, needs
 from workbench.locate import where_found
 from workbench.models.tiny import cache_root
 from workbench.run.faults import RunFailed
+from workbench.store.query import root_option
 
 app = typer.Typer(
     add_completion=False,
@@ -165,7 +166,7 @@ def train(ctx: typer.Context, config_dir: list[str] = CONFIG_DIR, root: str | No
         raise typer.Exit(130) from None
     if multirun:
         sweep_root = configs[0].run.root
-        option = f" --root {sweep_root}" if sweep_root != "runs" else ""
+        option = root_option(sweep_root)
         typer.echo(
             f"sweep {configs[0].run.sweep_id}: {sum(outcomes)}/{len(outcomes)} runs finished; "
             f"molt-wb compare {configs[0].run.sweep_id}{option}"

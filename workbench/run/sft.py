@@ -25,6 +25,7 @@ from workbench.run.progress import Task, stage
 from workbench.segment import Segment
 from workbench.server.wires.base import WireError, user_content
 from workbench.store.actor import StoreActor
+from workbench.store.query import root_option
 
 # what every `molt-wb sft` run is: one local learner, its loss at the model's own temperature
 SETTINGS = ["algo.policy_loss=sft", "engine.temperature=1", "ray.learner_workers=1"]
@@ -149,7 +150,8 @@ def run(cfg, demonstrations: list[list[Segment]], model_path):
         store.close("failed")
         raise
     store.close("finished")
-    return f"run {cfg.run.id} finished: {run_dir}; molt-wb inspect {cfg.run.id}"
+    inspect = f"molt-wb inspect {cfg.run.id}{root_option(cfg.run.root)}"
+    return f"run {cfg.run.id} finished: {run_dir}; {inspect}"
 
 
 # ---- the warm start: a tiny random model never earns a reward, so RL would have nothing to compare

@@ -29,6 +29,7 @@ from optuna.trial import TrialState
 from workbench.config import ConfigError, compose_config
 from workbench.run import progress, run_folder
 from workbench.store.compare import compare_rows
+from workbench.store.query import root_option
 
 SUFFIX = ".optuna.db"
 # what a trial maximises, from its `molt-wb compare` row
@@ -213,7 +214,8 @@ class Tuner:
             best = f"; best: {self.describe(self.study.best_trial)}"
         return (
             f"study {self.name}: {len(states)} trials, {states.count(TrialState.PRUNED)} pruned, "
-            f"{states.count(TrialState.FAIL)} failed{best}\nmolt-wb compare {self.name}"
+            f"{states.count(TrialState.FAIL)} failed{best}\n"
+            f"molt-wb compare {self.name}{root_option(self.root)}"
         )
 
 

@@ -48,11 +48,12 @@ def audit_metrics(counts: dict[str, int]) -> dict[str, float]:
     return metrics
 
 
-def warning(step: int, key: str, bad: int) -> str:
-    """The one line the run prints the first time `key` has a non-finite value."""
+def warning(step: int, key: str, bad: int, runs: str) -> str:
+    """The one line the run prints the first time `key` has a non-finite value; `runs` is the
+    command that names every such key (`molt-wb runs RUN --root DIR`)."""
     return (
         f"warning: {key} has {bad} non-finite value(s) (NaN or inf) at step {step}; the run goes "
-        f"on and counts them in {TOTAL}/{key} (`molt-wb runs RUN_ID` names every such key)."
+        f"on and counts them in {TOTAL}/{key} (`{runs}` names every such key)."
     )
 
 

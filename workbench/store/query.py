@@ -18,6 +18,12 @@ NO_RECOVERIES = (
 )
 
 
+def root_option(root: str) -> str:
+    """` --root DIR`, the option a suggested command needs to find a run under `root`; empty for
+    the default runs/."""
+    return f" --root {root}" if str(root) != "runs" else ""
+
+
 def run_row(run_dir):
     """The `runs` row of a run folder: its run.json."""
     return json.loads(Path(run_dir, "run.json").read_text())
