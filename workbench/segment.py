@@ -6,10 +6,13 @@ A segment holds no text the trainer could read; `display` is for people (the TUI
 
 import hashlib
 import pickle
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 @dataclass
@@ -94,7 +97,7 @@ class Batch(list[Segment]):
     (bench/README.md).
     """
 
-    def __reduce__(self) -> tuple[Callable[[bytes], "Batch"], tuple[bytes]]:
+    def __reduce__(self) -> "tuple[Callable[[bytes], Batch], tuple[bytes]]":
         try:
             blob = pickle.dumps(list(self), protocol=pickle.HIGHEST_PROTOCOL)
         except (pickle.PicklingError, AttributeError, TypeError):
