@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workbench import progress  # noqa: E402
+from workbench.run import progress  # noqa: E402
 from workbench.config import compose_config  # noqa: E402
 from workbench.run import loop
 

@@ -20,8 +20,8 @@ from workbench.run.faults import RunFailed
 from workbench.run.progress import Progress
 from workbench.store import open_run
 
-# checkpoints after loop steps 1 and 3: step-000002 and step-000004
-COMMON = ["trainer.steps=4", "trainer.checkpoint_every=2"]
+# checkpoints after loop steps 1 and 3: step-000002 and step-000004, each with an evaluation
+COMMON = ["trainer.steps=4", "trainer.checkpoint_every=2", "eval.every=2", "eval.size=4"]
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,10 @@ def assert_same_rows(db: duckdb.DuckDBPyConnection, whole: duckdb.DuckDBPyConnec
     assert db.execute(sampled).fetchall() == whole.execute(sampled).fetchall()
     tokens = "select * exclude (run_id) from tokens order by all"
     assert db.execute(tokens).fetchall() == whole.execute(tokens).fetchall()
+    # an evaluation at a checkpoint's step is part of it: none lost, none twice
+    evaluations = "select step, n, mean_reward, accuracy from eval order by all"
+    assert db.execute(evaluations).fetchall() == whole.execute(evaluations).fetchall()
+    assert [step for step, *_ in db.execute(evaluations).fetchall()] == [1, 3]
 
 
 def checkpoints(run_dir: Path) -> list[str]:

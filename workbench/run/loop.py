@@ -34,9 +34,9 @@ def _run(cfg: Config) -> str:
             # ---- log: the single writer stores segments, tokens, gate decisions and metrics
             store.write_step.remote(step, startup.into(metrics), sent.rows, *sent.segment_refs)
             faults.nonfinite_loss(cfg, step, metrics)  # stops the run before a checkpoint
+            evaluate.at_step(cfg, workers, store, step, sent.weights)  # ---- before the checkpoint
             checkpoint.maybe_save(cfg, run_dir, step, learner, store, window.data_state())
             progress.update(metrics)
-            evaluate.at_step(cfg, workers, store, step, sent.weights)  # ---- every eval.every steps
 
         trailing = Trailing(cfg, log)  # logs a step once its metrics are in, as the next trains
         for step in window.steps():

@@ -11,6 +11,7 @@ import secrets
 import socket
 import subprocess
 import time
+from importlib import metadata
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -25,8 +26,12 @@ def new_run_id():
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
 
 
-def code_version():
-    """The commit the code runs at (`-dirty` when tracked files differ from it), else unknown."""
+def code_version() -> str:
+    """The commit the code runs at (`-dirty` when tracked files differ from it) in a checkout of
+    molt-wb; an installed package's `molt-wb VERSION` (site-packages may lie inside the user's own
+    repository, whose commit says nothing of this code); else unknown."""
+    if not (REPO_ROOT / ".git").exists():
+        return f"molt-wb {metadata.version('molt-wb')}"
     # the short commit hash, never a tag's name (5 s at most)
     command = ["git", "describe", "--always", "--dirty", "--exclude=*"]
     try:
