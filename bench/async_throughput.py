@@ -10,8 +10,8 @@ the token-level gate with partial rollout.
 import argparse
 import tempfile
 
-from workbench import loop
 from workbench.config import compose_config
+from workbench.run import loop
 from workbench.store import open_run
 
 

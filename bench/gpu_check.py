@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from workbench.config import Config  # noqa: E402
-from workbench.learner import Learner  # noqa: E402
+from workbench.learner.learner import Learner  # noqa: E402
 from workbench.segment import Segment  # noqa: E402
 
 SHAPES = {

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from workbench.config import compose_config  # noqa: E402
-from workbench.learner import Learner  # noqa: E402
+from workbench.learner.learner import Learner  # noqa: E402
 from workbench.segment import Segment  # noqa: E402
 
 
@@ -58,7 +58,7 @@ def rank_main(rank, ranks, port, model, count, steps, out):
     torch.set_num_threads(1)
     cfg = compose_config([f"model={model}", f"ray.learner_workers={ranks}"])
     OmegaConf.update(cfg, "run.id", "bench")
-    from workbench.model_paths import policy_path
+    from workbench.run.model_paths import policy_path
 
     learner = Learner(cfg, policy_path(cfg), rank, ("127.0.0.1", port))
     batch = segments(count, 64, learner.model.config.vocab_size)

@@ -24,8 +24,8 @@ def measure(model: str, rank: int, count: int, steps: int, out) -> None:
     from omegaconf import OmegaConf
 
     from workbench.config import compose_config
-    from workbench.learner import Learner
-    from workbench.model_paths import policy_path
+    from workbench.learner.learner import Learner
+    from workbench.run.model_paths import policy_path
     from workbench.segment import Segment
 
     torch.set_num_threads(1)

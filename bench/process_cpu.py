@@ -18,8 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workbench import loop, progress  # noqa: E402
 from workbench.config import compose_config  # noqa: E402
+from workbench.run import (
+    loop,
+    progress,  # noqa: E402
+)
 
 FIRST = 10  # steps left out: start-up and warm-up
 

@@ -11,12 +11,12 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from workbench.batch import collate
 from workbench.config import compose_config
 from workbench.engines.base import SamplingParams
 from workbench.engines.torch_engine import TorchEngine
 from workbench.invariants.routing_replay import find_routers
-from workbench.learner import Learner
+from workbench.learner.batch import collate
+from workbench.learner.learner import Learner
 from workbench.models.tiny import tiny_model_path
 from workbench.segment import Segment
 
@@ -50,7 +50,7 @@ def forward_backward_seconds(learner, batch, replay, repeats):
     for _ in range(repeats):
         start = time.perf_counter()
         logprob = learner.logprobs(batch, replay=replay)
-        (logprob * batch["loss_mask"]).sum().backward()
+        (logprob * batch.loss_mask).sum().backward()
         learner.model.zero_grad()
         times.append(time.perf_counter() - start)
     return float(np.median(times))
@@ -90,7 +90,7 @@ def main() -> None:
         rounds.append([forward_backward_seconds(learner, *case, 1) for case in cases])
     bare, plain, replayed = np.median(np.array(rounds), axis=0)
     print(
-        f"{args.model}: {count} sequences x {batch['token_ids'].shape[1]} tokens, "
+        f"{args.model}: {count} sequences x {batch.token_ids.shape[1]} tokens, "
         f"{len(find_routers(learner.model))} MoE layers"
     )
     print(

@@ -27,8 +27,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workbench import cluster, loop  # noqa: E402
 from workbench.config import compose_config  # noqa: E402
+from workbench.run import (
+    cluster,
+    loop,  # noqa: E402
+)
 from workbench.store import open_run  # noqa: E402
 
 KEYS = (

@@ -69,7 +69,7 @@ def config(steps: int, extra: list[str], root: str = "runs"):
 
 
 def run_molt(steps: int, extra: list[str], model_path: str) -> dict:
-    from workbench import loop
+    from workbench.run import loop
     from workbench.store import open_run
 
     with tempfile.TemporaryDirectory() as root:
@@ -294,7 +294,7 @@ def seconds_or_dash(seconds: float | None) -> str:
 def compare_seeds(seeds: list[int], steps: int, overrides: list[str], target: float) -> None:
     """Every side once per seed; per seed and mean: tokens/s, last reward, time to target; ratios
     over TRL."""
-    from workbench import model_paths
+    from workbench.run import model_paths
 
     sides = {"molt-wb": ("molt", []), "molt-wb async": ("molt", ASYNC), "TRL": ("trl", [])}
     table = {name: [] for name in sides}
@@ -388,7 +388,7 @@ def main() -> None:
     if args.seeds:
         compare_seeds(seed_list(args.seeds), steps, args.overrides, args.target)
         return
-    from workbench import model_paths
+    from workbench.run import model_paths
 
     # the warm start, built (once) before either side
     model_path = model_paths.policy_path(config(steps, args.overrides))

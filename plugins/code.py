@@ -1,8 +1,9 @@
 """The policy writes a Python function; the sandbox runs the task's tests: reward = fraction passed.
 
-`molt-wb train +recipe=code`. The reply's code is the last ```python block, or the whole reply. It
-runs in workbench.sandbox (time and memory limits, no network) followed by each test in turn; a
-per-episode nonce marks the harness's own count, so code that prints a fake count earns nothing.
+`molt-wb train +recipe=code`. The reply's code is the last ```python block, or the whole reply.
+It runs in workbench.tools.sandbox (time and memory limits, no network) followed by each test in
+turn; a per-episode nonce marks the harness's own count, so code that prints a fake count earns
+nothing.
 """
 
 import random

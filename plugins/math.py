@@ -1,8 +1,9 @@
 """Single-turn math with \\boxed{} answers, graded by numeric equivalence.
 
 Run it with `molt-wb train +recipe=math`. Problems are small arithmetic expressions and fractions;
-`\\boxed{3/4}`, `\\boxed{0.75}` and `\\boxed{\\frac{3}{4}}` all count as right (workbench.grading).
-The warm start demonstrates the format on a noisy teacher, right half the time.
+`\\boxed{3/4}`, `\\boxed{0.75}` and `\\boxed{\\frac{3}{4}}` all count as right
+(workbench.tools.grading). The warm start demonstrates the format on a noisy teacher, right half
+the time.
 """
 
 import random

@@ -152,8 +152,8 @@ def test_doctor_reports_versions_gpu_and_run_folder():
 
 def test_importing_the_core_loads_no_heavy_framework():
     code = (
-        "import sys, workbench, workbench.config, workbench.api, workbench.loop, "
-        "workbench.learner, workbench.store, workbench.invariants.token_identity, "
+        "import sys, workbench, workbench.config, workbench.api, workbench.run.loop, "
+        "workbench.learner.learner, workbench.store, workbench.invariants.token_identity, "
         "workbench.tracking;"
         "heavy = [m for m in ('ray', 'vllm', 'textual', 'wandb', 'mlflow') if m in sys.modules];"
         "assert not heavy, heavy"

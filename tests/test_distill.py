@@ -10,24 +10,24 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from workbench.batch import collate
 from workbench.config import compose_config
-from workbench.data import Prompts
-from workbench.learner import Learner
-from workbench.model_paths import policy_path, teacher_path
-from workbench.rollout import RolloutWorker
+from workbench.learner.batch import collate
+from workbench.learner.learner import Learner
+from workbench.rollout.worker import RolloutWorker
+from workbench.run.data import Prompts
+from workbench.run.model_paths import policy_path, teacher_path
 
 
 def exact_reverse_kl(student, teacher, batch) -> float:
     """Mean over sampled tokens of KL(student || teacher) of the next-token distributions that
     produced them."""
     with torch.no_grad():
-        inputs = {"input_ids": batch["token_ids"], "attention_mask": batch["attention_mask"]}
+        inputs = {"input_ids": batch.token_ids, "attention_mask": batch.attention_mask}
         logp = torch.log_softmax(student(**inputs).logits[:, :-1], -1)  # [batch, seq-1, vocab]
         logq = torch.log_softmax(teacher(**inputs).logits[:, :-1], -1)
         # [batch, seq-1]: the distribution of token t+1
         kl = (logp.exp() * (logp - logq)).sum(-1)
-    return float(kl[batch["loss_mask"][:, 1:]].mean())
+    return float(kl[batch.loss_mask[:, 1:]].mean())
 
 
 @pytest.mark.slow

@@ -23,20 +23,19 @@ from openai import BadRequestError, OpenAI
 from PIL import Image
 from transformers import AutoTokenizer
 
-from workbench import nonfinite
 from workbench.algo.losses import token_logprobs
 from workbench.api import geo3k_reward, load_plugin
 from workbench.config import compose_config
-from workbench.data import Prompts
 from workbench.engines.base import SamplingParams
 from workbench.engines.torch_engine import TorchEngine
 from workbench.invariants.token_identity import TokenAccumulator
 from workbench.models.multimodal import ImageCodec, forward_inputs, load_policy
 from workbench.models.tiny import tiny_model_path
-from workbench.rollout import opening_messages
+from workbench.rollout.worker import opening_messages
+from workbench.run.data import Prompts
+from workbench.run.sft import demonstration
 from workbench.server.loopback import LoopbackServer
-from workbench.sft import demonstration
-from workbench.store import open_run
+from workbench.store import nonfinite, open_run
 
 geo3k = load_plugin("geo3k")
 geo3k_data = load_plugin("geo3k_data")

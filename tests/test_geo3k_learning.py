@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from workbench import nonfinite
-from workbench.store import open_run
+from workbench.store import nonfinite, open_run
 
 
 @pytest.mark.slow

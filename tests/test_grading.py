@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from workbench.grading import extract_answer, format_ok, geo3k_reward, grade, is_equivalent
+from workbench.tools.grading import extract_answer, format_ok, geo3k_reward, grade, is_equivalent
 
 EQUIVALENT = [
     ("70", "70"),

@@ -13,11 +13,11 @@ import torch
 from omegaconf import OmegaConf
 
 from workbench.algo.losses import approx_kl, token_logprobs
-from workbench.batch import collate
 from workbench.config import ConfigError, compose_config
 from workbench.engines.base import SamplingParams, from_wire
 from workbench.engines.torch_engine import TorchEngine, load_policy
-from workbench.learner import Learner
+from workbench.learner.batch import collate
+from workbench.learner.learner import Learner
 from workbench.models.tiny import tiny_model_path
 from workbench.segment import Segment
 from workbench.store import open_run
@@ -97,9 +97,9 @@ def test_the_reference_is_the_base_with_the_adapter_off(trained):
     batch = collate(sampled(engine, 3))
     base = load_policy(str(tiny_model_path("tiny")))
     with torch.no_grad():
-        expected = token_logprobs(base(input_ids=batch["token_ids"]).logits, batch["token_ids"])
+        expected = token_logprobs(base(input_ids=batch.token_ids).logits, batch.token_ids)
     reference = learner.frozen_logprobs(learner.reference, batch)
-    real = batch["attention_mask"].bool()
+    real = batch.attention_mask.bool()
     torch.testing.assert_close(reference[real], expected[real], rtol=1e-5, atol=1e-5)
     assert learner.reference is learner.model
 
@@ -111,7 +111,7 @@ def test_the_engine_samples_under_the_pushed_adapter_as_the_learner_scores_it(tr
     batch = collate(segments)
     with torch.no_grad():
         live = learner.logprobs(batch)
-    kl = approx_kl(batch["behavior_logprob"], live, batch["loss_mask"], "k3")
+    kl = approx_kl(batch.behavior_logprob, live, batch.loss_mask, "k3")
     assert float(kl) < 1e-9
 
 

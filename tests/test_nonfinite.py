@@ -6,19 +6,20 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from workbench import nonfinite
 from workbench.algo.losses import policy_gradient_loss, token_logprobs_entropy
-from workbench.batch import batch_metrics
 from workbench.config import ConfigError, compose_config
-from workbench.faults import RunFailed
-from workbench.store import open_run
+from workbench.learner.batch import batch_metrics
+from workbench.run import faults
+from workbench.run.faults import RunFailed
+from workbench.run.summary import figures, render
+from workbench.store import nonfinite, open_run
 from workbench.store.actor import StoreActor
-from workbench.summary import figures, render
 from workbench.tui.data import RunData
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -54,12 +55,13 @@ def test_the_mismatch_figure_is_taken_only_where_the_mask_is_set():
     NaN."""
     old = torch.tensor([[0.0, float("-inf"), -1.0, -2.0]])
     behavior = torch.tensor([[0.0, 0.0, -1.5, -2.0]])
-    batch = {
-        "loss_mask": torch.tensor([[0, 0, 1, 1]]),
-        "behavior_logprob": behavior,
-        "rewards": torch.tensor([1.0]),
-        "attention_mask": torch.ones(1, 4),
-    }
+    # the fields of a TrainBatch the metrics read
+    batch = SimpleNamespace(
+        loss_mask=torch.tensor([[0, 0, 1, 1]]),
+        behavior_logprob=behavior,
+        rewards=torch.tensor([1.0]),
+        attention_mask=torch.ones(1, 4),
+    )
     metrics = batch_metrics([None], batch, old, entropy=torch.zeros(1, 4))
     assert metrics["mismatch/max_abs_logprob_diff"] == pytest.approx(0.5)
     assert all(math.isfinite(value) for value in metrics.values())
@@ -96,6 +98,8 @@ def test_each_nonfinite_value_is_counted_warned_once_and_named_with_its_first_st
         == 1
     )
     assert warned.count("warning: tokens.train_logprob has 1") == 1
+    # the command it points to finds the run where it is
+    assert f"(`molt-wb runs nan --root {tmp_path}` names every such key)" in warned
     db = open_run("nan", str(tmp_path))
     audit = dict(
         db.execute(
@@ -127,12 +131,12 @@ def test_a_nonfinite_loss_or_gradient_stops_the_run_unless_told_to_warn():
     cfg = compose_config(["+recipe=arith", "run.id=nan"])
     metrics = {"loss/policy": 0.3, "loss/grad_norm": float("inf"), "policy/entropy": math.nan}
     with pytest.raises(RunFailed, match=r"Step 4's loss/grad_norm is not finite") as stopped:
-        nonfinite.stop_at(cfg, 4, metrics)
+        faults.nonfinite_loss(cfg, 4, metrics)
     assert "trainer.nonfinite=warn" in str(stopped.value)
     # a measurement alone never stops it
-    nonfinite.stop_at(cfg, 4, metrics | {"loss/grad_norm": 1.0})
+    faults.nonfinite_loss(cfg, 4, metrics | {"loss/grad_norm": 1.0})
     warn = compose_config(["+recipe=arith", "run.id=nan", "trainer.nonfinite=warn"])
-    nonfinite.stop_at(warn, 4, metrics)
+    faults.nonfinite_loss(warn, 4, metrics)
     with pytest.raises(ConfigError, match="trainer.nonfinite='never' must be warn or stop"):
         compose_config(["+recipe=arith", "trainer.nonfinite=never"])
 

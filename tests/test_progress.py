@@ -8,8 +8,8 @@ from omegaconf import OmegaConf
 
 from workbench.api import load_plugin
 from workbench.models.tiny import tiny_model_path
-from workbench.progress import Progress, Task, stage
-from workbench.sft import warm_started_path
+from workbench.run.progress import Progress, Task, stage
+from workbench.run.sft import warm_started_path
 
 
 def test_piped_progress_prints_the_first_update_then_one_line_per_interval_and_the_last(capsys):

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from workbench.cluster import actor_env, init_ray, placement, ray_cpus
 from workbench.config import ConfigError, compose_config
 from workbench.models.tiny import cache_root
+from workbench.run.cluster import actor_env, init_ray, placement, ray_cpus
 
 
 def free_port() -> int:

@@ -10,11 +10,11 @@ import pytest
 from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
-from workbench import loop
 from workbench.api import load_plugin
 from workbench.cli import app
-from workbench.cluster import init_ray
 from workbench.config import compose_config
+from workbench.run import loop
+from workbench.run.cluster import init_ray
 from workbench.store import open_run
 
 TINY = [

@@ -12,11 +12,12 @@ import duckdb
 import pytest
 from test_reliability import FAST, kill_actors, wait_for
 
-from workbench import cli, loop
-from workbench.checkpoint import HOLD
+from workbench import cli
 from workbench.config import compose_config
-from workbench.faults import RunFailed
-from workbench.progress import Progress
+from workbench.learner.state import HOLD
+from workbench.run import loop
+from workbench.run.faults import RunFailed
+from workbench.run.progress import Progress
 from workbench.store import open_run
 
 # checkpoints after loop steps 1 and 3: step-000002 and step-000004, each with an evaluation

@@ -18,14 +18,15 @@ import pyarrow as pa
 import pytest
 from omegaconf import OmegaConf
 
-from workbench import loop
-from workbench.checkpoint import resume_config, save_learner
 from workbench.config import ConfigError, compose_config
-from workbench.data import Prompts
-from workbench.faults import RunFailed
-from workbench.learner import Learner
-from workbench.progress import Progress
-from workbench.rollout import Job, RolloutWorker
+from workbench.learner.learner import Learner
+from workbench.learner.state import save_learner
+from workbench.rollout.worker import Job, RolloutWorker
+from workbench.run import loop
+from workbench.run.checkpoint import resume_config
+from workbench.run.data import Prompts
+from workbench.run.faults import RunFailed
+from workbench.run.progress import Progress
 from workbench.store import list_runs, open_run
 from workbench.store.writer import RunWriter
 

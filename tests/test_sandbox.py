@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from workbench.sandbox import SandboxResult, _netns_prefix, run_python
+from workbench.tools.sandbox import SandboxResult, _netns_prefix, run_python
 
 
 def test_prints_come_back_as_stdout_and_the_tool_text():

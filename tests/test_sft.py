@@ -20,11 +20,11 @@ from typer.testing import CliRunner
 from workbench import cli
 from workbench.algo.losses import masked_mean, token_logprobs
 from workbench.api import load_plugin
-from workbench.batch import collate
-from workbench.checkpoint import saved
+from workbench.learner.batch import collate
 from workbench.models.multimodal import ImageCodec, forward_inputs, load_policy
 from workbench.models.tiny import tiny_model_path
-from workbench.sft import conversations, demonstration, teacher_batches, warm_started_path
+from workbench.run.checkpoint import saved
+from workbench.run.sft import conversations, demonstration, teacher_batches, warm_started_path
 from workbench.store import list_runs, open_run
 
 
@@ -89,12 +89,12 @@ def test_sft_lowers_the_loss_of_the_answers_in_a_run_with_a_checkpoint_that_load
     assert [folder.name for folder in saved(root / "add")] == ["step-000004", "step-000008"]
     # the last checkpoint loads, and puts the answers of the data above where the base had them
     batch = collate([s for conversation in conversations(data, tiny_path) for s in conversation])
-    inputs = {"input_ids": batch["token_ids"], "attention_mask": batch["attention_mask"]}
+    inputs = {"input_ids": batch.token_ids, "attention_mask": batch.attention_mask}
 
     def answer_loss(path) -> float:
         with torch.no_grad():
             logits = load_policy(str(path))(**inputs).logits
-        return -float(masked_mean(token_logprobs(logits, batch["token_ids"]), batch["loss_mask"]))
+        return -float(masked_mean(token_logprobs(logits, batch.token_ids), batch.loss_mask))
 
     trained = answer_loss(root / "add" / "checkpoints" / "step-000008" / "policy")
     assert trained < 0.6 * answer_loss(tiny_path)
@@ -150,8 +150,8 @@ def test_the_warm_start_matches_a_plain_adamw_loop_on_the_transformers_loss(tmp_
     batches = teacher_batches(arith, str(base), 0, 8)
     for _ in range(2):
         batch = collate(next(batches))
-        labels = batch["token_ids"].masked_fill(~batch["loss_mask"], -100)
-        inputs = forward_inputs(model, batch["token_ids"], batch["attention_mask"])
+        labels = batch.token_ids.masked_fill(~batch.loss_mask, -100)
+        inputs = forward_inputs(model, batch.token_ids, batch.attention_mask)
         loss = model(**inputs, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()

@@ -11,11 +11,11 @@ import torch
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
-from workbench.batch import collate
 from workbench.config import compose_config
 from workbench.engines.base import SamplingParams
 from workbench.engines.torch_engine import TorchEngine
-from workbench.learner import Learner
+from workbench.learner.batch import collate
+from workbench.learner.learner import Learner
 from workbench.models.tiny import tiny_model_path
 from workbench.segment import Segment
 from workbench.store import open_run
@@ -230,8 +230,8 @@ def test_a_run_with_two_learner_ranks_tracks_the_one_rank_run(tmp_path):
 def test_a_learner_rank_that_raises_stops_the_run_at_once_naming_it(tmp_path):
     import ray
 
-    from workbench import cluster, run_folder
-    from workbench.faults import RunFailed
+    from workbench.run import cluster, run_folder
+    from workbench.run.faults import RunFailed
 
     cfg = config([f"run.root={tmp_path}", "trainer.timeout_s=600"], 2)
     path = str(tiny_model_path("tiny"))

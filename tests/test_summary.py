@@ -7,8 +7,8 @@ from collections import defaultdict
 
 import pytest
 
+from workbench.run.summary import figures, render, sparkline
 from workbench.store import open_run
-from workbench.summary import figures, render, sparkline
 
 ARITH = [
     "+recipe=arith",

@@ -10,9 +10,9 @@ import sys
 import pytest
 from test_reliability import FAST, FAULTY, data_file, rows
 
-from workbench import loop
 from workbench.config import compose_config
-from workbench.data import Prompts
+from workbench.run import loop
+from workbench.run.data import Prompts
 from workbench.store import open_run
 
 

@@ -10,8 +10,8 @@ import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
 from workbench.config import ConfigError
+from workbench.run.tune import Tuner, search_space
 from workbench.store import list_runs, open_run
-from workbench.tune import Tuner, search_space
 
 FAST = [
     "+recipe=arith",

@@ -7,9 +7,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from workbench.config import compose_config
-from workbench.data import Prompts
-from workbench.learner import Learner
-from workbench.rollout import RolloutWorker
+from workbench.learner.learner import Learner
+from workbench.rollout.worker import RolloutWorker
+from workbench.run.data import Prompts
 from workbench.store import open_run
 from workbench.store.schema import step_tables
 from workbench.store.writer import RunWriter

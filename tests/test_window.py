@@ -9,8 +9,8 @@ import pytest
 import ray
 
 from workbench.config import compose_config
-from workbench.run_folder import plain
-from workbench.window import Trailing
+from workbench.run.run_folder import plain
+from workbench.run.window import Trailing
 
 
 @ray.remote(num_cpus=0)
@@ -36,7 +36,9 @@ def held(gate, value):
 
 @dataclass
 class Batch:
-    failures: list
+    """A batch in flight (faults.InFlight) as `Trailing.before` reads it."""
+
+    failure_refs: list
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,7 @@ def trailing(logged: list, *overrides):
     # a wait that should not happen fails in seconds
     defaults = ["+recipe=arith", "trainer.checkpoint_every=0", "trainer.timeout_s=5"]
     cfg = plain(compose_config([*defaults, *overrides]))
-    return Trailing(cfg, lambda step, metrics, *outputs: logged.append((step, metrics["loss"])))
+    return Trailing(cfg, lambda step, metrics, sent: logged.append((step, metrics["loss"])))
 
 
 def test_a_step_whose_metrics_come_first_is_logged_while_the_batch_is_drawn(local_ray):
@@ -68,7 +70,7 @@ def test_a_step_whose_metrics_come_first_is_logged_while_the_batch_is_drawn(loca
     steps.before(batch)
     # logged before the batch came
     assert logged == [(0, 0.5)]
-    assert ray.wait(batch.failures, timeout=0)[1] == batch.failures
+    assert ray.wait(batch.failure_refs, timeout=0)[1] == batch.failure_refs
     gate.open.remote()
 
 
@@ -85,7 +87,7 @@ def test_the_next_batch_goes_to_the_learner_before_a_slow_step_is_logged(local_r
     assert logged == [(0, 0.5)]
     steps.flush()
     assert logged == [(0, 0.5), (1, 0.25)]
-    assert steps.pending == ()
+    assert steps.pending is None
 
 
 def test_a_step_that_checkpoints_or_evaluates_is_logged_at_once(local_ray):

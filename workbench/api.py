@@ -16,12 +16,16 @@ RL when a tiny random model would otherwise never earn a reward, or a list of tu
 plugin names the Env plugin whose demonstrations it shares as `WARM_START_AS`.
 """
 
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from workbench.locate import PLUGIN_PACKAGE, load_plugin, shipped_folder
 
 # Tools and graders for plugins, re-exported so that plugins import only this module.
-from workbench.grading import extract_answer, format_ok, geo3k_reward, grade, is_equivalent
-from workbench.locate import PLUGIN_PACKAGE, load_plugin, shipped_folder
-from workbench.sandbox import SandboxResult, run_python
+from workbench.tools.grading import extract_answer, format_ok, geo3k_reward, grade, is_equivalent
+from workbench.tools.sandbox import SandboxResult, run_python
 
 __all__ = [
     "PLUGIN_DIR",
@@ -40,7 +44,7 @@ __all__ = [
 ]
 
 # the shipped plugins: the repository's plugins/, installed as the package workbench.plugins
-PLUGIN_DIR = shipped_folder(PLUGIN_PACKAGE)
+PLUGIN_DIR: Path = shipped_folder(PLUGIN_PACKAGE)
 
 
 @dataclass
@@ -54,7 +58,7 @@ class Result:
     role: str = "user"
     terminated: bool = True
     truncated: bool = False
-    info: dict = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
     # a ChatAgent's reward of each of its policy calls, in order (None: `reward` at the last); an
     # Env's turn rewards are its steps' `reward`, and its episode's reward is their sum
     turn_rewards: list[float] | None = None
@@ -65,9 +69,9 @@ class Env:
 
     system_prompt: str | None = None
     # OpenAI-style tool schemas the chat template lists for the policy
-    tools: list[dict] | None = None
+    tools: list[dict[str, Any]] | None = None
 
-    def reset(self, sample: dict):
+    def reset(self, sample: dict[str, Any]) -> str | list[dict[str, Any]]:
         """Start an episode on `sample`; return the first user message.
 
         The message is its text, or a list of content parts `{"type": "text", "text": ...}` and
@@ -75,7 +79,7 @@ class Env:
         """
         raise NotImplementedError
 
-    def step(self, action: str):
+    def step(self, action: str) -> Result:
         """Take the policy's reply; return its reward and, unless terminated, the next turn."""
         raise NotImplementedError
 
@@ -94,15 +98,16 @@ class ChatContext:
     prompt: str
     # the sample's "answer" field, for the reward
     label: object
-    sample: dict
+    sample: dict[str, Any]
     max_tokens: int
     temperature: float
     # LLM-as-judge: {"base_url", "api_key"} of a session on the same engine that is never trained
-    judge: dict | None = None
+    judge: dict[str, str] | None = None
 
 
 class ChatAgent:
     """One episode of an agent program that talks to the policy through an SDK."""
 
-    def run(self, ctx: ChatContext):
+    def run(self, ctx: ChatContext) -> Result | Awaitable[Result]:
+        """Run one episode against `ctx`'s endpoint (plain or `async def`); return its `Result`."""
         raise NotImplementedError

@@ -26,9 +26,10 @@ from workbench.config import (
     expand_sweep,
 )
 from workbench.extras import EXTRAS, install, missing, needs
-from workbench.faults import RunFailed
 from workbench.locate import where_found
 from workbench.models.tiny import cache_root
+from workbench.run.faults import RunFailed
+from workbench.store.query import root_option
 
 app = typer.Typer(
     add_completion=False,
@@ -91,8 +92,8 @@ def train(ctx: typer.Context, config_dir: list[str] = CONFIG_DIR, root: str | No
     """
     from omegaconf import OmegaConf
 
-    from workbench.checkpoint import resume_config
-    from workbench.run_folder import new_run_id
+    from workbench.run.checkpoint import resume_config
+    from workbench.run.run_folder import new_run_id
 
     overrides = [a for a in ctx.args if a not in ("-m", "--multirun")]
     multirun = len(overrides) != len(ctx.args)
@@ -116,7 +117,7 @@ def train(ctx: typer.Context, config_dir: list[str] = CONFIG_DIR, root: str | No
     # a resumed run (no jobs) keeps the swept values it has
     for cfg, (_, swept) in zip(configs, jobs, strict=False):
         OmegaConf.update(cfg, "run.swept", swept, merge=False)
-    from workbench import cluster, loop, run_folder, summary
+    from workbench.run import cluster, loop, run_folder, summary
 
     parallel = configs[0].sweep.parallel if multirun else 1
     if multirun:
@@ -158,14 +159,14 @@ def train(ctx: typer.Context, config_dir: list[str] = CONFIG_DIR, root: str | No
     except KeyboardInterrupt:
         hint = ""
         if len(configs) == 1 and configs[0].run.id:
-            from workbench.recovery import resume_command
+            from workbench.run.recovery import resume_command
 
             hint = f" Continue it with: {resume_command(configs[0])}"
         typer.echo(f"interrupted; what was written is kept.{hint}", err=True)
         raise typer.Exit(130) from None
     if multirun:
         sweep_root = configs[0].run.root
-        option = f" --root {sweep_root}" if sweep_root != "runs" else ""
+        option = root_option(sweep_root)
         typer.echo(
             f"sweep {configs[0].run.sweep_id}: {sum(outcomes)}/{len(outcomes)} runs finished; "
             f"molt-wb compare {configs[0].run.sweep_id}{option}"
@@ -188,8 +189,8 @@ def sft(
     (optimizer steps), trainer.prompts_per_step (conversations per step), trainer.lr,
     trainer.checkpoint_every, seed.
     """
-    from workbench import model_paths
-    from workbench.sft import SETTINGS, conversations, run
+    from workbench.run import model_paths
+    from workbench.run.sft import SETTINGS, conversations, run
 
     with user_errors():
         cfg = compose_config([*ctx.args, *SETTINGS])
@@ -236,7 +237,7 @@ def tune(
     """
     if missing("tune"):
         fail(needs("molt-wb tune", "tune"))
-    from workbench.tune import run_study
+    from workbench.run.tune import run_study
 
     with user_errors():
         run_study(ctx.args, trials, metric, startup, warmup, resume)
@@ -261,7 +262,7 @@ def serve(
         cfg = compose_config(ctx.args)
     # the server's threads inherit this
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    from workbench.server.serve import Recorder
+    from workbench.run.serve import Recorder
 
     recorder = Recorder(cfg, sessions)
     for info in recorder.infos:
@@ -294,7 +295,7 @@ def runs(
 ):
     """List runs: id, recipe, status, steps, mean reward, created; or one run's summary: reward
     curve, invariants, where the time went."""
-    from workbench import summary
+    from workbench.run import summary
     from workbench.store.query import RUN_COLUMNS, list_runs, run_cells
 
     if run_id:
@@ -376,7 +377,7 @@ def eval_command(
 ):
     """Score a checkpoint on the run's held-out split without training; extra `eval.*` overrides
     set the sampling (eval.samples=4)."""
-    from workbench.evaluate import from_checkpoint
+    from workbench.run.evaluate import from_checkpoint
 
     overrides = list(ctx.args)
     # `molt-wb eval RUN eval.samples=4`: an override, not a checkpoint
@@ -409,7 +410,7 @@ def export(
     """Write a checkpoint's policy as a Hugging Face folder (weights, config, tokenizer and
     processor files) that transformers and vLLM load; a LoRA run's is its PEFT adapter folder,
     or with --merged the whole merged model."""
-    from workbench.evaluate import resolve_checkpoint
+    from workbench.run.evaluate import resolve_checkpoint
     from workbench.store.query import resolve_run
 
     *checkpoint, out = where

@@ -189,14 +189,15 @@ def test_uniform_groups_marks_every_row_of_a_group_with_one_reward():
     ],
 )
 def test_registered_reward_estimators_read_the_batch_and_give_hand_values(name, expected):
-    batch = {"rewards": REWARDS, "group_ids": GROUPS, "rollout_ids": torch.arange(4)}
+    # the fields of a TrainBatch the estimator reads
+    batch = SimpleNamespace(rewards=REWARDS, group_ids=GROUPS, rollout_ids=torch.arange(4))
     advantages, metrics = ADVANTAGES[name].estimate(batch, None, None, None)
     torch.testing.assert_close(advantages, torch.tensor(expected, dtype=torch.float64))
     assert metrics == {}
 
 
 def test_registered_on_policy_distill_reads_the_teacher_and_reports_its_kl():
-    batch = {"loss_mask": torch.tensor([[0, 1, 1]])}
+    batch = SimpleNamespace(loss_mask=torch.tensor([[0, 1, 1]]))
     student = torch.tensor([[-1.0, -2.0, -0.5]])
     teacher = torch.tensor([[-1.5, -1.0, -3.0]])
     algo = SimpleNamespace(distill_coef=2.0)
@@ -250,12 +251,12 @@ def test_turn_advantage_is_the_discounted_return_less_the_groups_mean_at_that_tu
 
 def test_turn_advantage_with_no_discount_and_a_final_reward_is_dr_grpo_at_every_turn():
     # REWARDS at the second of two turns; each row's tokens: prompt, turn 0, turn 1
-    batch = {
-        "turn_rewards": torch.stack([torch.zeros(4), REWARDS.float()], dim=1),
-        "turns": torch.tensor([[-1, 0, 1]]).repeat(4, 1),
-        "group_ids": GROUPS,
-        "rollout_ids": torch.arange(4),
-    }
+    batch = SimpleNamespace(
+        turn_rewards=torch.stack([torch.zeros(4), REWARDS.float()], dim=1),
+        turns=torch.tensor([[-1, 0, 1]]).repeat(4, 1),
+        group_ids=GROUPS,
+        rollout_ids=torch.arange(4),
+    )
     algo = SimpleNamespace(turn_discount=1.0)
     advantages, metrics = ADVANTAGES["turn"].estimate(batch, None, None, algo)
     dr_grpo = [[0.0, a, a] for a in (0.5, -0.5, 0.0, 0.0)]

@@ -10,9 +10,9 @@ from omegaconf import OmegaConf
 
 from workbench.algo.losses import POLICY_LOSSES, token_logprobs, token_logprobs_entropy
 from workbench.config import ConfigError, compose_config
-from workbench.data import Prompts
-from workbench.learner import Learner
-from workbench.rollout import RolloutWorker
+from workbench.learner.learner import Learner
+from workbench.rollout.worker import RolloutWorker
+from workbench.run.data import Prompts
 
 # logits [ln 3, 0] -> p = [3/4, 1/4]
 LN3 = math.log(3)

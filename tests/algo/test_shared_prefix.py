@@ -7,11 +7,11 @@ from omegaconf import OmegaConf
 
 from workbench.algo.losses import token_logprobs, token_logprobs_entropy
 from workbench.config import compose_config
-from workbench.data import Prompts
-from workbench.learner import Learner
+from workbench.learner.learner import Learner
 from workbench.models.multimodal import load_policy
 from workbench.models.prefix import plan, shared_prefix_logprobs, unique_rows
-from workbench.rollout import RolloutWorker
+from workbench.rollout.worker import RolloutWorker
+from workbench.run.data import Prompts
 
 
 def batch(rng, groups: int = 3, size: int = 4, prompt: tuple = (5, 9)):

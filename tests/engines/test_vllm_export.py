@@ -16,7 +16,7 @@ from workbench.algo.losses import token_logprobs
 from workbench.cli import export
 from workbench.config import compose_config
 from workbench.engines.base import SamplingParams
-from workbench.learner import Learner
+from workbench.learner.learner import Learner
 from workbench.models.tiny import tiny_model_path
 from workbench.segment import Segment
 

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from workbench.algo.losses import token_logprobs
 from workbench.config import compose_config
 from workbench.engines.base import SamplingParams, from_wire
-from workbench.learner import Learner
+from workbench.learner.learner import Learner
 from workbench.models.tiny import tiny_model_path
 from workbench.segment import Segment
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from workbench.batch import collate
 from workbench.config import ConfigError, compose_config
 from workbench.engines.base import SamplingParams
 from workbench.engines.torch_engine import TorchEngine
 from workbench.invariants.routing_replay import decode_vllm_routed_experts, find_routers
-from workbench.learner import Learner
+from workbench.learner.batch import collate
+from workbench.learner.learner import Learner
 from workbench.models.tiny import tiny_model_path
 from workbench.segment import Segment
 from workbench.store import open_run
@@ -84,10 +84,10 @@ def test_replay_on_the_same_weights_reproduces_rollout_logprobs(moe):
     routing = {}
     with torch.no_grad():
         replayed = learner.logprobs(batch, routing=routing)
-    mask = batch["loss_mask"]
-    assert (replayed - batch["behavior_logprob"])[mask].abs().max() < 1e-5
+    mask = batch.loss_mask
+    assert (replayed - batch.behavior_logprob)[mask].abs().max() < 1e-5
     assert not routing["mismatch"].any()
-    assert routing["known"][batch["attention_mask"].bool()].float().mean() > 0.8
+    assert routing["known"][batch.attention_mask.bool()].float().mean() > 0.8
 
 
 def perturbed_router_engine(path, scale=0.05):

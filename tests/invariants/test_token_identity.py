@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from workbench.batch import audit_identity, collate
 from workbench.config import compose_config
 from workbench.invariants.token_identity import TokenAccumulator
-from workbench.rollout import Job, RolloutWorker
+from workbench.learner.batch import audit_identity, collate
+from workbench.rollout.worker import Job, RolloutWorker
 from workbench.segment import Batch, Segment
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -149,7 +149,7 @@ def test_multi_turn_env_episodes_are_token_exact_segments(tiny_path):
         )
     batch = collate(segments)
     np.testing.assert_array_equal(
-        batch["token_ids"][0, : len(segments[0].token_ids)].numpy(), segments[0].token_ids
+        batch.token_ids[0, : len(segments[0].token_ids)].numpy(), segments[0].token_ids
     )
     # the next epoch's episode opens from the kept render
     again = worker.rollout([Job({"problem": "Say 1."}, 0, 2)])

@@ -10,13 +10,24 @@ a new estimator is one function at the end of this module and its test in
 tests/algo/test_advantages.py.
 """
 
-from collections.abc import Callable
+from __future__ import annotations
+
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from workbench.algo.losses import masked_mean
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from workbench.config import AlgoConfig
+    from workbench.learner.batch import TrainBatch
+
+    # (train batch, logprob, teacher_logprob or None, algo config) -> (advantages, metrics)
+    Estimate = Callable[..., tuple[Tensor, dict[str, float]]]
 
 # the estimators `compute_advantages` computes from rewards alone
 REWARD_ESTIMATORS = ("reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo")
@@ -26,8 +37,9 @@ REWARD_ESTIMATORS = ("reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo
 class Estimator:
     """An advantage estimator as the learner calls it, and what it needs."""
 
-    estimate: Callable[..., tuple[Tensor, dict[str, float]]]
-    """(batch, logprob [B, T], teacher_logprob [B, T] or None, algo config) ->
+    estimate: Estimate
+    """(train batch (`learner.batch.TrainBatch`), logprob [B, T], teacher_logprob [B, T] or None,
+    algo config) ->
     (advantages [B] or [B, T], metrics)."""
     teacher: bool = False
     """It reads a frozen teacher's log-probs: the learner loads the teacher for it."""
@@ -45,7 +57,7 @@ def compute_advantages(
     estimator: str,
     rollout_ids: Tensor | None = None,
     eps: float = 1e-6,
-):
+) -> Tensor:
     """Per-row advantage [N] from per-row rewards [N], prompt groups [N] and rollouts [N].
 
     reinforce: r.  reinforce_baseline: r - batch mean.  rloo: r - mean of the other rollouts
@@ -99,7 +111,7 @@ def turn_advantages(
     group_ids: Tensor,
     rollout_ids: Tensor,
     discount: float,
-):
+) -> Tensor:
     """Per-token advantage [N, T] from the rewards of each row's episode by turn [N, K] (NaN
     after its last), the episode's turn of each token [N, T] (-1 outside sampled turns: advantage
     0), prompt groups [N] and rollouts [N].
@@ -128,7 +140,7 @@ def turn_advantages(
 
 def distill_advantages(
     student_logprob: Tensor, teacher_logprob: Tensor, loss_mask: Tensor, coef: float = 1.0
-):
+) -> Tensor:
     """on_policy_distill: per-token advantage [B, T] = -coef·(log π_student − log π_teacher) on
     sampled tokens, 0 elsewhere.
 
@@ -139,7 +151,7 @@ def distill_advantages(
     return torch.where(loss_mask.bool(), -coef * (student_logprob - teacher_logprob).detach(), 0.0)
 
 
-def uniform_groups(rewards: Tensor, group_ids: Tensor):
+def uniform_groups(rewards: Tensor, group_ids: Tensor) -> Tensor:
     """Rows [N] (bool) whose prompt group has one reward for all its rows: no relative signal, so
     dynamic filtering drops them."""
     groups, group = torch.unique(group_ids, return_inverse=True)  # [N] -> group index
@@ -155,22 +167,26 @@ def uniform_groups(rewards: Tensor, group_ids: Tensor):
 # ---- the registry: `algo.advantage=NAME` selects ADVANTAGES[NAME]
 
 
-def advantage(name: str, teacher: bool = False, groups: bool = True):
+def advantage(
+    name: str, teacher: bool = False, groups: bool = True
+) -> Callable[[Estimate], Estimate]:
     """Register the decorated function as the estimator `algo.advantage=name` (see `Estimator`)."""
 
-    def register(estimate: Callable):
+    def register(estimate: Estimate) -> Estimate:
         ADVANTAGES[name] = Estimator(estimate, teacher=teacher, groups=groups)
         return estimate
 
     return register
 
 
-def _from_rewards(estimator: str):
+def _from_rewards(estimator: str) -> Estimate:
     """`compute_advantages(..., estimator)` as the learner calls it: one advantage per row."""
 
-    def estimate(batch: dict, logprob: Tensor, teacher_logprob: None, algo):
+    def estimate(
+        train_batch: TrainBatch, logprob: Tensor, teacher_logprob: None, algo: AlgoConfig
+    ) -> tuple[Tensor, dict[str, float]]:
         advantages = compute_advantages(
-            batch["rewards"], batch["group_ids"], estimator, batch["rollout_ids"]
+            train_batch.rewards, train_batch.group_ids, estimator, train_batch.rollout_ids
         )
         return advantages, {}
 
@@ -183,16 +199,26 @@ for name in REWARD_ESTIMATORS:
 
 
 @advantage("on_policy_distill", teacher=True, groups=False)
-def on_policy_distill(batch: dict, logprob: Tensor, teacher_logprob: Tensor, algo):
+def on_policy_distill(
+    train_batch: TrainBatch, logprob: Tensor, teacher_logprob: Tensor, algo: AlgoConfig
+) -> tuple[Tensor, dict[str, float]]:
     """Per token, from the frozen teacher; no reward. Its metric: k1 of KL(student || teacher)."""
-    mask = batch["loss_mask"]
+    mask = train_batch.loss_mask
     advantages = distill_advantages(logprob, teacher_logprob, mask, algo.distill_coef)  # [B, T]
     distill_kl = masked_mean(logprob - teacher_logprob, mask)
     return advantages, {"distill/kl": float(distill_kl)}
 
 
 @advantage("turn")
-def turn(batch: dict, logprob: Tensor, teacher_logprob: None, algo):
+def turn(
+    train_batch: TrainBatch, logprob: Tensor, teacher_logprob: None, algo: AlgoConfig
+) -> tuple[Tensor, dict[str, float]]:
     """`turn_advantages` of the batch, γ = `algo.turn_discount`."""
-    keys = ("turn_rewards", "turns", "group_ids", "rollout_ids")
-    return turn_advantages(*map(batch.get, keys), algo.turn_discount), {}
+    advantages = turn_advantages(
+        train_batch.turn_rewards,
+        train_batch.turns,
+        train_batch.group_ids,
+        train_batch.rollout_ids,
+        algo.turn_discount,
+    )
+    return advantages, {}

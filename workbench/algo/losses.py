@@ -7,10 +7,16 @@ outside the mask may hold any value (even -inf) without leaking NaN into the los
 a new loss is one function at the end of this module and its test in tests/algo/test_losses.py.
 """
 
+from __future__ import annotations
+
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from typing import Any
 
 AGGREGATIONS = ("token_mean", "seq_mean", "constant")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -21,7 +27,7 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {}
 are those of `policy_gradient_loss` after `loss_mask`."""
 
 
-def token_logprobs(logits: Tensor, token_ids: Tensor, temperature: float = 1.0):
+def token_logprobs(logits: Tensor, token_ids: Tensor, temperature: float = 1.0) -> Tensor:
     """Log-prob [B, T] of each token under the causal-LM logits [B, T, V] of the step before it.
 
     out[:, 0] = 0; out[:, t] = log_softmax(logits[:, t-1] / temperature)[token_ids[:, t]],
@@ -36,7 +42,7 @@ def token_logprobs_entropy(
     temperature: float = 1.0,
     entropy: bool = True,
     entropy_grad: bool = True,
-):
+) -> tuple[Tensor, Tensor | None]:
     """`token_logprobs`, and the entropy [B, T] of each distribution those are taken from (same
     layout: out[:, 0] = 0; `logits_entropy` of the same scaled logits). None unless `entropy`;
     without a graph unless `entropy_grad`."""
@@ -57,7 +63,7 @@ def token_logprobs_entropy(
     return logprob, per_position
 
 
-def logits_entropy(scaled: Tensor, normaliser: Tensor):
+def logits_entropy(scaled: Tensor, normaliser: Tensor) -> Tensor:
     """Entropy [...] of softmax(scaled) over the last dimension, given its logsumexp `normaliser`
     [...]: logsumexp(s) − Σ softmax(s)·s, with softmax(s) the one more full-vocabulary tensor.
 
@@ -72,14 +78,14 @@ def logits_entropy(scaled: Tensor, normaliser: Tensor):
     return normaliser - dot
 
 
-def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None):
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Mean of x over positions where mask is true (along dim, or over all); 0 where none are."""
     mask = mask.bool()
     # dim None: sums over all
     return torch.where(mask, x, 0.0).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def approx_kl(logp: Tensor, logq: Tensor, mask: Tensor, estimator: str = "k3"):
+def approx_kl(logp: Tensor, logq: Tensor, mask: Tensor, estimator: str = "k3") -> Tensor:
     """Schulman's estimate of KL(p || q) from samples of p, masked mean over tokens (scalar).
 
     With log r = logq - logp:  k1 = -log r,  k2 = (log r)^2 / 2,  k3 = (r - 1) - log r.
@@ -100,7 +106,7 @@ def approx_kl(logp: Tensor, logq: Tensor, mask: Tensor, estimator: str = "k3"):
 
 def ppo_surrogate(
     logprob: Tensor, ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float
-):
+) -> tuple[Tensor, Tensor]:
     """PPO-clip per token [B, T]: -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A);
     and where the clipped term is strictly smaller (the min picks it, so the gradient is 0)."""
     unclipped = ratio * advantages  # [B, T]
@@ -110,7 +116,7 @@ def ppo_surrogate(
 
 def cispo_surrogate(
     logprob: Tensor, ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float
-):
+) -> tuple[Tensor, Tensor]:
     """CISPO per token [B, T]: -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * logprob (the
     clipped ratio is a constant weight, so clipped tokens still get gradient); and where the ratio
     lies outside the band."""
@@ -132,7 +138,7 @@ def policy_gradient_loss(
     surrogate: Callable[..., tuple[Tensor, Tensor]] = ppo_surrogate,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
-):
+) -> tuple[Tensor, dict[str, float]]:
     """A clipped policy-gradient loss over masked tokens (PPO-clip by default), and its metrics.
 
     Per token, with ratio = exp(logprob - old_logprob): loss = surrogate * is_weight, where
@@ -188,7 +194,7 @@ def policy_gradient_loss(
     return loss, metrics
 
 
-def sequence_ratio_logprob(logprob: Tensor, old_logprob: Tensor, loss_mask: Tensor):
+def sequence_ratio_logprob(logprob: Tensor, old_logprob: Tensor, loss_mask: Tensor) -> Tensor:
     """GSPO as a stand-in for `logprob`: fed to `policy_gradient_loss` (seq_mean), it is GSPO.
 
     Every token's ratio becomes the sequence ratio s = exp(mean over sampled tokens of
@@ -202,10 +208,10 @@ def sequence_ratio_logprob(logprob: Tensor, old_logprob: Tensor, loss_mask: Tens
 # ---- the registry: `algo.policy_loss=NAME` selects POLICY_LOSSES[NAME]
 
 
-def policy_loss(name: str):
+def policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
     """Register the decorated loss as `algo.policy_loss=name`."""
 
-    def register(loss: PolicyLoss):
+    def register(loss: PolicyLoss) -> PolicyLoss:
         POLICY_LOSSES[name] = loss
         return loss
 
@@ -213,20 +219,41 @@ def policy_loss(name: str):
 
 
 @policy_loss("ppo")
-def ppo_loss(logprob, old_logprob, advantages, loss_mask, sampled_mask, **options):
+def ppo_loss(
+    logprob: Tensor,  # [B, T]
+    old_logprob: Tensor,  # [B, T]
+    advantages: Tensor,  # [B] or [B, T]
+    loss_mask: Tensor,  # [B, T]
+    sampled_mask: Tensor,  # [B, T]
+    **options: Any,
+) -> tuple[Tensor, dict[str, float]]:
     """Token ratio, PPO-clip."""
     return policy_gradient_loss(logprob, old_logprob, advantages, loss_mask, **options)
 
 
 @policy_loss("gspo")
-def gspo_loss(logprob, old_logprob, advantages, loss_mask, sampled_mask, **options):
+def gspo_loss(
+    logprob: Tensor,  # [B, T]
+    old_logprob: Tensor,  # [B, T]
+    advantages: Tensor,  # [B] or [B, T]
+    loss_mask: Tensor,  # [B, T]
+    sampled_mask: Tensor,  # [B, T]
+    **options: Any,
+) -> tuple[Tensor, dict[str, float]]:
     """Sequence ratio (geometric mean of the ratios of the sampled tokens), clipped per sequence."""
     stand_in = sequence_ratio_logprob(logprob, old_logprob, sampled_mask)
     return policy_gradient_loss(stand_in, old_logprob, advantages, loss_mask, **options)
 
 
 @policy_loss("cispo")
-def cispo_loss(logprob, old_logprob, advantages, loss_mask, sampled_mask, **options):
+def cispo_loss(
+    logprob: Tensor,  # [B, T]
+    old_logprob: Tensor,  # [B, T]
+    advantages: Tensor,  # [B] or [B, T]
+    loss_mask: Tensor,  # [B, T]
+    sampled_mask: Tensor,  # [B, T]
+    **options: Any,
+) -> tuple[Tensor, dict[str, float]]:
     """REINFORCE on log π, weighted by the clipped token ratio held constant."""
     return policy_gradient_loss(
         logprob, old_logprob, advantages, loss_mask, surrogate=cispo_surrogate, **options
@@ -234,7 +261,14 @@ def cispo_loss(logprob, old_logprob, advantages, loss_mask, sampled_mask, **opti
 
 
 @policy_loss("sft")
-def sft_loss(logprob, old_logprob, advantages, loss_mask, sampled_mask, **options):
+def sft_loss(
+    logprob: Tensor,  # [B, T]
+    old_logprob: Tensor | None,  # [B, T], unread
+    advantages: Tensor | None,  # unread
+    loss_mask: Tensor,  # [B, T]
+    sampled_mask: Tensor,  # [B, T]
+    **options: Any,
+) -> tuple[Tensor, dict[str, float]]:
     """Supervised (`molt-wb sft`, the warm start): minus the token mean of log π over the batch's
     trainable tokens; no ratio, advantage, IS weight or entropy bonus."""
     return -masked_mean(logprob, loss_mask), {"tokens": float(loss_mask.sum())}

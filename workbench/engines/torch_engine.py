@@ -10,22 +10,31 @@ in between two token steps (pause, swap, resume: the KV cache of earlier tokens 
 sequence can hold tokens of several versions, each recorded.
 """
 
+from __future__ import annotations
+
 import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from workbench.engines.base import Generation, SamplingParams
+from workbench.engines.base import Generation, Listener, SamplingParams
 from workbench.invariants.routing_replay import capture_routes, find_routers
 from workbench.models.lora import load_adapter, with_adapter
 from workbench.models.multimodal import ImageCodec, forward_inputs, is_vision_language, load_policy
 from workbench.models.prefix import cache_input, output_cache, unique_rows
 
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
-def set_threads(cfg, model=None):
+    from workbench.config import LoraConfig
+
+
+def set_threads(cfg: DictConfig, model: torch.nn.Module | None = None) -> None:
     """torch threads of this actor (Ray would give it one): `ray.torch_threads`; else one for a
     policy under 1M parameters (the built-in tiny ones: their matrices are too small to split, and
     waking a second thread costs more than it saves, bench/README.md); else every core when rollout
@@ -39,8 +48,9 @@ def set_threads(cfg, model=None):
     torch.set_num_threads(cfg.ray.torch_threads or threads)
 
 
-def nucleus(logprobs: torch.Tensor, top_p: float):
-    """Log-probs renormalised over the smallest set of tokens whose mass reaches top_p."""
+def nucleus(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Log-probs ([batch, vocab]) renormalised over the smallest set of tokens whose mass reaches
+    top_p."""
     if top_p >= 1:
         return logprobs
     sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)
@@ -61,7 +71,7 @@ class TorchEngine:
         dtype: str = "float32",
         seed: int = 0,
         partial: bool = False,
-        lora=None,
+        lora: LoraConfig | None = None,
     ):
         self.model = load_policy(model_path, dtype).eval()
         # a LoRA policy: pushes carry the adapter alone
@@ -75,24 +85,25 @@ class TorchEngine:
         self.moe = bool(find_routers(self.model))
         self._open_slot(partial)
 
-    def _open_slot(self, partial: bool):
+    def _open_slot(self, partial: bool) -> None:
         """The weight slot, empty: pushed weights wait in it while generations or holds are under
         way (with `partial`, only until the next token step)."""
         self.version = 0
         self.partial = partial
         self._lock = threading.Lock()
-        self._pending = None
+        # the weights pushed last and their version, until adopted
+        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
         # generations and holds under way
         self._busy = 0
 
-    def load_weights(self, state_dict: dict, version: int):
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         with self._lock:
             self._pending = (state_dict, version)
             if not self._busy:
                 self._swap()
 
     @contextlib.contextmanager
-    def hold(self):
+    def hold(self) -> Iterator[None]:
         """Keep one set of weights for a whole episode: pushes wait until the block ends."""
         self._enter()
         try:
@@ -100,19 +111,19 @@ class TorchEngine:
         finally:
             self._leave()
 
-    def _enter(self):
+    def _enter(self) -> None:
         with self._lock:
             if not self._busy:
                 self._swap()
             self._busy += 1
 
-    def _leave(self):
+    def _leave(self) -> None:
         with self._lock:
             self._busy -= 1
             if not self._busy:
                 self._swap()
 
-    def _swap(self):
+    def _swap(self) -> None:
         """Adopt pending weights, if any (the caller holds the lock)."""
         if self._pending is not None:
             state_dict, self.version = self._pending
@@ -127,8 +138,8 @@ class TorchEngine:
         prompts: list[np.ndarray],
         params: SamplingParams,
         images: list[list[bytes]] | None = None,
-        listener=None,
-    ):
+        listener: Listener | None = None,
+    ) -> list[Generation]:
         """`images[i]`: the images of prompt i, in the order of its placeholder runs
         (vision-language models); `listener(i, ids)` gets prompt i's ids as they are sampled."""
         # OpenMP's thread count is per thread: the calling thread (a Ray actor thread, a loopback
@@ -142,7 +153,13 @@ class TorchEngine:
             finally:
                 self.compute_s += time.perf_counter() - start
 
-    def _generate(self, prompts, params: SamplingParams, images, listener):
+    def _generate(
+        self,
+        prompts: list[np.ndarray],
+        params: SamplingParams,
+        images: list[list[bytes]] | None,
+        listener: Listener | None,
+    ) -> list[Generation]:
         if not self.moe:
             return self._sample(prompts, params, images, listener)
         with capture_routes(self.model) as forwards:
@@ -160,7 +177,13 @@ class TorchEngine:
         return generations
 
     @torch.no_grad()
-    def _sample(self, prompts, params: SamplingParams, images, listener):
+    def _sample(
+        self,
+        prompts: list[np.ndarray],
+        params: SamplingParams,
+        images: list[list[bytes]] | None,
+        listener: Listener | None,
+    ) -> list[Generation]:
         batch = len(prompts)
         longest = max(len(p) for p in prompts)
         # a group's samples share their prompt: prefill each distinct prompt once (text-only, dense

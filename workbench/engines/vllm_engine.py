@@ -32,6 +32,8 @@ exists, so this path is not exercised here (config validation refuses it where t
 not import).
 """
 
+from __future__ import annotations
+
 import functools
 import io
 import itertools
@@ -43,17 +45,27 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
 from PIL import Image
 from transformers import AutoConfig
 
-from workbench.engines.base import Generation, SamplingParams
+from workbench.engines.base import Generation, Listener, SamplingParams
 from workbench.engines.torch_engine import TorchEngine
 from workbench.invariants.routing_replay import decode_vllm_routed_experts
 from workbench.models.multimodal import ImageCodec, is_vision_language
 from workbench.models.tiny import is_moe
+
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    from workbench.config import LoraConfig
+
+# what a function `_call` runs on the engine's thread returns
+Returned = TypeVar("Returned")
 
 CPU_DEFAULTS = {
     "VLLM_HOST_IP": "127.0.0.1",
@@ -65,7 +77,9 @@ CPU_DEFAULTS = {
 class WeightSync:
     """vLLM worker extension (runs in each vLLM worker): in-place reload with an optional check."""
 
-    def load_policy_weights(self, weights: list[tuple[str, torch.Tensor]], check: bool):
+    def load_policy_weights(
+        self, weights: list[tuple[str, torch.Tensor]], check: bool
+    ) -> list[str]:
         """Reload from (name, tensor) pairs in checkpoint format; with `check`, every parameter is
         first filled with NaN, and the names of those still holding NaN afterwards (not updated) are
         returned."""
@@ -90,15 +104,17 @@ class Request:
     """A prompt in the running engine: what it has sampled so far, and who waits for it."""
 
     prompt_tokens: int
-    done: Future
+    done: Future[Generation]
     # called with each step's new ids (on the engine's thread)
-    listener: Callable | None
-    ids: list = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    versions: list = field(default_factory=list)
+    listener: Callable[[list[int]], None] | None
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
 
 
-def _settle(result: Future, function, *args, **kwargs):
+def _settle(
+    result: Future[Returned], function: Callable[..., Returned], *args: Any, **kwargs: Any
+) -> None:
     """`result` holds what `function(*args, **kwargs)` returns, or what it raises."""
     try:
         result.set_result(function(*args, **kwargs))
@@ -120,7 +136,7 @@ class VllmEngine(TorchEngine):
         gpu_memory_utilization: float = 0.5,
         check_weight_sync: bool = False,
         routed_experts: bool = True,
-        lora=None,
+        lora: LoraConfig | None = None,
     ):
         vision = is_vision_language(model_path)
         cpu = not torch.cuda.is_available()
@@ -136,7 +152,7 @@ class VllmEngine(TorchEngine):
         self.routes = self.moe and routed_experts and not cpu
         # vLLM's CPU kernels keep the OpenMP settings of the thread that started them: every call
         # runs on the engine's own thread, queued between two steps
-        self.commands = queue.SimpleQueue()
+        self.commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         # by request id, the requests in the running batch (the engine thread's alone)
         self.running: dict[str, Request] = {}
         self.driver = threading.Thread(target=self._drive, name="vllm", daemon=True)
@@ -144,7 +160,7 @@ class VllmEngine(TorchEngine):
         options = {}
         # a LoRA policy: each pushed adapter version is a LoRARequest on the base
         self.lora = lora if lora and lora.rank else None
-        self.lora_request = None
+        self.lora_request: LoRARequest | None = None
         if self.lora:
             options.update(enable_lora=True, max_lora_rank=lora.rank)
         if vision:
@@ -178,15 +194,15 @@ class VllmEngine(TorchEngine):
         # weight pushes adopted: with the version, the prefix cache's salt
         self.swaps = 0
 
-    def _call(self, function, *args, **kwargs):
+    def _call(self, function: Callable[..., Returned], *args: Any, **kwargs: Any) -> Returned:
         """`function(*args, **kwargs)` on the engine's own thread, between two steps."""
         if threading.current_thread() is self.driver:
             return function(*args, **kwargs)
-        result = Future()
+        result: Future[Returned] = Future()
         self.commands.put(functools.partial(_settle, result, function, *args, **kwargs))
         return result.result()
 
-    def _drive(self):
+    def _drive(self) -> None:
         """The engine's thread: what callers queue (calls, new requests) runs between two steps, and
         the engine steps while any request runs."""
         while True:
@@ -200,28 +216,40 @@ class VllmEngine(TorchEngine):
 
     # the weight slot and its count of holders are the engine thread's alone, so no caller waits on
     # that thread while holding the slot's lock
-    def load_weights(self, state_dict: dict, version: int):
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         self._call(super().load_weights, state_dict, version)
 
-    def _enter(self):
+    def _enter(self) -> None:
         self._call(super()._enter)
 
-    def _leave(self):
+    def _leave(self) -> None:
         self._call(super()._leave)
 
-    def _generate(self, prompts, params: SamplingParams, images, listener):
+    def _generate(
+        self,
+        prompts: list[np.ndarray],
+        params: SamplingParams,
+        images: list[list[bytes]] | None,
+        listener: Listener | None,
+    ) -> list[Generation]:
         return [done.result() for done in self.submit(prompts, params, images, listener)]
 
-    def submit(self, prompts, params: SamplingParams, images=None, listener=None):
+    def submit(
+        self,
+        prompts: list[np.ndarray],
+        params: SamplingParams,
+        images: list[list[bytes]] | None = None,
+        listener: Listener | None = None,
+    ) -> list[Future[Generation]]:
         """Start the prompts in the running batch, all on the same weights; each one's Generation
         when it ends."""
-        futures = [Future() for _ in prompts]
+        futures: list[Future[Generation]] = [Future() for _ in prompts]
         self.commands.put(
             functools.partial(self._admit, prompts, params, images, listener, futures)
         )
         return futures
 
-    def _swap(self):
+    def _swap(self) -> None:
         """Adopt pending weights, if any (the caller holds the lock); refuse a partial update when
         checking."""
         if self._pending is None:
@@ -244,7 +272,7 @@ class VllmEngine(TorchEngine):
                 )
         self.version = version
 
-    def _adapter(self, state_dict: dict, version: int):
+    def _adapter(self, state_dict: dict[str, torch.Tensor], version: int) -> LoRARequest:
         """The LoRARequest of a pushed adapter version, written as a PEFT folder; the previous
         version's folder goes (no request runs on it: pushes wait until episodes end)."""
         from safetensors.torch import save_file
@@ -263,7 +291,14 @@ class VllmEngine(TorchEngine):
         save_file(tensors, f"{folder}/adapter_model.safetensors")
         return LoRARequest(f"v{version}", version + 1, folder)
 
-    def _admit(self, prompts, params: SamplingParams, images, listener, futures):
+    def _admit(
+        self,
+        prompts: list[np.ndarray],
+        params: SamplingParams,
+        images: list[list[bytes]] | None,
+        listener: Listener | None,
+        futures: list[Future[Generation]],
+    ) -> None:
         """Add the prompts to the running batch (on the engine's thread), each salted with the
         weights it starts on."""
         from vllm import SamplingParams as VllmParams
@@ -318,7 +353,7 @@ class VllmEngine(TorchEngine):
                 continue
             self.running[request_id] = request
 
-    def _step(self):
+    def _step(self) -> None:
         """One scheduler step: each running request's new ids, their log-probs and the version of
         this forward; the finished ones leave the batch."""
         engine = self.llm.llm_engine
@@ -352,7 +387,9 @@ class VllmEngine(TorchEngine):
             with self._lock:
                 self._swap()
 
-    def _generation(self, request: Request, completion, output):
+    def _generation(
+        self, request: Request, completion: CompletionOutput, output: RequestOutput
+    ) -> Generation:
         """A finished request as the protocol's Generation; `cached_prompt_tokens`: its prompt
         tokens the prefix cache served."""
         generation = Generation(

@@ -11,15 +11,21 @@ the record, per layer and token. `decode_vllm_routed_experts` reads vLLM's forma
 int16 [T, layers, top_k] array.
 """
 
+from __future__ import annotations
+
 import base64
 import contextlib
 import io
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
 
-def find_routers(model):
+
+def find_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The MoE router modules of a transformers model, in layer order (empty for a dense model)."""
     return [
         m
@@ -29,7 +35,9 @@ def find_routers(model):
 
 
 @contextlib.contextmanager
-def _hooked(routers: list[torch.nn.Module], make_hook):
+def _hooked(
+    routers: list[torch.nn.Module], make_hook: Callable[[int], Callable[..., object]]
+) -> Iterator[None]:
     """`make_hook(layer)` installed as a forward hook on each router for the duration of the
     block."""
     handles = [router.register_forward_hook(make_hook(i)) for i, router in enumerate(routers)]
@@ -41,7 +49,7 @@ def _hooked(routers: list[torch.nn.Module], make_hook):
 
 
 @contextlib.contextmanager
-def capture_routes(model):
+def capture_routes(model: torch.nn.Module) -> Iterator[list[np.ndarray]]:
     """Yield a list that collects, per forward, one int16 [tokens, layers, top_k] array of live
     expert ids."""
     routers = find_routers(model)
@@ -49,7 +57,11 @@ def capture_routes(model):
     # this forward's [tokens, top_k] expert ids so far, one per MoE layer (they run in layer order)
     layers = []
 
-    def record(module, inputs, output):
+    def record(
+        module: torch.nn.Module,
+        inputs: tuple[torch.Tensor, ...],
+        output: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> None:
         layers.append(output[2].detach().to(torch.int16))
         # the last MoE layer of this forward
         if len(layers) == len(routers):
@@ -61,7 +73,9 @@ def capture_routes(model):
 
 
 @contextlib.contextmanager
-def replay_routes(model, routed_experts: torch.Tensor, enabled: bool = True):
+def replay_routes(
+    model: torch.nn.Module, routed_experts: torch.Tensor, enabled: bool = True
+) -> Iterator[dict[str, torch.Tensor]]:
     """Force (or, with enabled=False, only compare with) recorded routes for the next forwards.
 
     routed_experts: int [batch, seq, layers, top_k] for the batch about to be run (-1 = unknown).
@@ -73,14 +87,18 @@ def replay_routes(model, routed_experts: torch.Tensor, enabled: bool = True):
     batch, seq = routed_experts.shape[:2]
     stats = {}
 
-    def table(name: str, fill: int, dtype: torch.dtype, *tail: int):
+    def table(name: str, fill: int, dtype: torch.dtype, *tail: int) -> torch.Tensor:
         """stats[name], made at the first forward: [batch, seq, layers, *tail] of `fill`."""
         return stats.setdefault(
             name, torch.full((batch, seq, len(routers), *tail), fill, dtype=dtype)
         )
 
-    def hook(layer):
-        def force(module, inputs, output):
+    def hook(layer: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        def force(
+            module: torch.nn.Module,
+            inputs: tuple[torch.Tensor, ...],
+            output: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             # [tokens, experts], [tokens, k], [tokens, k]
             logits, live_weights, live = output
             recorded = (
@@ -106,7 +124,9 @@ def replay_routes(model, routed_experts: torch.Tensor, enabled: bool = True):
         yield stats
 
 
-def decode_vllm_routed_experts(data, num_tokens: int):
+def decode_vllm_routed_experts(
+    data: str | list[list[list[int]]] | np.ndarray, num_tokens: int
+) -> np.ndarray:
     """vLLM's `routed_experts` (nested lists, or a base64 `.npy` string), one row per token that
     was fed (one fewer than the tokens: the last sampled token never is), as int16
     [num_tokens, layers, k] with -1 for rows vLLM did not report."""

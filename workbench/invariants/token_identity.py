@@ -12,12 +12,22 @@ message renders as one placeholder that the model's image codec expands to that 
 placeholder ids (mask 0); the segment keeps the image bytes in the order of their runs.
 """
 
+from __future__ import annotations
+
 import copy
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from transformers import PreTrainedTokenizerBase
+
+    from workbench.models.multimodal import ImageCodec
 
 # the behavior version of a forced token: inserted by the server (a forced tool call's opening, a
 # prefill), never sampled (mask 0, no behavior log-prob)
@@ -46,7 +56,12 @@ class SegmentTokens:
     # int16 [t, layers, k] experts of the latest forward over positions 0..t
     routes: np.ndarray | None = None
 
-    def extend(self, ids, logprobs=None, versions=None):
+    def extend(
+        self,
+        ids: Sequence[int] | np.ndarray,
+        logprobs: Sequence[float] | np.ndarray | None = None,
+        versions: Sequence[int] | np.ndarray | None = None,
+    ) -> None:
         """Append `ids`: sampled (mask 1) when they come with their `logprobs`, else mask 0 with
         log-prob 0 and `versions` (default -1)."""
         sampled = logprobs is not None
@@ -55,18 +70,18 @@ class SegmentTokens:
         self.behavior_logprob.extend(map(float, logprobs) if sampled else [0.0] * len(ids))
         self.behavior_version.extend([-1] * len(ids) if versions is None else map(int, versions))
 
-    def copy(self):
+    def copy(self) -> SegmentTokens:
         """A copy whose lists grow apart from this one's (their items are never mutated)."""
         lists = {name: list(value) for name, value in vars(self).items() if isinstance(value, list)}
         return dataclasses.replace(self, **lists)
 
-    def identity_holds(self):
+    def identity_holds(self) -> bool:
         """Audit: the mask-1 ids are exactly the engine's sampled ids, in order."""
         sampled = np.asarray(self.token_ids)[np.asarray(self.loss_mask, dtype=bool)]
         returned = np.concatenate([np.zeros(0, np.int64), *self.sampled_turns])
         return np.array_equal(sampled, returned)
 
-    def arrays(self):
+    def arrays(self) -> dict[str, np.ndarray | None]:
         routed = None
         # positions added after the last forward are unknown (-1)
         if self.routes is not None:
@@ -81,7 +96,7 @@ class SegmentTokens:
         }
 
 
-def message_images(messages: list[dict]):
+def message_images(messages: list[dict]) -> list[bytes]:
     """Encoded images of `messages` in render order.
 
     Content parts look like `{"type": "image", "image": bytes}`."""
@@ -94,7 +109,7 @@ def message_images(messages: list[dict]):
     ]
 
 
-def retokenize_drift(tokenizer, token_ids: list[int]):
+def retokenize_drift(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int]) -> bool:
     """Would decoding these ids to text and encoding it again give other ids?
 
     Measured, never acted on. Through the fast tokenizer's Rust backend when there is one:
@@ -107,13 +122,17 @@ def retokenize_drift(tokenizer, token_ids: list[int]):
     return backend.encode(text, add_special_tokens=False).ids != ids
 
 
-def reply_text(tokenizer, token_ids, finish_reason: str):
+def reply_text(
+    tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int] | np.ndarray, finish_reason: str
+) -> str:
     """The text of a sampled turn, for the agent: the stop token dropped, tool-call tags kept."""
     ids = token_ids[:-1] if finish_reason == "stop" and len(token_ids) else token_ids
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def stream_pieces(tokenizer, token_ids, content: str):
+def stream_pieces(
+    tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int] | np.ndarray, content: str
+) -> list[str]:
     """`content` in the pieces it was generated in (for streaming): their concatenation is exactly
     `content`. A character whose bytes span several tokens goes out whole with its last token: the
     decoded prefix ends in U+FFFD until then."""
@@ -130,7 +149,7 @@ def stream_pieces(tokenizer, token_ids, content: str):
     return [piece for piece in pieces if piece]
 
 
-def _calls(message: dict):
+def _calls(message: dict) -> list[tuple[str | None, dict | None]]:
     """A message's tool calls by name and arguments."""
     return [(call.get("name"), call.get("arguments")) for call in message.get("tool_calls") or []]
 
@@ -138,12 +157,12 @@ def _calls(message: dict):
 class TokenAccumulator:
     def __init__(
         self,
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase,
         messages: list[dict],
         tools: list[dict] | None = None,
-        codec=None,
+        codec: ImageCodec | None = None,
         rewrite: str = "seal",
-    ):
+    ) -> None:
         """`rewrite`: what a template that rewrites the history does to the episode: `seal` (a new
         segment from the template's fresh render) or `bridge` (the sampled ids stay; the new
         messages are appended as the template renders a trailing turn)."""
@@ -156,12 +175,12 @@ class TokenAccumulator:
         self.last_finish = "stop"
         self._open(list(messages))
 
-    def render(self, messages: list[dict], generation_prompt: bool):
+    def render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
             messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
         )
 
-    def encode(self, text: str, images: list[bytes] = ()):
+    def encode(self, text: str, images: Sequence[bytes] = ()) -> list[int]:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if images and self.codec is None:
             raise ValueError(
@@ -171,24 +190,24 @@ class TokenAccumulator:
         return self.codec.expand(ids, images) if images else ids
 
     @property
-    def token_ids(self):
+    def token_ids(self) -> np.ndarray:
         """The exact ids generation continues from (int32 [t])."""
         return np.asarray(self.open.token_ids, dtype=np.int32)
 
-    def add_forced(self, token_ids):
+    def add_forced(self, token_ids: Sequence[int] | np.ndarray) -> None:
         """Start the next turn with ids the policy did not sample (mask 0, marked forced)."""
         self.open.extend(token_ids, versions=[FORCED_VERSION] * len(token_ids))
 
     def add_sampled(
         self,
-        token_ids: np.ndarray,
-        logprobs: np.ndarray,
-        versions,
+        token_ids: Sequence[int] | np.ndarray,
+        logprobs: Sequence[float] | np.ndarray,
+        versions: int | Sequence[int] | np.ndarray,
         message: dict,
         finish_reason: str,
         routed_experts: np.ndarray | None = None,
         stop_sequence: str | None = None,
-    ):
+    ) -> None:
         """Append what the engine sampled, untouched, with each token's log-prob and weight version
         (`versions`: one int for the whole turn or int [n]). `message` is the assistant message
         decoded from it (text, tool calls), for the conversation only; `finish_reason` "stop" means
@@ -211,7 +230,7 @@ class TokenAccumulator:
         self.messages.append(message)
         self.last_finish = self.open.finish = finish_reason
 
-    def continue_with(self, messages: list[dict], tools: list[dict] | None = None):
+    def continue_with(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """Take a client's whole conversation.
 
         `extend` when it continues this one (our messages are its prefix and the render stays a
@@ -229,7 +248,7 @@ class TokenAccumulator:
         self._open(list(messages))
         return "seal"
 
-    def _echoes(self, index: int, echo: dict):
+    def _echoes(self, index: int, echo: dict) -> bool:
         """Whether a client's `echo` of our message `index` says what it said: equal, or for a
         sampled turn its content plus the stop string it was cut at, or stripped of surrounding
         whitespace, with tool calls equal by name and arguments (a client may renumber them) and
@@ -248,7 +267,7 @@ class TokenAccumulator:
             and reasoning in (None, ours.get("reasoning_content"))
         )
 
-    def add_messages(self, new_messages: list[dict]):
+    def add_messages(self, new_messages: list[dict]) -> bool:
         """Extend the open segment with the rendered delta of `new_messages`.
 
         False if it had to seal."""
@@ -274,7 +293,7 @@ class TokenAccumulator:
         self.messages.extend(new_messages)
         return True
 
-    def _content_start(self, new_messages: list[dict], full: str):
+    def _content_start(self, new_messages: list[dict], full: str) -> int:
         """Where the first new message's content begins in `full`, the render of the conversation
         and `new_messages`: the longest prefix `full` shares with both renders whose first new
         message says "a" or "b" instead (one of them differs at its first character).
@@ -289,7 +308,7 @@ class TokenAccumulator:
             starts.append(len(os.path.commonprefix([full, render])))
         return min(starts)
 
-    def fork(self):
+    def fork(self) -> TokenAccumulator:
         """A copy to try a turn on; the original is untouched until the copy replaces it."""
         # lists are copied; their items (ints, arrays, bytes, messages) are never mutated
         twin = copy.copy(self)
@@ -299,16 +318,16 @@ class TokenAccumulator:
         twin.stops = dict(self.stops)
         return twin
 
-    def seal(self, reason: str):
+    def seal(self, reason: str) -> None:
         self.open.seal_reason = reason
         self.sealed.append(self.open)
 
-    def finish(self):
+    def finish(self) -> list[SegmentTokens]:
         """Seal the open segment (reason `end`) and return every segment of the episode in order."""
         self.seal("end")
         return self.sealed
 
-    def _open(self, messages: list[dict]):
+    def _open(self, messages: list[dict]) -> None:
         self.messages = messages
         # message index -> the stop string its sampled turn was cut at (None: none)
         self.stops = {}

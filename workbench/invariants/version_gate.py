@@ -79,7 +79,7 @@ def version_gate(
     veto: float | None = None,
     bypass: bool = False,
     anchor: str | None = "old",
-):
+) -> GateResult:
     """Per-sequence decisions and per-token weights for one batch (all inputs [B, T])."""
     if level not in LEVELS or mode not in MODES or denominator not in DENOMINATORS:
         raise ValueError(f"gate level/mode/denominator must be in {LEVELS}/{MODES}/{DENOMINATORS}.")
@@ -146,7 +146,7 @@ def version_gate(
     )
 
 
-def gate_metrics(gate: GateResult, loss_mask: Tensor):
+def gate_metrics(gate: GateResult, loss_mask: Tensor) -> dict[str, float]:
     """Per-step aggregates: kept and stale fractions, the fraction of sampled tokens filtered,
     staleness."""
     sampled = loss_mask.bool().sum().clamp(min=1)

@@ -25,7 +25,7 @@ import torch
 from workbench.algo.losses import token_logprobs_entropy
 
 
-def microbatches(lengths: Sequence[int], max_tokens):
+def microbatches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Row indices grouped so that each group's tokens stay within `max_tokens` (a row longer than
     the budget goes alone); `max_tokens=0` is one group of every row.
 
@@ -50,12 +50,12 @@ def microbatches(lengths: Sequence[int], max_tokens):
     return [sorted(group) for group in groups]
 
 
-def pack_like(values: torch.Tensor, mask: torch.Tensor):
+def pack_like(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[batch, seq, ...] -> [1, tokens, ...]: the values at `mask`'s real tokens, row after row."""
     return values[mask.bool()][None]
 
 
-def unpack(packed: torch.Tensor, mask: torch.Tensor, fill=0):
+def unpack(packed: torch.Tensor, mask: torch.Tensor, fill: float = 0) -> torch.Tensor:
     """[1, tokens, ...] -> [batch, seq, ...]: `pack_like` undone, `fill` at padding (with
     gradient)."""
     padded = packed.new_full((*mask.shape, *packed.shape[2:]), fill)
@@ -63,14 +63,14 @@ def unpack(packed: torch.Tensor, mask: torch.Tensor, fill=0):
 
 
 def packed_logprobs(
-    model,
+    model: torch.nn.Module,
     ids: torch.Tensor,
     mask: torch.Tensor,
-    temperature=1.0,
+    temperature: float = 1.0,
     rows: Sequence[int] | torch.Tensor | None = None,
-    entropy=False,
-    entropy_grad=True,
-):
+    entropy: bool = False,
+    entropy_grad: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs [len(rows), seq] of `rows`' own ids (all rows by default) in one packed forward:
     the values and layout of `token_logprobs` on a padded forward (position 0 holds 0, padding any
     value). With `entropy`, (log-probs, entropies) as `token_logprobs_entropy` gives them."""

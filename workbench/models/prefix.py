@@ -10,13 +10,20 @@ The rollout engine prefills each distinct prompt once (`unique_rows`) and copies
 group. Dense text-only policies: MoE routing replay and images take the full path.
 """
 
+from __future__ import annotations
+
 import inspect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from workbench.algo.losses import logits_entropy, token_logprobs_entropy
+
+if TYPE_CHECKING:
+    from transformers import Cache
+    from transformers.utils import ModelOutput
 
 
 @dataclass
@@ -27,7 +34,7 @@ class Plan:
     group_of: np.ndarray
 
 
-def plan(token_ids: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor):
+def plan(token_ids: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor) -> Plan | None:
     """Each group's longest common prefix (leaving every row at least one token of its own; a group
     of one row shares with itself); None when a group shares no token, or when sharing would save
     under a quarter of the batch's tokens."""
@@ -47,15 +54,15 @@ def plan(token_ids: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor
 
 
 def shared_prefix_logprobs(
-    model,
+    model: torch.nn.Module,
     token_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     plan: Plan,
-    temperature=1.0,
-    packed=None,
-    entropy=False,
-    entropy_grad=True,
-):
+    temperature: float = 1.0,
+    packed: bool | None = None,
+    entropy: bool = False,
+    entropy_grad: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs [batch, seq] of right-padded rows' own ids, as `token_logprobs` of a full forward
     gives them (padding positions hold any value), with each group's prefix computed once: `packed`
     in one forward, else in two (prefixes, then rows on their KV cache). By default packed while a
@@ -83,8 +90,17 @@ def shared_prefix_logprobs(
 
 
 def _packed(
-    model, token_ids, lengths, group_of, own, member, width, temperature, entropy, entropy_grad
-):
+    model: torch.nn.Module,
+    token_ids: torch.Tensor,  # [batch, seq]
+    lengths: torch.Tensor,  # [batch]
+    group_of: torch.Tensor,  # [batch]
+    own: torch.Tensor,  # [batch]
+    member: torch.Tensor,  # [batch, groups]
+    width: int,
+    temperature: float,
+    entropy: bool,
+    entropy_grad: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One row per group: its prefix once, then each of its rows' own tokens, under a mask by which
     a row's tokens see the prefix and their own earlier tokens only, at their own positions."""
     groups = member.shape[1]
@@ -97,7 +113,7 @@ def _packed(
     # [batch, seq] packed slot
     slot = torch.where(t < lengths[:, None], group_of[:, None] * width + column, spare)
 
-    def pack(values: torch.Tensor, fill):
+    def pack(values: torch.Tensor, fill: int) -> torch.Tensor:
         """[groups, width]: `values` at their packed slots; a group's rows agree on its prefix."""
         return (
             torch.full((spare + 1,), fill)
@@ -136,8 +152,16 @@ def _packed(
 
 
 def _cached(
-    model, token_ids, lengths, prefix_len, group_of, own, temperature, entropy, entropy_grad
-):
+    model: torch.nn.Module,
+    token_ids: torch.Tensor,  # [batch, seq]
+    lengths: torch.Tensor,  # [batch]
+    prefix_len: torch.Tensor,  # [groups]
+    group_of: torch.Tensor,  # [batch]
+    own: torch.Tensor,  # [batch]
+    temperature: float,
+    entropy: bool,
+    entropy_grad: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The prefixes in one forward (KV cache kept, with gradient), every row's own tokens in a
     second on it."""
     first_rows = torch.from_numpy(np.unique(group_of.numpy(), return_index=True)[1])
@@ -180,7 +204,7 @@ def _cached(
     suffix_column = (longest + t - own[:, None]).clamp(max=longest + suffix_ids.shape[1] - 1)
     order = torch.where(t < own[:, None], t, suffix_column)  # [batch, seq]
 
-    def arranged(part):
+    def arranged(part: int) -> torch.Tensor:
         """[batch, seq]: piece `part` (0: log-probs, 1: entropies) of prefix, head and own
         tokens, in each row's order."""
         joined = torch.cat([prefix[part][group_of], head[part][:, 1:], rest[part][:, 1:]], dim=1)
@@ -191,12 +215,12 @@ def _cached(
     return arranged(0), arranged(1)
 
 
-def output_cache(out):
+def output_cache(out: ModelOutput) -> Cache:
     """The KV cache a forward returned (`cache`; `past_key_values` before transformers 5.20)."""
     return out.cache if hasattr(out, "cache") else out.past_key_values
 
 
-def cache_input(model, cache):
+def cache_input(model: torch.nn.Module, cache: Cache) -> dict[str, Cache]:
     """The keyword a forward takes its KV cache by (`cache`; `past_key_values` before transformers
     5.20)."""
     if "cache" in inspect.signature(model.forward).parameters:
@@ -204,7 +228,7 @@ def cache_input(model, cache):
     return {"past_key_values": cache}
 
 
-def unique_rows(prompts: list[np.ndarray]):
+def unique_rows(prompts: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:
     """The distinct prompts, and for each prompt the index of its copy among them."""
     # prompt bytes -> index among the distinct prompts
     seen = {}

@@ -10,11 +10,12 @@ stream's first ids while it has sent no text yet, `live.HELD_IDS`).
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from workbench.engines.base import SamplingParams
+from workbench.engines.base import Engine, Generation, SamplingParams
 
 # least seconds between two wakes of the event loop by a streaming engine's thread (the first ids
 # wake it at once): each wake's work shares the GIL with the engine's thread; ids sampled meanwhile
@@ -30,22 +31,28 @@ class Waiting:
     prompt_ids: np.ndarray  # int32 [t]
     params: SamplingParams
     images: list[bytes]
-    output: asyncio.Future
+    output: asyncio.Future[Generation]
     # called on the event loop with the request's new ids (None: no stream); returns True while the
     # stream holds all its text (its next ids wake the loop at once)
-    listener: object
+    listener: Callable[[list[int]], bool] | None
 
 
 class Batcher:
     """The server's requests into the engine, and their outputs back to the event loop."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: Engine):
         self.engine = engine
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Waiting] = asyncio.Queue()
         self.task = self.loop.create_task(self._run())
 
-    async def generate(self, prompt_ids, params: SamplingParams, images: list[bytes], listener):
+    async def generate(
+        self,
+        prompt_ids: np.ndarray,  # int32 [t]
+        params: SamplingParams,
+        images: list[bytes],
+        listener: Callable[[list[int]], bool] | None,
+    ) -> Generation:
         """The request's Generation; `listener(ids)`, unless None, gets its ids as they are sampled
         (on the event loop)."""
         if params.seed is not None:
@@ -58,18 +65,20 @@ class Batcher:
         await self.queue.put(Waiting(prompt_ids, params, images, output, listener))
         return await output
 
-    def _relay(self, listeners: list):
+    def _relay(
+        self, listeners: list[Callable[[list[int]], bool] | None]
+    ) -> dict[str, Callable[[int, list[int]], None]]:
         """The engine's listener argument: each row's new ids to that row's listener, on the loop
         (none when no row listens)."""
         if not any(listeners):
             return {}
         # (row, ids) not yet handed to the loop: appended on the engine's thread, popped on the
         # loop's (each atomic)
-        waiting = []
+        waiting: list[tuple[int, list[int]]] = []
         # when the engine's thread may next wake the loop
         wake_at = 0.0
 
-        def relay(row, ids):
+        def relay(row: int, ids: list[int]) -> None:
             nonlocal wake_at
             waiting.append((row, ids))
             # at most one wake per STREAM_GAP: ids sampled meanwhile wait for the next one (ids the
@@ -79,7 +88,7 @@ class Batcher:
                 wake_at = now + STREAM_GAP
                 self.loop.call_soon_threadsafe(take)
 
-        def take():
+        def take() -> None:
             nonlocal wake_at
             while waiting:
                 row, ids = waiting.pop(0)
@@ -90,7 +99,7 @@ class Batcher:
 
         return {"listener": relay}
 
-    async def _run(self):
+    async def _run(self) -> None:
         while True:
             waiting = [await self.queue.get()]
             while not self.queue.empty():
@@ -103,7 +112,7 @@ class Batcher:
             for items in by_params.values():
                 await self._generate(items)
 
-    async def _generate(self, items: list[Waiting]):
+    async def _generate(self, items: list[Waiting]) -> None:
         """One engine call for requests of the same sampling params; each gets its output."""
         seeds = [item.params.row_seeds for item in items]
         params = replace(items[0].params, row_seeds=())

@@ -10,8 +10,12 @@ call), goes out when it ends. A live reply's content comes first in its events, 
 reasoning and tool calls (`ChatReply.live`).
 """
 
+from __future__ import annotations
+
 import asyncio
+from collections.abc import Iterator
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import regex
 from aiohttp import web
@@ -19,6 +23,9 @@ from aiohttp import web
 from workbench.invariants.token_identity import reply_text
 from workbench.server.replies import compiled_template, pieces_in
 from workbench.server.wires.base import ChatReply, ChatRequest, Wire
+
+if TYPE_CHECKING:
+    from workbench.server.loopback import LoopbackServer
 
 # a stream that holds all its text wakes the event loop at each of its first HELD_IDS ids (each wake
 # decodes all its ids so far), then once per STREAM_GAP
@@ -31,7 +38,7 @@ class EventStream(web.StreamResponse):
 
     _send_headers_immediately = False
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
 
 
@@ -52,7 +59,14 @@ class Live:
         self.parser = None
         self.writer: asyncio.Task | None = None
 
-    def begin(self, chat: ChatRequest, server, prefix, stop_ids, prompt_tokens: int):
+    def begin(
+        self,
+        chat: ChatRequest,
+        server: LoopbackServer,
+        prefix: str,
+        stop_ids: tuple[int, ...],
+        prompt_tokens: int,
+    ) -> None:
         """Follow the turn `server` samples after the prompt whose text is `prefix`."""
         self.tokenizer = server.tokenizer
         self.stop_ids = set(stop_ids)
@@ -79,7 +93,7 @@ class Live:
         )
         self.events = self.wire.events(chat, self.reply)
 
-    def add(self, ids: list[int]):
+    def add(self, ids: list[int]) -> bool:
         """New sampled ids (on the event loop): what they make certain goes out. True while nothing
         has gone out yet (its first text may still open a tool call, ...), for its first HELD_IDS
         ids: its next ids should come at once."""
@@ -95,20 +109,20 @@ class Live:
                 self.writer = asyncio.get_running_loop().create_task(self._write(piece))
         return self.writer is None and self.parser is not None and len(self.ids) < HELD_IDS
 
-    async def close(self):
+    async def close(self) -> None:
         """The turn ended: nothing more goes out live once the last write is done."""
         self.parser = None
         if self.writer is not None:
             await asyncio.gather(self.writer, return_exceptions=True)
 
-    def final(self, reply: ChatReply):
+    def final(self, reply: ChatReply) -> ChatReply:
         """The turn's reply as it went out: the opening's id, and its content in the pieces sent,
         then the rest."""
         rest = pieces_in(reply.pieces["content"], len("".join(self.pieces)), len(reply.text))
         pieces = dict(reply.pieces, content=[*self.pieces, *rest])
         return replace(reply, id=self.reply.id, pieces=pieces, live=True)
 
-    async def _write(self, piece: str):
+    async def _write(self, piece: str) -> None:
         while piece:
             if self.response is None:
                 response = EventStream()
@@ -123,13 +137,13 @@ class Live:
             await self.response.write(b"".join(events))
             piece = self._release()
 
-    def _taken(self):
+    def _taken(self) -> Iterator[str]:
         """The pieces sent, as the events take them: one more each time one goes out."""
         while self.taken < len(self.pieces):
             self.taken += 1
             yield self.pieces[self.taken - 1]
 
-    def _release(self):
+    def _release(self) -> str:
         """The content the ids sampled so far make certain, past what was sent ("" for none)."""
         # nothing new since the last look
         if self.parser is None or self.seen == len(self.ids):

@@ -16,6 +16,8 @@ deeply nested JSON, wrong types, unknown routes. Keys are compared in constant t
 request says is read from or written to a file.
 """
 
+from __future__ import annotations
+
 import asyncio
 import functools
 import hashlib
@@ -26,17 +28,27 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
-from workbench.engines.base import SamplingParams, derived_seed
-from workbench.invariants.token_identity import TokenAccumulator, reply_text, stream_pieces
+from workbench.engines.base import Engine, SamplingParams, derived_seed
+from workbench.invariants.token_identity import (
+    SegmentTokens,
+    TokenAccumulator,
+    reply_text,
+    stream_pieces,
+)
 from workbench.server.batcher import Batcher
 from workbench.server.live import EventStream, Live
 from workbench.server.replies import forced_text, parse_reply, shown
 from workbench.server.wires import WIRES, wire_at
 from workbench.server.wires.base import ChatReply, ChatRequest, Wire, WireError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 MAX_BODY = 4 * 2**20
 # what a wire's decoder raises on a field of the wrong type (a list where a string belongs, ...)
@@ -53,7 +65,7 @@ class Session:
     accumulator: TokenAccumulator | None = None
     last_request: str | None = None
     # the last request's (ChatRequest, ChatReply), handed again to its retry
-    last_response: tuple | None = None
+    last_response: tuple[ChatRequest, ChatReply] | None = None
     requests: list[dict] = field(default_factory=list)
     # made on the worker's thread, bound to the server's event loop when first used
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -67,8 +79,8 @@ class LoopbackServer:
 
     def __init__(
         self,
-        engine,
-        tokenizer,
+        engine: Engine,
+        tokenizer: PreTrainedTokenizerBase,
         params: SamplingParams,
         model_name: str = "policy",
         max_total_tokens: int | None = None,
@@ -99,7 +111,7 @@ class LoopbackServer:
         self.port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(timeout=30)
         self.url = f"http://127.0.0.1:{self.port}"
 
-    async def _start(self):
+    async def _start(self) -> int:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._route_errors])
         for prefix in ("", "/s/{session}"):
             app.router.add_get(f"{prefix}/v1/models", self._models)
@@ -118,7 +130,7 @@ class LoopbackServer:
 
     # ---- sessions (called from the worker's thread)
 
-    def open_session(self, rollout_id: int, stream: int = 0):
+    def open_session(self, rollout_id: int, stream: int = 0) -> dict[str, str]:
         session = Session(
             session_id=secrets.token_hex(8),
             api_key="sk-" + secrets.token_hex(16),
@@ -131,7 +143,7 @@ class LoopbackServer:
         base_urls = {wire.base_url_key: base + wire.base_url_suffix for wire in self.wires}
         return {"session": session.session_id, **base_urls, "api_key": session.api_key}
 
-    def close_session(self, session_id: str):
+    def close_session(self, session_id: str) -> tuple[list[SegmentTokens], list[dict]]:
         """End a session: its token-exact segments (none if it never generated) and its request
         rows."""
         session = self.sessions.pop(session_id)
@@ -140,20 +152,20 @@ class LoopbackServer:
             segments = session.accumulator.finish()
         return segments, session.requests
 
-    def stop(self):
+    def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(timeout=30)
         self.loop.call_soon_threadsafe(self.loop.stop)
 
-    async def _stop(self):
+    async def _stop(self) -> None:
         self.batcher.task.cancel()
         await self.runner.cleanup()
 
     # ---- HTTP
 
-    async def _models(self, request):
+    async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_card()]})
 
-    async def _model(self, request):
+    async def _model(self, request: web.Request) -> web.Response:
         if request.match_info["model"] != self.model_name:
             missing = WireError(
                 f"No model {request.match_info['model']!r}: this server serves "
@@ -164,10 +176,10 @@ class LoopbackServer:
             return _error_response(self.wires[0], missing)
         return web.json_response(self._model_card())
 
-    def _model_card(self):
+    def _model_card(self) -> dict[str, str | int]:
         return {"id": self.model_name, "object": "model", "owned_by": "molt-wb", "created": 0}
 
-    async def _count_tokens(self, request):
+    async def _count_tokens(self, request: web.Request) -> web.Response:
         """Anthropic's count_tokens: the prompt's tokens as the chat template renders them."""
         wire = next(wire for wire in self.wires if wire.name == "anthropic")
         try:
@@ -181,7 +193,7 @@ class LoopbackServer:
             return _error_response(wire, error)
         return web.json_response({"input_tokens": len(episode.token_ids)})
 
-    async def _handle(self, request, wire: Wire):
+    async def _handle(self, request: web.Request, wire: Wire) -> web.StreamResponse:
         started = time.perf_counter()
         # a streamed turn's events, written as it is sampled
         live = Live(request, wire)
@@ -229,7 +241,7 @@ class LoopbackServer:
         return response
 
     @web.middleware
-    async def _route_errors(self, request, handler):
+    async def _route_errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """No such route or method: still a wire's error shape (that of the wire the path
         names)."""
         try:
@@ -244,7 +256,7 @@ class LoopbackServer:
             refused = WireError(message, error.status, kind)
             return _error_response(wire_at(self.wires, request.path), refused)
 
-    def _session(self, request):
+    def _session(self, request: web.Request) -> Session:
         """The session the request's path names, if the request holds that session's key."""
         session = self.sessions.get(request.match_info["session"])
         if session is None:
@@ -261,7 +273,7 @@ class LoopbackServer:
 
     async def _turn(
         self, session: Session, chat: ChatRequest, wire: Wire, started: float, live: Live
-    ):
+    ) -> ChatReply:
         """Extend or seal, generate, and only then commit the turn to the session."""
         episode, action, reused = self._episode(session, chat)
         forced = forced_text(self.tokenizer, episode.render, episode.messages, chat)
@@ -346,7 +358,7 @@ class LoopbackServer:
             reply.token_logprobs = list(zip(tokens, map(float, logprobs), strict=True))
         return reply
 
-    def _episode(self, session: Session, chat: ChatRequest):
+    def _episode(self, session: Session, chat: ChatRequest) -> tuple[TokenAccumulator, str, int]:
         """A copy of the session's episode with the request's messages (extended by their rendered
         delta, or sealed and started anew), or a new episode; the action taken; and how many of
         the prompt's ids were already there."""
@@ -376,7 +388,7 @@ class LoopbackServer:
             reused = 0
         return episode, action, reused
 
-    def _sampling(self, chat: ChatRequest, prompt_tokens: int):
+    def _sampling(self, chat: ChatRequest, prompt_tokens: int) -> SamplingParams:
         """The server's sampling params with the request's max_tokens and temperature, if within
         the server's token limit."""
         temperature = self.params.temperature
@@ -392,7 +404,7 @@ class LoopbackServer:
             )
         return params
 
-    def _ids_holding(self, ids, text: str):
+    def _ids_holding(self, ids: np.ndarray, text: str) -> int:
         """How many of the sampled ids it takes for their text to hold `text`."""
         for count in range(1, len(ids) + 1):
             if text in reply_text(self.tokenizer, ids[:count], "length"):
@@ -400,7 +412,7 @@ class LoopbackServer:
         return len(ids)
 
 
-async def _json_body(request):
+async def _json_body(request: web.Request) -> dict:
     """The request's body, which must be one JSON object of at most MAX_BODY bytes."""
     try:
         raw = await request.read()
@@ -421,7 +433,7 @@ async def _json_body(request):
     return body
 
 
-def _decode(wire: Wire, body: dict):
+def _decode(wire: Wire, body: dict) -> ChatRequest:
     """The wire's request; a field of the wrong type is a 400 that names the error."""
     try:
         return wire.decode(body)
@@ -431,11 +443,11 @@ def _decode(wire: Wire, body: dict):
         ) from None
 
 
-def _error_response(wire: Wire, error: WireError):
+def _error_response(wire: Wire, error: WireError) -> web.Response:
     return web.json_response(wire.error(error), status=error.status)
 
 
-async def _refuse(wire: Wire, error: WireError, live: Live):
+async def _refuse(wire: Wire, error: WireError, live: Live) -> web.StreamResponse:
     """A refusal in the wire's shape; in a stream already under way, its last event."""
     await live.close()
     if live.response is None:
@@ -445,7 +457,7 @@ async def _refuse(wire: Wire, error: WireError, live: Live):
     return live.response
 
 
-def _first_stop(text: str, stops: list[str]):
+def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
     """Where the earliest stop sequence in `text` starts, and which it is; None if none is there."""
     found = [(text.index(stop), stop) for stop in stops if stop in text]
     return min(found, default=None)

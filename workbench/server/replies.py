@@ -7,32 +7,44 @@ the agent sees exactly what was generated, and the call is counted as malformed.
 call opens as the policy's chat template renders one.
 """
 
+from __future__ import annotations
+
 import functools
 import os
 import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from transformers.utils.chat_parsing.response_templates import load_response_template
+from transformers.utils.chat_parsing.response_templates import (
+    ResponseTemplate,
+    load_response_template,
+)
 
 from workbench.models.tiny import RESPONSE_TEMPLATE
 from workbench.server.wires.base import ChatRequest, WireError, field_of
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # two tool calls that differ first where the policy writes: in the name (tool_choice required) or,
 # under one name, in the arguments (a named tool)
 SENTINELS = ({"name": "x", "arguments": {}}, {"name": "y", "arguments": {"molt_wb_sentinel": 0}})
 
 
-def response_template(tokenizer):
+def response_template(tokenizer: PreTrainedTokenizerBase) -> dict:
     """The policy's response template: its tokenizer config's, else the hermes default."""
     return getattr(tokenizer, "response_template", None) or RESPONSE_TEMPLATE
 
 
 @functools.lru_cache(8)
-def compiled_template(tokenizer):
+def compiled_template(tokenizer: PreTrainedTokenizerBase) -> ResponseTemplate:
     """The response template, compiled once (parsing a reply compiled it anew: 0.2 ms a time)."""
     return load_response_template(response_template(tokenizer))
 
 
-def parse_reply(tokenizer, text: str, prefix, tools: list[dict] | None):
+def parse_reply(
+    tokenizer: PreTrainedTokenizerBase, text: str, prefix: str | list[int], tools: list[dict] | None
+) -> tuple[dict, int]:
     """The assistant message a turn's `text` (as generated, a forced opening included) says after
     the prompt `prefix` (its text or ids), and how many malformed tool calls it holds (its content
     is then its whole text)."""
@@ -53,7 +65,7 @@ def parse_reply(tokenizer, text: str, prefix, tools: list[dict] | None):
     return message, 0
 
 
-def _tool_call(call):
+def _tool_call(call: Any) -> dict | None:
     """A parsed call as the chat template's tool call; None for a malformed one (no name, or
     arguments that are not an object)."""
     function = field_of(call, "function")
@@ -66,7 +78,7 @@ def _tool_call(call):
     return {"id": f"call_{uuid.uuid4().hex[:12]}", "name": name, "arguments": arguments}
 
 
-def shown(message: dict, text: str, hidden: int, pieces: list[str]):
+def shown(message: dict, text: str, hidden: int, pieces: list[str]) -> dict[str, list[str]]:
     """The reply's reasoning and content as parts of `pieces` (the turn's `text` in the pieces it
     was generated in) past its first `hidden` characters (a prefill the reply continues); a field
     that is not a stretch of the text, once parsed, is one piece."""
@@ -82,7 +94,7 @@ def shown(message: dict, text: str, hidden: int, pieces: list[str]):
     return fields
 
 
-def pieces_in(pieces: list[str], start: int, end: int):
+def pieces_in(pieces: list[str], start: int, end: int) -> list[str]:
     """The parts of `pieces` (consecutive pieces of one text) that lie in [start, end)."""
     parts = []
     offset = 0
@@ -94,7 +106,12 @@ def pieces_in(pieces: list[str], start: int, end: int):
     return parts
 
 
-def forced_text(tokenizer, render, messages: list[dict], chat: ChatRequest):
+def forced_text(
+    tokenizer: PreTrainedTokenizerBase,
+    render: Callable[[list[dict], bool], str],
+    messages: list[dict],
+    chat: ChatRequest,
+) -> str:
     """The text a turn is forced to start with: the prefill, or the opening of a tool call as the
     chat template (`render(messages, generation_prompt)`) renders one after `messages`: the turn up
     to the name (tool_choice required) or to the arguments (a named tool), cut back to where its

@@ -7,7 +7,8 @@ waiting, and it runs its calls in order, so a checkpoint's shard marks follow th
 
 import time
 
-from workbench import nonfinite
+from workbench.store import nonfinite
+from workbench.store.query import root_option
 from workbench.store.schema import EVAL, FAILED_EPISODES, METRICS, rows_table, step_tables
 from workbench.store.writer import RunWriter
 from workbench.tracking import make_sinks
@@ -29,6 +30,8 @@ class StoreActor:
 
     def __init__(self, cfg, run_dir, run_row):
         self.run_id = cfg.run.id
+        # the command a warning points to
+        self.runs_command = f"molt-wb runs {cfg.run.id}{root_option(cfg.run.root)}"
         self.writer = RunWriter(run_dir, run_row, cfg.run.flush_rows, cfg.run.flush_seconds)
         if cfg.run.flush_seconds > 0:
             self.writer.flush_every(cfg.run.flush_seconds)
@@ -53,7 +56,7 @@ class StoreActor:
         counts = nonfinite.count(metrics, tables)
         metrics = metrics | nonfinite.audit_metrics(counts)
         for key in counts.keys() - self.nonfinite_keys:
-            print(nonfinite.warning(step, key, counts[key]), flush=True)
+            print(nonfinite.warning(step, key, counts[key], self.runs_command), flush=True)
         self.nonfinite_keys |= counts.keys()
         self._append(tables)
         self.log(step, metrics)

@@ -18,6 +18,12 @@ NO_RECOVERIES = (
 )
 
 
+def root_option(root: str) -> str:
+    """` --root DIR`, the option a suggested command needs to find a run under `root`; empty for
+    the default runs/."""
+    return f" --root {root}" if str(root) != "runs" else ""
+
+
 def run_row(run_dir):
     """The `runs` row of a run folder: its run.json."""
     return json.loads(Path(run_dir, "run.json").read_text())
@@ -118,13 +124,13 @@ def open_run(run_id, root="runs"):
 
     folder = resolve_run(run_id, root).resolve()
     connection = duckdb.connect()
-    for name in TABLES:
-        # a run older than a table lacks it
-        if (folder / name).is_dir():
-            connection.execute(
-                f"CREATE VIEW {name} AS SELECT * "
-                f"FROM read_parquet('{folder / name}/*.parquet', union_by_name = true)"
-            )
+    for name, schema in TABLES.items():
+        source = f"read_parquet('{folder / name}/*.parquet', union_by_name = true)"
+        # a run older than a table, or one whose writer has not written it yet, lacks it: empty
+        if not any(folder.glob(f"{name}/*.parquet")):
+            connection.register(f"empty_{name}", schema.empty_table())
+            source = f"empty_{name}"
+        connection.execute(f"CREATE VIEW {name} AS SELECT * FROM {source}")
     connection.execute(f"CREATE VIEW runs AS SELECT * FROM read_json_auto('{folder / 'run.json'}')")
     # one row per recovery from a dead learner or store (recovery.py)
     recoveries = "SELECT unnest(recoveries, recursive := true) FROM runs"

@@ -13,7 +13,7 @@ from pathlib import Path
 import duckdb
 
 from workbench.models.tiny import tiny_model_path
-from workbench.nonfinite import FIRST_STEPS
+from workbench.store.nonfinite import FIRST_STEPS
 from workbench.store.query import resolve_run, run_row
 from workbench.store.schema import TABLES
 
@@ -135,7 +135,7 @@ class RunData:
             )
         )
         rewards = [value for _, value in self.series("reward/mean")]
-        # every key that held a NaN or inf, and the step it started at (workbench/nonfinite.py)
+        # every key that held a NaN or inf, and the step it started at (store/nonfinite.py)
         nonfinite = [f"{key} from step {first}" for key, first, *_ in self.rows(FIRST_STEPS)]
         return {
             "status": self.run.get("status"),

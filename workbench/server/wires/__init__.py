@@ -13,7 +13,7 @@ from workbench.server.wires.openai_responses import OpenAIResponses
 WIRES: tuple[Wire, ...] = (OpenAIChat(), AnthropicMessages(), OpenAIResponses())
 
 
-def wire_at(wires: tuple[Wire, ...], path: str):
+def wire_at(wires: tuple[Wire, ...], path: str) -> Wire:
     """The wire a request path names by its last part (`.../messages` is Anthropic's, whether
     served there or not); the first wire when none does."""
     endpoint = path.rpartition("/")[2]

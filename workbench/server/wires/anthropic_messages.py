@@ -6,6 +6,8 @@ the system prompt a leading system message.
 """
 
 import json
+from collections.abc import Iterator
+from typing import Any
 
 from workbench.server.wires.base import (
     ANY_STRING,
@@ -47,7 +49,7 @@ class AnthropicMessages(Wire):
     base_url_key = "anthropic_base_url"
     base_url_suffix = ""
 
-    def decode(self, body: dict):
+    def decode(self, body: dict) -> ChatRequest:
         refuse_unsupported(body, FIELDS, NO_OPS)
         refuse_top_p(body)
         if not isinstance(body.get("max_tokens"), int):
@@ -79,7 +81,7 @@ class AnthropicMessages(Wire):
             stream=bool(body.get("stream")),
         )
 
-    def reply(self, reply: ChatReply):
+    def reply(self, reply: ChatReply) -> dict:
         content = []
         if reply.reasoning:
             # no signature: the reasoning is the policy's own text, echoed back as it is
@@ -113,7 +115,7 @@ class AnthropicMessages(Wire):
             },
         }
 
-    def events(self, request: ChatRequest, reply: ChatReply):
+    def events(self, request: ChatRequest, reply: ChatReply) -> Iterator[bytes]:
         """message_start, per block start / deltas / stop, message_delta, message_stop."""
         whole = self.reply(reply)
         usage = {"input_tokens": reply.prompt_tokens, "output_tokens": 0}
@@ -128,11 +130,11 @@ class AnthropicMessages(Wire):
         )
         yield _event("message_stop", {})
 
-    def error(self, error: WireError):
+    def error(self, error: WireError) -> dict:
         return {"type": "error", "error": {"type": error.kind, "message": error.message}}
 
 
-def _messages(index: int, message):
+def _messages(index: int, message: Any) -> list[dict]:
     """One request message as chat-template messages: a `tool` message per tool result, then the
     user's text and images (if any) or the assistant's text and tool calls."""
     role = field_of(message, "role")
@@ -176,7 +178,7 @@ def _messages(index: int, message):
     return results
 
 
-def _tools(body: dict):
+def _tools(body: dict) -> tuple[list[dict], str | None]:
     """The request's tools as the chat template's function tools (none for tool_choice none), and
     the call tool_choice forces: None (auto, none), "" (any) or the named tool."""
     tools = [
@@ -207,7 +209,7 @@ def _tools(body: dict):
     return tools, forced_tool(choice.get("name"), tools, "tool_choice.name")
 
 
-def _block_events(index: int, block: dict, pieces: dict[str, list[str]]):
+def _block_events(index: int, block: dict, pieces: dict[str, list[str]]) -> Iterator[bytes]:
     """A content block's start, its deltas (the reasoning or text as generated, or the tool input
     whole), and its stop."""
     kind = block["type"]
@@ -225,5 +227,5 @@ def _block_events(index: int, block: dict, pieces: dict[str, list[str]]):
     yield _event("content_block_stop", {"index": index})
 
 
-def _event(name: str, data: dict):
+def _event(name: str, data: dict) -> bytes:
     return f"event: {name}\ndata: {json.dumps(dict(type=name, **data))}\n\n".encode()

@@ -13,7 +13,9 @@ import binascii
 import io
 import json
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class WireError(Exception):
@@ -47,7 +49,7 @@ class ChatRequest:
     # continues it
     prefill: str = ""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
             raise WireError("max_tokens must be at least 1.")
         if self.temperature is not None and not 0 <= self.temperature <= 100:
@@ -96,25 +98,25 @@ class Wire(abc.ABC):
     base_url_suffix: str
 
     @abc.abstractmethod
-    def decode(self, body: dict):
+    def decode(self, body: dict) -> ChatRequest:
         """The request a JSON body asks for; a `WireError` for what this server does not support."""
 
     @abc.abstractmethod
-    def reply(self, reply: ChatReply):
+    def reply(self, reply: ChatReply) -> dict:
         """The whole reply's JSON body."""
 
     @abc.abstractmethod
-    def events(self, request: ChatRequest, reply: ChatReply):
+    def events(self, request: ChatRequest, reply: ChatReply) -> Iterator[bytes]:
         """The reply as server-sent events (its reasoning and text in `reply.pieces`)."""
 
-    def error(self, error: WireError):
+    def error(self, error: WireError) -> dict:
         """A refusal's JSON body (OpenAI's shape unless the wire has its own)."""
         return {
             "error": {"message": error.message, "type": error.kind, "param": None, "code": None}
         }
 
 
-def forced_tool(name, tools: list[dict] | None, where: str):
+def forced_tool(name: Any, tools: list[dict] | None, where: str) -> str:
     """A tool_choice's named tool, which must be one of the request's tools."""
     functions = [tool.get("function") for tool in tools or []]
     names = [function.get("name") for function in functions if isinstance(function, dict)]
@@ -123,7 +125,9 @@ def forced_tool(name, tools: list[dict] | None, where: str):
     return name
 
 
-def openai_forced_tool(choice, tools: list[dict] | None, name_of):
+def openai_forced_tool(
+    choice: Any, tools: list[dict] | None, name_of: Callable[[dict], Any]
+) -> str | None:
     """OpenAI's tool_choice as a forced call: None (absent, auto, none), "" (required) or the
     function a {"type": "function", ...} choice names (`name_of(choice)`: each OpenAI wire names it
     in its own place)."""
@@ -138,7 +142,7 @@ def openai_forced_tool(choice, tools: list[dict] | None, name_of):
     raise WireError('tool_choice must be auto, none, required or {"type": "function", ...}.')
 
 
-def chat_message(role: str, content, where: str):
+def chat_message(role: str, content: Any, where: str) -> dict:
     """A message of text in the chat template's form: a user's may hold images too, and a
     developer message is a system one."""
     read = text_of
@@ -149,14 +153,14 @@ def chat_message(role: str, content, where: str):
     return {"role": role, "content": read(content, where)}
 
 
-def field_of(value, key: str, default=None):
+def field_of(value: Any, key: str, default: Any = None) -> Any:
     """A JSON object's field (`default` where it has none); None when `value` is no object."""
     if not isinstance(value, dict):
         return None
     return value.get(key, default)
 
 
-def text_of(content, where: str):
+def text_of(content: Any, where: str) -> str:
     """A message's text content: a string, or a list of text parts joined."""
     if content is None:
         return ""
@@ -169,7 +173,7 @@ def text_of(content, where: str):
     raise WireError(f"{where}: only text content is supported here.")
 
 
-def _image(data: str, where: str):
+def _image(data: str, where: str) -> dict:
     """An inline image (`data:image/png;base64,...` or bare base64) as a content part; nothing is
     ever fetched."""
     from PIL import Image
@@ -191,7 +195,7 @@ def _image(data: str, where: str):
     return {"type": "image", "image": raw}
 
 
-def user_content(content, where: str):
+def user_content(content: Any, where: str) -> str | list[dict]:
     """A user message's content: its text, or a list of text and image parts when it holds
     images (OpenAI's image_url parts and Anthropic's image blocks alike)."""
     if not isinstance(content, list):
@@ -215,7 +219,7 @@ def user_content(content, where: str):
     return "".join(p["text"] for p in parts)
 
 
-def number(body: dict, key: str, kind=float):
+def number(body: dict, key: str, kind: type[int] | type[float] = float) -> int | float | None:
     """The number at `key` (None when absent) as `kind`; a bool or a string is refused."""
     value = body.get(key)
     if value is None:
@@ -225,7 +229,7 @@ def number(body: dict, key: str, kind=float):
     return kind(value)
 
 
-def strings(value, key: str):
+def strings(value: Any, key: str) -> list[str]:
     """A string or a list of strings as a list (none when absent)."""
     values = value or []
     if isinstance(value, str):
@@ -235,7 +239,7 @@ def strings(value, key: str):
     return values
 
 
-def objects(value, key: str):
+def objects(value: Any, key: str) -> list[dict]:
     """A list of JSON objects (none when absent)."""
     if value is not None and not (
         isinstance(value, list) and all(isinstance(v, dict) for v in value)
@@ -244,24 +248,26 @@ def objects(value, key: str):
     return value or []
 
 
-def tool_arguments(value, where: str):
+def tool_arguments(value: Any, where: str) -> dict:
     """A tool call's arguments, which must be a JSON object."""
     if not isinstance(value, dict):
         raise WireError(f"{where}: tool call arguments must be a JSON object.")
     return value
 
 
-def tool_message(content, call_id, where: str):
+def tool_message(content: Any, call_id: Any, where: str) -> dict:
     """A tool's result, answering the call `call_id`, in the chat template's form."""
     return {"role": "tool", "content": text_of(content, where), "tool_call_id": str(call_id)}
 
 
-def tool_call(call_id, name, arguments, where: str):
+def tool_call(call_id: Any, name: Any, arguments: Any, where: str) -> dict:
     """A tool call in the chat template's form."""
     return {"id": str(call_id), "name": str(name), "arguments": tool_arguments(arguments, where)}
 
 
-def refuse_unsupported(body: dict, fields: set[str], no_ops: dict):
+def refuse_unsupported(
+    body: dict, fields: set[str], no_ops: dict[str, tuple[Callable[[Any], bool], str]]
+) -> None:
     """Refuse a body holding a field the wire lists neither in `fields` nor in `no_ops`, or a field
     of `no_ops` at a value that changes something here: `no_ops` maps it to (whether a value
     changes nothing, the values accepted)."""
@@ -282,7 +288,7 @@ def refuse_unsupported(body: dict, fields: set[str], no_ops: dict):
             )
 
 
-def is_zero(value):
+def is_zero(value: Any) -> bool:
     return not isinstance(value, bool) and value == 0
 
 
@@ -292,7 +298,7 @@ ANY_STRING = (lambda value: isinstance(value, str), "a string")
 ANY_BOOLEAN = (lambda value: isinstance(value, bool), "true or false")
 
 
-def refuse_top_p(body: dict):
+def refuse_top_p(body: dict) -> None:
     """Refuse nucleus sampling: the learner recomputes each token's log-prob over the whole
     vocabulary."""
     if body.get("top_p", 1) != 1:

@@ -3,6 +3,8 @@ shapes."""
 
 import json
 import time
+from collections.abc import Iterator
+from typing import Any
 
 from workbench.server.wires.base import (
     ANY_BOOLEAN,
@@ -51,7 +53,7 @@ class OpenAIChat(Wire):
     base_url_key = "openai_base_url"
     base_url_suffix = "/v1"
 
-    def decode(self, body: dict):
+    def decode(self, body: dict) -> ChatRequest:
         refuse_unsupported(body, FIELDS, NO_OPS)
         if not isinstance(body.get("logprobs", False), bool):
             raise WireError("'logprobs' must be true or false.")
@@ -88,7 +90,7 @@ class OpenAIChat(Wire):
             forced_tool=forced,
         )
 
-    def reply(self, reply: ChatReply):
+    def reply(self, reply: ChatReply) -> dict:
         message = {"role": "assistant", "content": reply.text}
         if reply.reasoning:
             message["reasoning_content"] = reply.reasoning
@@ -109,7 +111,7 @@ class OpenAIChat(Wire):
             "usage": _usage(reply),
         }
 
-    def events(self, request: ChatRequest, reply: ChatReply):
+    def events(self, request: ChatRequest, reply: ChatReply) -> Iterator[bytes]:
         """Chunks: role, one per generated piece of reasoning and of text, tool calls, finish,
         usage, [DONE]."""
         yield _delta(reply, {"role": "assistant", "content": ""})
@@ -133,7 +135,7 @@ class OpenAIChat(Wire):
         yield b"data: [DONE]\n\n"
 
 
-def _message(index: int, message):
+def _message(index: int, message: Any) -> dict:
     """One request message in the chat template's form (a developer message is a system one)."""
     role = field_of(message, "role")
     if role not in ROLES:
@@ -152,7 +154,7 @@ def _message(index: int, message):
     return entry
 
 
-def _decode_tool_calls(where: str, tool_calls):
+def _decode_tool_calls(where: str, tool_calls: Any) -> list[dict]:
     """An assistant message's function calls, their JSON arguments parsed."""
     try:
         return [
@@ -168,7 +170,7 @@ def _decode_tool_calls(where: str, tool_calls):
         raise WireError(f"{where}.tool_calls must be function calls with JSON arguments.") from None
 
 
-def _tool_calls(reply: ChatReply):
+def _tool_calls(reply: ChatReply) -> list[dict]:
     """The reply's tool calls as OpenAI function calls."""
     calls = []
     for call in reply.tool_calls:
@@ -177,7 +179,7 @@ def _tool_calls(reply: ChatReply):
     return calls
 
 
-def _logprobs(reply: ChatReply):
+def _logprobs(reply: ChatReply) -> dict | None:
     """The behavior log-prob of each sampled token (None unless the request asked for them)."""
     if not reply.token_logprobs:
         return None
@@ -188,7 +190,7 @@ def _logprobs(reply: ChatReply):
     return {"content": content, "refusal": None}
 
 
-def _finish_reason(reply: ChatReply):
+def _finish_reason(reply: ChatReply) -> str:
     if reply.tool_calls:
         return "tool_calls"
     if reply.finish == "length":
@@ -196,7 +198,7 @@ def _finish_reason(reply: ChatReply):
     return "stop"
 
 
-def _usage(reply: ChatReply):
+def _usage(reply: ChatReply) -> dict[str, int]:
     return {
         "prompt_tokens": reply.prompt_tokens,
         "completion_tokens": reply.completion_tokens,
@@ -204,7 +206,7 @@ def _usage(reply: ChatReply):
     }
 
 
-def _chunk(reply: ChatReply, choices: list[dict], **extra):
+def _chunk(reply: ChatReply, choices: list[dict], **extra: Any) -> bytes:
     """One server-sent chunk of the streamed reply."""
     body = {
         "id": f"chatcmpl-{reply.id}",
@@ -217,5 +219,5 @@ def _chunk(reply: ChatReply, choices: list[dict], **extra):
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
-def _delta(reply: ChatReply, delta: dict):
+def _delta(reply: ChatReply, delta: dict) -> bytes:
     return _chunk(reply, [{"index": 0, "delta": delta, "finish_reason": None}])

@@ -12,7 +12,9 @@ exactly as one that echoes every item back.
 import itertools
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any, Self
 
 from workbench.server.wires.base import (
     ANY_BOOLEAN,
@@ -35,7 +37,7 @@ from workbench.server.wires.base import (
 )
 
 
-def _plain_text(value):
+def _plain_text(value: Any) -> bool:
     """`text` asking for plain text (its verbosity a hint the policy's template does not read)."""
     return (
         isinstance(value, dict)
@@ -81,7 +83,7 @@ class ResponsesRequest(ChatRequest):
     instructions: list[dict] = field(default_factory=list)
     previous_response_id: str | None = None
 
-    def continued(self, conversations: dict[str, list[dict]]):
+    def continued(self, conversations: dict[str, list[dict]]) -> Self:
         """This request with the conversation its previous response ended before its input."""
         if self.previous_response_id is None:
             return self
@@ -94,7 +96,7 @@ class ResponsesRequest(ChatRequest):
         given = self.history(self.messages)
         return replace(self, messages=self.instructions + earlier + given)
 
-    def history(self, messages: list[dict]):
+    def history(self, messages: list[dict]) -> list[dict]:
         """What a later response continues: the conversation `messages` without the
         instructions."""
         return messages[len(self.instructions) :]
@@ -107,7 +109,7 @@ class OpenAIResponses(Wire):
     base_url_key = "openai_base_url"
     base_url_suffix = "/v1"
 
-    def decode(self, body: dict):
+    def decode(self, body: dict) -> ResponsesRequest:
         refuse_unsupported(body, FIELDS, NO_OPS)
         refuse_top_p(body)
         previous = body.get("previous_response_id")
@@ -142,7 +144,7 @@ class OpenAIResponses(Wire):
             previous_response_id=previous,
         )
 
-    def reply(self, reply: ChatReply):
+    def reply(self, reply: ChatReply) -> dict:
         status = "completed"
         incomplete = None
         if reply.finish == "length":
@@ -200,14 +202,14 @@ class OpenAIResponses(Wire):
             },
         }
 
-    def events(self, request: ChatRequest, reply: ChatReply):
+    def events(self, request: ChatRequest, reply: ChatReply) -> Iterator[bytes]:
         """response.created and .in_progress; per output item its added event, its reasoning or
         text deltas (one per generated piece) or its arguments, and its done events;
         response.completed (or .incomplete when max_output_tokens cut it)."""
         whole = self.reply(reply)
         numbers = itertools.count()
 
-        def event(kind: str, **data):
+        def event(kind: str, **data: Any) -> bytes:
             body = {"type": kind, "sequence_number": next(numbers), **data}
             return f"event: {kind}\ndata: {json.dumps(body)}\n\n".encode()
 
@@ -238,7 +240,7 @@ class OpenAIResponses(Wire):
         yield event(f"response.{whole['status']}", response=whole)
 
 
-def _started(part: dict):
+def _started(part: dict) -> dict:
     """An output item or content part as it opens: in progress, nothing generated yet."""
     if part["type"] in ("message", "reasoning"):
         return dict(part, status="in_progress", content=[])
@@ -247,7 +249,7 @@ def _started(part: dict):
     return dict(part, text="")
 
 
-def _messages(items: list):
+def _messages(items: list) -> list[dict]:
     """Input items as chat-template messages."""
     messages = []
     # a reasoning item's text, for the assistant message that follows it (the same response's)
@@ -279,7 +281,7 @@ def _messages(items: list):
     return messages
 
 
-def _message(item: dict, where: str):
+def _message(item: dict, where: str) -> dict:
     """A message item (a developer message is a system one)."""
     role = item.get("role")
     if role not in ROLES:
@@ -287,14 +289,14 @@ def _message(item: dict, where: str):
     return chat_message(role, _parts(item.get("content"), where), where)
 
 
-def _parts(content, where: str):
+def _parts(content: Any, where: str) -> Any:
     """Content as the shared decoders read it: a string, or its parts as text and image parts."""
     if isinstance(content, list):
         return [_part(part, where) for part in content]
     return content
 
 
-def _part(part, where: str):
+def _part(part: Any, where: str) -> dict:
     """A content part in the form the shared decoders read (text, or an inline image)."""
     kind = field_of(part, "type")
     if kind in ("input_text", "output_text", "reasoning_text"):
@@ -307,7 +309,7 @@ def _part(part, where: str):
     )
 
 
-def _call(item: dict, where: str):
+def _call(item: dict, where: str) -> dict:
     """A function_call item as the chat template's tool call, its JSON arguments parsed."""
     try:
         arguments = json.loads(item.get("arguments") or "{}")
@@ -316,7 +318,7 @@ def _call(item: dict, where: str):
     return tool_call(item.get("call_id", ""), item.get("name", ""), arguments, where)
 
 
-def _tools(body: dict):
+def _tools(body: dict) -> list[dict] | None:
     """The request's function tools as the chat template's (none for tool_choice none)."""
     tools = []
     for index, tool in enumerate(objects(body.get("tools"), "tools")):

@@ -11,19 +11,21 @@ import math
 import random
 from pathlib import Path
 
-from workbench import run_folder
-from workbench.checkpoint import commit, save_policy
 from workbench.config import AlgoConfig, Config, TrainerConfig
-from workbench.data import load_samples
 from workbench.invariants.token_identity import TokenAccumulator
-from workbench.learner import Learner
+from workbench.learner.learner import Learner
+from workbench.learner.state import save_policy
 from workbench.models.multimodal import ImageCodec, is_vision_language
 from workbench.models.tiny import built_into
-from workbench.progress import Task, stage
-from workbench.rollout import opening_messages
+from workbench.rollout.worker import opening_messages
+from workbench.run import run_folder
+from workbench.run.checkpoint import commit
+from workbench.run.data import load_samples
+from workbench.run.progress import Task, stage
 from workbench.segment import Segment
 from workbench.server.wires.base import WireError, user_content
 from workbench.store.actor import StoreActor
+from workbench.store.query import root_option
 
 # what every `molt-wb sft` run is: one local learner, its loss at the model's own temperature
 SETTINGS = ["algo.policy_loss=sft", "engine.temperature=1", "ray.learner_workers=1"]
@@ -148,7 +150,8 @@ def run(cfg, demonstrations: list[list[Segment]], model_path):
         store.close("failed")
         raise
     store.close("finished")
-    return f"run {cfg.run.id} finished: {run_dir}; molt-wb inspect {cfg.run.id}"
+    inspect = f"molt-wb inspect {cfg.run.id}{root_option(cfg.run.root)}"
+    return f"run {cfg.run.id} finished: {run_dir}; {inspect}"
 
 
 # ---- the warm start: a tiny random model never earns a reward, so RL would have nothing to compare

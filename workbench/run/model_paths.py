@@ -6,9 +6,9 @@ from pathlib import Path
 
 from workbench.algo.advantages import ADVANTAGES
 from workbench.api import load_plugin
-from workbench.checkpoint import latest
 from workbench.models.tiny import tiny_model_path
-from workbench.progress import StartClock
+from workbench.run.checkpoint import latest
+from workbench.run.progress import StartClock
 
 
 def policy_path(cfg, clock: StartClock | None = None):
@@ -37,7 +37,7 @@ def warm_started(cfg, steps, clock: StartClock | None = None):
     """The tiny model `model.name` after `steps` warm-start steps on the plugin (0: as built); the
     seconds of its build and its warm start on `clock` (each about 0 once cached)."""
     # torch: imported only where a warm start may be built
-    from workbench.sft import warm_started_path
+    from workbench.run.sft import warm_started_path
 
     clock = clock or StartClock()
     with clock.timed("model_build"):

@@ -48,7 +48,7 @@ def _answer_spans(text):
     return sorted(spans)
 
 
-def extract_answer(text: str):
+def extract_answer(text: str) -> str | None:
     """The content of the last `<answer>…</answer>` or `\\boxed{…}` (nested braces allowed), or
     None."""
     spans = _answer_spans(text or "")
@@ -61,7 +61,7 @@ def extract_answer(text: str):
     return content.strip() or None
 
 
-def format_ok(text: str):
+def format_ok(text: str) -> bool:
     """Reasoning first, then exactly one final answer tag, and nothing but punctuation after it."""
     spans = _answer_spans(text or "")
     if len(spans) != 1 or not spans[0][2].strip():
@@ -180,7 +180,7 @@ def _number(answer):
         return None
 
 
-def is_equivalent(pred: object, truth: object):
+def is_equivalent(pred: object, truth: object) -> bool:
     """Whether a predicted answer means the same as the ground truth (see the module docstring)."""
     if pred is None or truth is None or not str(pred).strip():
         return False
@@ -210,13 +210,15 @@ def _choice(answer, choices):
     return answer
 
 
-def grade(text: str, answer: object, choices: list | None = None):
+def grade(text: str, answer: object, choices: list | None = None) -> bool:
     """Whether the final answer in `text` matches `answer`; a letter answer or reply maps to
     `choices`."""
     return is_equivalent(_choice(extract_answer(text), choices), _choice(answer, choices))
 
 
-def geo3k_reward(text: str, answer: object, choices: list | None = None):
+def geo3k_reward(
+    text: str, answer: object, choices: list | None = None
+) -> tuple[float, dict[str, object]]:
     """The common Geometry3K reward, 0.9·accuracy + 0.1·format, and what it saw."""
     accuracy = float(grade(text, answer, choices))
     formatted = float(format_ok(text))

@@ -13,13 +13,13 @@ import signal
 import threading
 from pathlib import Path
 
-from workbench import model_paths
 from workbench.config import REPO_ROOT, ConfigError
-from workbench.faults import died, run_failed
+from workbench.learner.transport import free_address, join_weight_group
 from workbench.models.tiny import cache_root
-from workbench.rollout import RolloutWorker
+from workbench.rollout.worker import RolloutWorker
+from workbench.run import model_paths
+from workbench.run.faults import died, run_failed
 from workbench.store.actor import StoreActor
-from workbench.transport import free_address, join_weight_group
 
 
 def init_ray(cfg, sized_for: list | None = None):
@@ -148,9 +148,11 @@ def _bundle(options: dict):
 
 def start_actors(cfg, model_path: str, run_dir: Path, run_row: dict):
     """(store, learner, rollout workers) as Ray actors, placed by `ray.*`; the store takes no CPU
-    slot. The run row records the node of each (`placement`)."""
+    slot. The run row records the node of each (`placement`); Ray is started first if it is not
+    up."""
     import ray
 
+    init_ray(cfg)
     store = ray.remote(num_cpus=0)(StoreActor).remote(cfg, str(run_dir), run_row)
     options = placement(cfg)
     learner = start_learner(cfg, model_path, options[: cfg.ray.learner_workers])
@@ -190,7 +192,7 @@ def start_learner(cfg, model_path: str, options: list[dict]):
     port of rank 0's node, answering as one (`LearnerRanks`)."""
     import ray
 
-    from workbench.learner import Learner
+    from workbench.learner.learner import Learner
 
     # built here, once for every rank
     teacher = model_paths.teacher_path(cfg)

@@ -22,7 +22,6 @@ import os
 import random
 import shutil
 import socket
-import time
 from pathlib import Path
 
 import numpy as np
@@ -30,14 +29,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from workbench.config import Config, ConfigError, validate
+from workbench.run.window import batches
 from workbench.store.query import _alive, resolve_run, run_row
 from workbench.store.schema import TABLES
-from workbench.window import batches
-
-# while this file lies in a run's checkpoints/, each checkpoint write waits halfway (its state
-# written, its policy and trainer.pt not): the recovery tests and the chaos soak kill a learner
-# inside a write this way
-HOLD = "hold"
 
 
 def saved(run_dir):
@@ -51,82 +45,7 @@ def latest(run_dir):
     return done[-1] if done else None
 
 
-# ---- save: the learner writes the policy and trainer.pt; the driver names, publishes and prunes
-
-
-def side_files(model_path):
-    """The tokenizer, chat template and image processor files beside a policy's weights, read
-    once: a resumed run's `model_path` is a checkpoint that `keep_checkpoints` later deletes."""
-    return {
-        file.name: file.read_bytes()
-        for file in Path(model_path).iterdir()
-        if file.is_file()
-        and not file.name.endswith((".safetensors", ".bin", ".pt", ".pth", ".index.json"))
-    }
-
-
-def _sharded_state(learner):
-    """This rank's shards of the model and optimizer state, as `state/` holds them."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model, optimizer = get_state_dict(learner.model, learner.optimizer)
-    return {"model": model, "optimizer": optimizer}
-
-
-def save_learner(learner, folder, driver_state):
-    """Runs in every learner rank: its shards of the model and optimizer into `state/`; rank 0
-    the whole policy (with its tokenizer files) and trainer.pt."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(_sharded_state(learner), checkpoint_id=Path(folder, "state"))
-    wait_while_held(folder)
-    full = learner.ranks.full_state_dict(learner.model)
-    if learner.ranks.rank:
-        return learner.version
-    save_policy(learner, Path(folder, "policy"), full)
-    torch.save(
-        dict(driver_state, version=learner.version, torch_rng=torch.get_rng_state()),
-        Path(folder, "trainer.pt"),
-    )
-    return learner.version
-
-
-def wait_while_held(folder: str | Path) -> None:
-    """Wait while a `HOLD` file lies beside the checkpoint being written into `folder`."""
-    hold = Path(folder).parent / HOLD
-    while hold.exists():
-        time.sleep(0.05)
-
-
-def save_policy(learner, folder: Path, state_dict=None):
-    """The learner's policy as `save_pretrained` writes it (`state_dict`: its whole weights, when
-    sharded), its tokenizer and processor files beside it."""
-    learner.model.save_pretrained(folder, state_dict=state_dict)
-    for name, content in learner.side_files.items():
-        if not (folder / name).exists():
-            (folder / name).write_bytes(content)
-
-
-def load_learner(learner, folder):
-    """Runs in every learner rank (built from the checkpoint's policy/): model and optimizer
-    state resharded to this run's ranks, version, torch RNG."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    state = torch.load(Path(folder, "trainer.pt"), weights_only=False)
-    loaded = _sharded_state(learner)
-    dcp.load(loaded, checkpoint_id=Path(folder, "state"))
-    set_state_dict(
-        learner.model,
-        learner.optimizer,
-        model_state_dict=loaded["model"],
-        optim_state_dict=loaded["optimizer"],
-    )
-    learner.version = state["version"]
-    torch.set_rng_state(state["torch_rng"])
-    return learner.version
+# ---- save: the learner writes its state (learner/state.py); the driver names, publishes and prunes
 
 
 def maybe_save(cfg, run_dir: Path, step, learner, store, data_state):

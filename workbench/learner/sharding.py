@@ -17,11 +17,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from workbench.config import Config
+
 
 class Ranks:
     """This learner's place among `ray.learner_workers` ranks, and the collectives they share."""
 
-    def __init__(self, cfg, rank: int = 0, address: tuple[str, int] | None = None):
+    def __init__(self, cfg: Config, rank: int = 0, address: tuple[str, int] | None = None) -> None:
         self.rank = rank
         self.world = cfg.ray.learner_workers
         self.device = torch.device("cpu")
@@ -39,7 +41,7 @@ class Ranks:
             timeout=timedelta(seconds=cfg.trainer.timeout_s),
         )
 
-    def shard(self, model, dtype: str):
+    def shard(self, model: torch.nn.Module, dtype: str) -> None:
         """FSDP2 on every decoder layer (the model's `_no_split_modules`) and at the root; the
         parameters stay float32, forwards and backwards run in `dtype`, gradients reduce in
         float32."""
@@ -54,17 +56,17 @@ class Ranks:
                 fully_shard(module, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
 
-    def mine(self, rows: int):
+    def mine(self, rows: int) -> slice:
         """This rank's contiguous slice of `rows` rows (sizes differ by at most one)."""
         bounds = np.linspace(0, rows, self.world + 1).round().astype(int)
         return slice(int(bounds[self.rank]), int(bounds[self.rank + 1]))
 
-    def count(self, rows: int):
+    def count(self, rows: int) -> int:
         """How many of `rows` rows are this rank's."""
         own = self.mine(rows)
         return own.stop - own.start
 
-    def most(self, count: int):
+    def most(self, count: int) -> int:
         """The largest of every rank's `count`."""
         if self.world == 1:
             return count
@@ -72,7 +74,7 @@ class Ranks:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return int(value)
 
-    def gather(self, local: torch.Tensor, rows: int):
+    def gather(self, local: torch.Tensor, rows: int) -> torch.Tensor:
         """Every rank's `local` rows ([its slice of `rows`, ...], detached) put together in rank
         order: [rows, ...], the same on every rank."""
         if self.world == 1:
@@ -87,7 +89,7 @@ class Ranks:
         pieces = [part[: bounds[r + 1] - bounds[r]] for r, part in enumerate(parts)]
         return torch.cat(pieces).to("cpu", local.dtype)
 
-    def spliced(self, local: torch.Tensor, rows: int):
+    def spliced(self, local: torch.Tensor, rows: int) -> torch.Tensor:
         """The whole batch's [rows, ...] values: this rank's own rows live (they carry the
         gradient), every other rank's gathered and held constant."""
         if self.world == 1:
@@ -101,7 +103,7 @@ class Ranks:
             whole = whole + 0 * local.sum()
         return whole
 
-    def full_state_dict(self, model):
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """The policy's full parameters, gathered one tensor at a time: on rank 0 (others: None),
         which never holds more than one full copy."""
         if self.world == 1:
@@ -114,7 +116,7 @@ class Ranks:
                 full[name] = tensor.detach().cpu()
         return full if self.rank == 0 else None
 
-    def grad_norm(self, norm: torch.Tensor):
+    def grad_norm(self, norm: torch.Tensor) -> float:
         """A gradient norm as a float; a sharded model's is a DTensor, reduced first."""
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()

@@ -11,6 +11,8 @@ only: it comes back as a `failed_episodes` row with its traceback, and none of i
 the batch.
 """
 
+from __future__ import annotations
+
 import asyncio
 import contextlib
 import copy
@@ -20,18 +22,35 @@ import inspect
 import math
 import numbers
 import threading
+import time
 import traceback
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
-from workbench.api import ChatAgent, ChatContext, Result, load_plugin
+from workbench.api import ChatAgent, ChatContext, Env, Result, load_plugin
 from workbench.engines import make_engine
 from workbench.engines.base import SamplingParams, derived_seed, from_wire
-from workbench.faults import failure_row
-from workbench.invariants.token_identity import TokenAccumulator, reply_text, retokenize_drift
+from workbench.invariants.token_identity import (
+    SegmentTokens,
+    TokenAccumulator,
+    reply_text,
+    retokenize_drift,
+)
 from workbench.segment import Batch, Segment
 from workbench.server.loopback import LoopbackServer
+
+if TYPE_CHECKING:
+    import ray
+    import torch
+    from omegaconf import DictConfig
+
+    from workbench.config import EvalConfig
+
+# threads that run a batch's Env steps side by side: thread k steps every STEP_THREADS-th Env
+STEP_THREADS = 8
 
 
 @dataclass
@@ -44,7 +63,7 @@ class Job:
 
 
 class RolloutWorker:
-    def __init__(self, cfg, model_path: str, worker_index: int = 0):
+    def __init__(self, cfg: DictConfig, model_path: str, worker_index: int = 0):
         from transformers import AutoTokenizer
 
         from workbench.engines.torch_engine import set_threads
@@ -59,13 +78,13 @@ class RolloutWorker:
         # one rollout at a time; weight pushes arrive on another thread
         self.lock = threading.Lock()
         # Env steps (tools, a sandbox) run side by side
-        self.pool = ThreadPoolExecutor(max_workers=8)
-        self._server = None
+        self.pool = ThreadPoolExecutor(max_workers=STEP_THREADS)
+        self._server: LoopbackServer | None = None
         # the collective transport's weights by version, kept until a batch loads them: a new
         # group (a worker restarted) keeps them for the batches in flight
-        self.received = {}
+        self.received: dict[int, dict[str, torch.Tensor]] = {}
         # first prompts rendered and encoded, by messages: data repeats each epoch
-        self.openings = OrderedDict()
+        self.openings: OrderedDict[bytes, TokenAccumulator] = OrderedDict()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # a segment's round-trip audit and reply text, by its ids: a group's samples repeat them
         # (64 kept: a batch's repeats, not many long episodes' ids)
@@ -78,8 +97,12 @@ class RolloutWorker:
             top_p=cfg.engine.top_p,
             stop_token_ids=(self.tokenizer.eos_token_id,),
         )
+        # the sampling settings of the call under way: each call sets them, holding `lock`, before
+        # its episodes start; its ChatAgents read them on the episode pool's threads (`_run_agent`)
+        # and its Env turns on the call's thread (`_seeded`), all before the call releases `lock`
+        self.active: SamplingParams = self.params
 
-    def load_weights(self, weights: dict):
+    def load_weights(self, weights: dict[str, Any]) -> int:
         """Adopt the learner's weights (`state_dict`, in `to_wire` form, or received beforehand by
         the collective transport) and their `version`."""
         version = weights["version"]
@@ -93,16 +116,22 @@ class RolloutWorker:
         self.engine.load_weights(state_dict, version)
         return version
 
-    def join_weight_group(self, address: tuple, world: int, layout: list, cfg):
+    def join_weight_group(
+        self,
+        address: tuple[str, int],
+        world: int,
+        layout: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        cfg: DictConfig,
+    ) -> None:
         """Join the collective weight transport's group as rank worker_index + 1."""
-        from workbench.transport import WeightGroup
+        from workbench.learner.transport import WeightGroup
 
         rank = self.worker_index + 1
         self.weight_group = WeightGroup(address, rank, world, cfg.trainer.timeout_s)
         self.layout = layout
         self.bucket_bytes = cfg.ray.weight_bucket_mb * 2**20
 
-    def receive_weights(self):
+    def receive_weights(self) -> int:
         """The weights learner rank 0 broadcasts next, kept until the batch that starts on them
         loads them (`load_weights`); their version."""
         state_dict, version = self.weight_group.receive(self.layout, self.bucket_bytes)
@@ -110,8 +139,11 @@ class RolloutWorker:
         return version
 
     def rollout(
-        self, jobs: list[Job], params: SamplingParams | None = None, weights: dict | None = None
-    ):
+        self,
+        jobs: list[Job],
+        params: SamplingParams | None = None,
+        weights: dict[str, Any] | None = None,
+    ) -> Batch:
         """Run the episodes of `jobs` to the end.
 
         With `params`, else the training sampling settings; on `weights` when given, else the
@@ -119,7 +151,9 @@ class RolloutWorker:
         """
         return self.rollout_with_failures(jobs, params, weights)[0]
 
-    def evaluate(self, jobs: list[Job], settings, weights: dict | None = None):
+    def evaluate(
+        self, jobs: list[Job], settings: EvalConfig, weights: dict[str, Any] | None = None
+    ) -> list[float]:
         """The reward of each held-out episode, sampled with the `eval.*` settings (its max_tokens,
         else the training one, and its temperature).
 
@@ -133,9 +167,9 @@ class RolloutWorker:
         self,
         jobs: list[Job],
         params: SamplingParams | None = None,
-        weights: dict | None = None,
-        after: list | None = None,
-    ):
+        weights: dict[str, Any] | None = None,
+        after: list[ray.ObjectRef] | None = None,
+    ) -> tuple[Batch, list[dict[str, Any]]]:
         """(segments of ended episodes, a failure row for each episode whose plugin code raised).
 
         `weights` (as `load_weights` takes them) travel with the call, so the batch starts on
@@ -154,7 +188,7 @@ class RolloutWorker:
             self.plugin.AgentRunner, ChatAgent
         )
         # episode index -> its failure row
-        failures = {}
+        failures: dict[int, dict[str, Any]] = {}
         with self.lock:
             if weights is not None and weights["version"] != self.engine.version:
                 self.load_weights(weights)
@@ -167,14 +201,14 @@ class RolloutWorker:
                     segments = self._env_rollout(jobs, failures)
         # this call's generation seconds, for the learner's perf/generate_s
         if segments and generated is not None:
-            segments[0].audit["generate_s"] = self.engine.compute_s - generated
+            segments[0].generate_s = self.engine.compute_s - generated
         return Batch(segments), list(failures.values())
 
-    def _failed(self, job: Job, kind: str, error: BaseException):
+    def _failed(self, job: Job, kind: str, error: BaseException) -> dict[str, Any]:
         trace = "".join(traceback.format_exception(error))
         return failure_row(job, self.worker_index, kind, f"{type(error).__name__}: {error}", trace)
 
-    def server(self):
+    def server(self) -> LoopbackServer:
         """This worker's loopback server, started on first use."""
         if self._server is None:
             self._server = LoopbackServer(
@@ -186,7 +220,7 @@ class RolloutWorker:
             )
         return self._server
 
-    def _chat_rollout(self, jobs: list[Job], failures: dict):
+    def _chat_rollout(self, jobs: list[Job], failures: dict[int, dict[str, Any]]) -> list[Segment]:
         """Every job's ChatAgent runs at once on its own session; requests share engine calls."""
         server = self.server()
         sessions = [server.open_session(job.rollout_id) for job in jobs]
@@ -226,7 +260,7 @@ class RolloutWorker:
             segments += episode
         return segments
 
-    def _run_agent(self, job: Job, session: dict, judge: dict):
+    def _run_agent(self, job: Job, session: dict[str, str], judge: dict[str, str]) -> Any:
         ctx = ChatContext(
             base_url=session["openai_base_url"],
             anthropic_base_url=session["anthropic_base_url"],
@@ -242,7 +276,7 @@ class RolloutWorker:
         result = self.plugin.AgentRunner().run(ctx)
         return asyncio.run(result) if inspect.iscoroutine(result) else result
 
-    def _start_env(self, job: Job):
+    def _start_env(self, job: Job) -> tuple[Env, TokenAccumulator]:
         env = self.plugin.AgentRunner()
         messages = opening_messages(env, job.sample)
         # a digest: an image's bytes are not kept twice
@@ -263,11 +297,11 @@ class RolloutWorker:
                 self.openings.popitem(last=False)
         return env, self.openings[key].fork()
 
-    def _env_rollout(self, jobs: list[Job], failures: dict):
-        envs = {}
-        episodes = {}
+    def _env_rollout(self, jobs: list[Job], failures: dict[int, dict[str, Any]]) -> list[Segment]:
+        envs: dict[int, Env] = {}
+        episodes: dict[int, TokenAccumulator] = {}
         # each episode's reward of each turn
-        rewards = [[] for _ in jobs]
+        rewards: list[list[float]] = [[] for _ in jobs]
         infos = [{} for _ in jobs]
         for index, job in enumerate(jobs):
             started = _caught(self._start_env, job)
@@ -320,22 +354,23 @@ class RolloutWorker:
                 )
         return segments
 
-    def _steps(self, envs: list, actions: list[str]):
+    def _steps(self, envs: list[Env], actions: list[str]) -> list[Any]:
         """Each Env's `step` result (or the exception it raised), side by side in the pool's
-        threads: a thread takes every eighth, so 64 quick steps wake 8 threads, not 64."""
+        threads: a thread takes every STEP_THREADS-th (eighth), so 64 quick steps wake 8 threads,
+        not 64."""
 
-        def run(k):
+        def run(k: int) -> list[Any]:
             return [
                 _caught(env.step, action)
-                for env, action in zip(envs[k::8], actions[k::8], strict=True)
+                for env, action in zip(envs[k::STEP_THREADS], actions[k::STEP_THREADS], strict=True)
             ]
 
-        results = [None] * len(envs)
-        for k, done in enumerate(self.pool.map(run, range(min(8, len(envs))))):
-            results[k::8] = done
+        results: list[Any] = [None] * len(envs)
+        for k, done in enumerate(self.pool.map(run, range(min(STEP_THREADS, len(envs))))):
+            results[k::STEP_THREADS] = done
         return results
 
-    def _seeded(self, jobs: list[Job], turn: int):
+    def _seeded(self, jobs: list[Job], turn: int) -> SamplingParams:
         """The sampling settings of one engine call, seeded by the batch (its first episode id)
         and turn: a run samples the same whichever order its queued batches reach the worker, and
         after a resume."""
@@ -347,12 +382,12 @@ class RolloutWorker:
     def _segments(
         self,
         job: Job,
-        pieces: list,
+        pieces: list[SegmentTokens],
         reward: float,
         finish_reason: str,
         info: dict | None = None,
         turn_rewards: list[float] | None = None,
-    ):
+    ) -> list[Segment]:
         """Segment records of one episode, each audited: are its sampled ids intact, and would
         its text round-trip? `turn_rewards`: one per sampled turn; None: `reward` at the last."""
         turns = sum(len(piece.turn_spans) for piece in pieces)
@@ -387,18 +422,31 @@ class RolloutWorker:
         return segments
 
 
-def opening_messages(env, sample: dict):
+def opening_messages(env: Env, sample: dict) -> list[dict]:
     """The messages an Env episode opens with: its system prompt, if any, and its first
     observation."""
     system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
     return system + [{"role": "user", "content": env.reset(sample)}]
 
 
-def _episode_error(result, call: str):
+def _episode_error(result: Any, call: str) -> BaseException:
     """The exception a plugin's `call` raised, or a TypeError saying its value is not a Result."""
     if isinstance(result, BaseException):
         return result
     return TypeError(f"{call} returned {type(result).__name__}, not a Result")
+
+
+def failure_row(job: Job, worker: int, kind: str, error: str, trace: str) -> dict[str, Any]:
+    """The `failed_episodes` row of the episode `job` of rollout worker `worker`."""
+    return {
+        "rollout_id": job.rollout_id,
+        "group_id": job.group_id,
+        "worker": worker,
+        "kind": kind,
+        "error": error,
+        "traceback": trace,
+        "time": time.time(),
+    }
 
 
 def finite_reward(result: Result | BaseException, where: str) -> Result | BaseException:
@@ -414,7 +462,7 @@ def finite_reward(result: Result | BaseException, where: str) -> Result | BaseEx
     return result
 
 
-def _caught(function, *args):
+def _caught(function: Callable[..., Any], *args: Any) -> Any:
     """`function(*args)`, or the exception a plugin's code raised in it (one episode fails, not
     the worker)."""
     try:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from workbench.checkpoint import reopen
 from workbench.config import REPO_ROOT, ConfigError
+from workbench.run.checkpoint import reopen
 from workbench.store.writer import write_json_atomic
 
 

@@ -26,9 +26,10 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from workbench import progress, run_folder
 from workbench.config import ConfigError, compose_config
+from workbench.run import progress, run_folder
 from workbench.store.compare import compare_rows
+from workbench.store.query import root_option
 
 SUFFIX = ".optuna.db"
 # what a trial maximises, from its `molt-wb compare` row
@@ -213,14 +214,15 @@ class Tuner:
             best = f"; best: {self.describe(self.study.best_trial)}"
         return (
             f"study {self.name}: {len(states)} trials, {states.count(TrialState.PRUNED)} pruned, "
-            f"{states.count(TrialState.FAIL)} failed{best}\nmolt-wb compare {self.name}"
+            f"{states.count(TrialState.FAIL)} failed{best}\n"
+            f"molt-wb compare {self.name}{root_option(self.root)}"
         )
 
 
 def _train(cfg, tuner: Connection):
     """A trial's run, in a process of its own: each logged step's `reward/mean` goes to the tuner,
     whose verdict it waits for; pruned (or SIGINT) stops it as Ctrl-C stops `molt-wb train`."""
-    from workbench import loop
+    from workbench.run import loop
 
     def judged(metrics: dict) -> None:
         # the loop step the metrics are of: each step trains trainer.minibatches versions

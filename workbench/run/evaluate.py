@@ -14,11 +14,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from workbench.api import load_plugin
-from workbench.checkpoint import latest, saved, saved_config
 from workbench.config import validate
-from workbench.data import load_samples
-from workbench.model_paths import policy_path
-from workbench.rollout import Job, RolloutWorker
+from workbench.rollout.worker import Job, RolloutWorker
+from workbench.run.checkpoint import latest, saved, saved_config
+from workbench.run.data import load_samples
+from workbench.run.model_paths import policy_path
 from workbench.store.actor import eval_tables
 from workbench.store.query import resolve_run
 

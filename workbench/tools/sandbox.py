@@ -70,7 +70,7 @@ class SandboxResult:
     # negative: killed by that signal (SIGKILL after a timeout)
     exit_code: int
 
-    def tool_text(self):
+    def tool_text(self) -> str:
         """The tool response a policy sees: its stdout, then `Error: ...` if it failed."""
         if self.error is None:
             return self.stdout or "(no output)"
@@ -113,7 +113,7 @@ def _exited(pid, timeout_s):
 
 def run_python(
     code: str, timeout_s: float = 5.0, memory_mb: int = 256, output_limit: int = OUTPUT_LIMIT
-):
+) -> SandboxResult:
     """Run `code` as a script in a fresh limited process (see the module docstring) and collect
     what it printed."""
     # CPU seconds, address space, file size, core

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 
 from workbench.api import ChatAgent, load_plugin
 from workbench.config import ConfigError
-from workbench.rollout import Job
+from workbench.rollout.worker import Job
 
 
 class Prompts:

@@ -6,7 +6,8 @@ A non-finite value (NaN, +inf or -inf; NULL is no value) is counted per step and
 table column (`tokens.entropy`). The store actor warns the first time a key has one, the run summary
 and the TUI name each key and the step it started at. A non-finite loss or gradient norm
 (`STOP_KEYS`) means the weights are no longer finite either: with `trainer.nonfinite=stop` (the
-default) the driver stops the run at that step, before its checkpoint; measurements never stop it.
+default) the driver stops the run at that step, before its checkpoint (run/faults.py
+`nonfinite_loss`); measurements never stop it.
 """
 
 import math
@@ -47,27 +48,13 @@ def audit_metrics(counts: dict[str, int]) -> dict[str, float]:
     return metrics
 
 
-def warning(step: int, key: str, bad: int) -> str:
-    """The one line the run prints the first time `key` has a non-finite value."""
+def warning(step: int, key: str, bad: int, runs: str) -> str:
+    """The one line the run prints the first time `key` has a non-finite value; `runs` is the
+    command that names every such key (`molt-wb runs RUN --root DIR`)."""
     return (
         f"warning: {key} has {bad} non-finite value(s) (NaN or inf) at step {step}; the run goes "
-        f"on and counts them in {TOTAL}/{key} (`molt-wb runs RUN_ID` names every such key)."
+        f"on and counts them in {TOTAL}/{key} (`{runs}` names every such key)."
     )
-
-
-def stop_at(cfg, step: int, metrics: dict[str, float]) -> None:
-    """Under `trainer.nonfinite=stop`, end the run with one sentence when step `step`'s loss or
-    gradient norm is not finite (its rows are already on their way to the store)."""
-    from workbench.faults import run_failed
-
-    bad = [key for key in STOP_KEYS if key in metrics and not math.isfinite(metrics[key])]
-    if bad and cfg.trainer.nonfinite == "stop":
-        raise run_failed(
-            f"Step {step}'s {' and '.join(bad)} is not finite (NaN or inf), so neither are the "
-            "weights it trained (trainer.nonfinite=stop)",
-            cfg.run.id,
-            "lower trainer.lr or trainer.max_grad_norm, or set trainer.nonfinite=warn, then ",
-        )
 
 
 def summary_line(rows: list[tuple[str, int, int, float]]) -> str:

@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from workbench.model_paths import policy_path
-from workbench.rollout import Job, RolloutWorker
-from workbench.run_folder import start_run
+from workbench.rollout.worker import Job, RolloutWorker
+from workbench.run.model_paths import policy_path
+from workbench.run.run_folder import start_run
 from workbench.store.schema import step_tables
 from workbench.store.writer import RunWriter
 

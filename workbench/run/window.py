@@ -6,25 +6,38 @@ new weights travel with the batch drawn next (for step s+d+1), which Ray starts 
 every batch is sampled exactly d versions behind the learner and the driver never waits on a push.
 """
 
+from __future__ import annotations
+
 import contextlib
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from workbench import faults
-from workbench.progress import StepClock
-from workbench.transport import join_weight_group
+from workbench.learner.transport import join_weight_group
+from workbench.run import faults
+from workbench.run.progress import StepClock
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+
+    from workbench.config import Config
+    from workbench.run.cluster import LearnerRanks
+    from workbench.run.data import Prompts
 
 
-def batches(cfg):
+def batches(cfg: Config) -> int:
     """The loop's steps: one rollout batch each, trained in `trainer.minibatches` optimizer
     steps."""
     return cfg.trainer.steps // cfg.trainer.minibatches
 
 
 class Window:
-    """The rollout batches in flight (`faults.Rollout`), oldest first."""
+    """The rollout batches in flight (`faults.InFlight`), oldest first."""
 
-    def __init__(self, cfg, workers, prompts, start):
+    def __init__(self, cfg: Config, workers: list[ActorHandle], prompts: Prompts, start: int):
         """Draw the first batches of a run that starts (or resumes) at loop step `start`, on the
         engines' own weights."""
         self.cfg = cfg
@@ -33,21 +46,21 @@ class Window:
         self.start = start
         self.end = batches(cfg)
         first = min(cfg.trainer.async_depth + 1, self.end - start)
-        self.in_flight = deque()
+        self.in_flight: deque[faults.InFlight] = deque()
         for _ in range(first):
             self._submit()
         # the loop step whose batch is drawn next
         self.next_batch = start + len(self.in_flight)
 
-    def steps(self):
+    def steps(self) -> range:
         """The loop steps still to run, one per rollout batch."""
         return range(self.start, self.end)
 
-    def oldest(self):
+    def oldest(self) -> faults.InFlight:
         """The oldest batch in flight, taken out of the window: the one this step trains on."""
         return self.in_flight.popleft()
 
-    def sync(self, weights, learner):
+    def sync(self, weights: ObjectRef, learner: ActorHandle | LearnerRanks) -> ObjectRef:
         """A step's new `weights` (a Ray reference) reach the rollouts: with partial rollouts the
         batches in flight take them now; the next batch, while the run has one left, starts on
         them. The weights they got: `weights`, or the same version through the object store."""
@@ -78,13 +91,13 @@ class Window:
             self.next_batch += 1
         return weights
 
-    def _submit(self, weights: object = None) -> None:
+    def _submit(self, weights: ObjectRef | None = None) -> None:
         """Draw the next batch, on `weights` when given; each worker runs it after its part of the
         newest batch in flight, as it was sent."""
         newest = self.in_flight[-1] if self.in_flight else None
         self.in_flight.append(faults.submit(self.workers, self.prompts, weights, newest))
 
-    def data_state(self):
+    def data_state(self) -> dict:
         """The data position a checkpoint saves: from before the oldest batch in flight was drawn
         (no step has trained on it yet), else the current one."""
         if self.in_flight:
@@ -92,49 +105,84 @@ class Window:
         return self.prompts.state()
 
 
+@dataclass
+class PendingStep:
+    """A step the learner was handed, not yet logged: what `Trailing` logs once its metrics are
+    in. The learner's outputs are Ray references."""
+
+    step: int
+    metrics: ObjectRef  # -> dict[str, float]
+    # the per-token rows (tokens, gate decisions, advantages) the store writes
+    rows: ObjectRef
+    # the batch's segments, one reference per worker that delivered (list[Segment] each)
+    segment_refs: list[ObjectRef]
+    # the step's new weights, as window.sync returned them
+    weights: ObjectRef
+    # the driver's waits while the batch was drawn, then on the learner (perf/<phase>_s)
+    phases: dict[str, float] = field(default_factory=dict)
+
+
 class Trailing:
     """The step the learner was handed last, not yet logged: its metrics are fetched (and the step
     logged) once the next step's batch went to the learner, which so never waits on the driver, or
     while that batch is not there yet; at once when it checkpoints or evaluates."""
 
-    def __init__(self, cfg, log):
-        """`log(step, metrics, rows, segments, weights)`: what the loop does with a step."""
+    def __init__(self, cfg: Config, log: Callable[[int, dict[str, float], PendingStep], None]):
+        """`log(step, metrics, sent)`: what the loop does with step `step` once its `metrics` are
+        in; `sent` is what else it sent the learner and got back."""
         self.cfg = cfg
         self.log = log
         self.clock = StepClock()
         # the driver's waits of the step being drawn, then of the trailing one
-        self.phases = {}
-        self.pending = ()
+        self.phases: dict[str, float] = {}
+        self.pending: PendingStep | None = None
 
-    def timed(self, phase: str):
+    def timed(self, phase: str) -> contextlib.AbstractContextManager:
+        """The seconds its block takes, a wait of the step being drawn (`perf/<phase>_s`)."""
         return self.clock.timed(self.phases, phase)
 
-    def before(self, rollout):
-        """The next step's `rollout`, once every worker answered or the trailing step's metrics are
-        in: whichever comes first, the other waits (the batch goes to the learner first, behind
-        the trailing step; the trailing step is logged while the learner waits on the batch)."""
+    def before(self, in_flight: faults.InFlight) -> faults.InFlight:
+        """The next step's batch `in_flight`, once every worker answered or the trailing step's
+        metrics are in: whichever comes first, the other waits (the batch goes to the learner
+        first, behind the trailing step; the trailing step is logged while the learner waits on
+        the batch)."""
         import ray
 
-        left = list(rollout.failures) if self.pending else []
+        pending = self.pending
+        left = list(in_flight.failure_refs) if pending else []
         start = time.perf_counter()
         while left:
-            phases, metrics = self.pending[1:3]
-            ready, _ = ray.wait([metrics, *left], timeout=self.cfg.trainer.timeout_s)
-            if not ready or metrics in ready:
+            ready, _ = ray.wait([pending.metrics, *left], timeout=self.cfg.trainer.timeout_s)
+            if not ready or pending.metrics in ready:
                 # a wait on the learner
-                phases["train"] = time.perf_counter() - start
+                pending.phases["train"] = time.perf_counter() - start
                 self.flush()
-                return rollout
+                return in_flight
             left.remove(*ready)
         # a wait on the rollout
         self.phases["rollout"] = time.perf_counter() - start
-        return rollout
+        return in_flight
 
-    def after(self, step: int, *outputs):
-        """Step `step` went to the learner with its `outputs` (metrics, rows: Ray references;
-        segments, weights): the one before it is logged, and this one at once when due."""
+    def after(
+        self,
+        step: int,
+        metrics: ObjectRef,
+        rows: ObjectRef,
+        segment_refs: list[ObjectRef],
+        weights: ObjectRef,
+    ) -> None:
+        """Step `step` went to the learner (its `metrics`, `rows` and `weights` are the learner's
+        outputs, `segment_refs` its input): the one before it is logged, and this one at once when
+        due."""
         self.flush()
-        self.pending = (step, self.phases, *outputs)
+        self.pending = PendingStep(
+            step=step,
+            metrics=metrics,
+            rows=rows,
+            segment_refs=segment_refs,
+            weights=weights,
+            phases=self.phases,
+        )
         self.phases = {}
         if any(
             n and (step + 1) % n == 0
@@ -142,16 +190,16 @@ class Trailing:
         ):
             self.flush()
 
-    def flush(self):
+    def flush(self) -> None:
         """Log the trailing step, if any, once its metrics are in."""
         import ray
 
-        if not self.pending:
+        pending, self.pending = self.pending, None
+        if pending is None:
             return
-        (step, phases, metrics, *outputs), self.pending = self.pending, ()
         try:
-            with self.clock.timed(phases, "train"):  # the learner
-                metrics = ray.get(metrics, timeout=self.cfg.trainer.timeout_s)
+            with self.clock.timed(pending.phases, "train"):  # the learner
+                metrics = ray.get(pending.metrics, timeout=self.cfg.trainer.timeout_s)
         except ray.exceptions.GetTimeoutError as error:
-            raise faults.learner_timeout(step, self.cfg) from error
-        self.log(step, self.clock.metrics(metrics, phases), *outputs)
+            raise faults.learner_timeout(pending.step, self.cfg) from error
+        self.log(pending.step, self.clock.metrics(metrics, pending.phases), pending)

@@ -5,8 +5,8 @@ curve, the three invariants' figures and where the time went, read back from the
 import time
 from collections import defaultdict
 
-from workbench import nonfinite
-from workbench.store.query import REWARD_CURVE, open_run, resolve_run, run_row
+from workbench.store import nonfinite
+from workbench.store.query import REWARD_CURVE, open_run, resolve_run, root_option, run_row
 
 SPARKS = "▁▂▃▄▅▆▇█"
 # the first and last steps the reward rise is read over
@@ -109,7 +109,7 @@ def render(numbers, root="runs"):
         f"{name} {seconds:.1f} s ({seconds / max(wall, 1e-9):.0%})"
         for name, seconds in spent.items()
     ]
-    option = f" --root {root}" if root != "runs" else ""
+    option = root_option(root)
     lines += [
         f"time       {', '.join(shares)}",
         f"folder     {numbers['folder']}",

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
 
-from workbench.checkpoint import latest
-from workbench.faults import ActorDied, RunFailed, death
-from workbench.store.query import run_row
+from workbench.run.checkpoint import latest
+from workbench.run.faults import ActorDied, RunFailed, death
+from workbench.store.query import root_option, run_row
 from workbench.store.writer import write_json_atomic
 
 # the role of an actor class, as a dead actor's error names it (`class_name: Learner`)
@@ -65,10 +65,7 @@ def supervise(cfg: DictConfig, run_once: Callable[[DictConfig], str]) -> str:
 def resume_command(cfg: DictConfig) -> str:
     """The command that continues run `cfg.run.id` where it stands: `molt-wb resume RUN`, with
     `--root` when its folder is not under the default runs/."""
-    command = f"molt-wb resume {cfg.run.id}"
-    if cfg.run.root != "runs":
-        command += f" --root {cfg.run.root}"
-    return command
+    return f"molt-wb resume {cfg.run.id}{root_option(cfg.run.root)}"
 
 
 def way_on(cfg: DictConfig) -> str:

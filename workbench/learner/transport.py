@@ -18,17 +18,26 @@ receivers wait through the learner's step), and that push goes through the objec
 
 import socket
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from workbench.config import Config
 
-def layout_of(state_dict: dict):
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+# each tensor's name, dtype and shape, in order
+Layout = list[tuple[str, torch.dtype, tuple[int, ...]]]
+
+
+def layout_of(state_dict: dict[str, torch.Tensor]) -> Layout:
     """Each tensor's name, dtype and shape, in order."""
     return [(name, t.dtype, tuple(t.shape)) for name, t in state_dict.items()]
 
 
-def buckets(layout: list, bucket_bytes: int):
+def buckets(layout: Layout, bucket_bytes: int) -> list[list[int]]:
     """The layout's tensors in consecutive buckets of at most `bucket_bytes` (a larger tensor goes
     alone); sender and receivers compute the same ones."""
     out = [[]]
@@ -46,7 +55,7 @@ def buckets(layout: list, bucket_bytes: int):
 class WeightGroup:
     """One member of the transport's gloo group."""
 
-    def __init__(self, address: tuple[str, int], rank: int, world: int, timeout_s: float):
+    def __init__(self, address: tuple[str, int], rank: int, world: int, timeout_s: float) -> None:
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(address[0], address[1], world, rank == 0, timeout)
         options = dist.ProcessGroupGloo._Options()
@@ -54,7 +63,7 @@ class WeightGroup:
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=address[0])]
         self.group = dist.ProcessGroupGloo(store, rank, world, options)
 
-    def broadcast(self, tensor):
+    def broadcast(self, tensor: torch.Tensor) -> None:
         """Broadcast `tensor` from rank 0; where that fails (a member is gone), this member drops
         its end: closing its connections fails the others' broadcasts at once."""
         try:
@@ -63,7 +72,7 @@ class WeightGroup:
             self.group = None
             raise
 
-    def send(self, state_dict: dict, version: int, bucket_bytes: int):
+    def send(self, state_dict: dict[str, torch.Tensor], version: int, bucket_bytes: int) -> int:
         """Broadcast `version` and then `state_dict`'s bytes bucket by bucket; the bytes sent."""
         self.broadcast(torch.tensor([version]))
         tensors = list(state_dict.values())
@@ -74,7 +83,7 @@ class WeightGroup:
             sent += payload.numel()
         return sent
 
-    def receive(self, layout: list, bucket_bytes: int):
+    def receive(self, layout: Layout, bucket_bytes: int) -> tuple[dict[str, torch.Tensor], int]:
         """The (state dict, version) the learner broadcasts next."""
         version = torch.zeros(1, dtype=torch.int64)
         self.broadcast(version)
@@ -90,7 +99,7 @@ class WeightGroup:
         return state_dict, int(version)
 
 
-def free_address():
+def free_address() -> tuple[str, int]:
     """This node's address and a free TCP port on it: where rank 0 hosts the process group's
     rendezvous (a Ray task placed in rank 0's bundle)."""
     import ray
@@ -101,9 +110,10 @@ def free_address():
     return ray.util.get_node_ip_address(), port
 
 
-def join_weight_group(cfg, learner, workers):
+def join_weight_group(cfg: Config, learner: "ActorHandle", workers: list["ActorHandle"]) -> None:
     """Learner rank 0 and every rollout worker join the collective weight transport's group at
-    a free port of rank 0's node; the workers learn the weights' layout."""
+    a free port of rank 0's node (`learner`: its actor, or `cluster.LearnerRanks` standing for
+    its ranks); the workers learn the weights' layout."""
     import ray
 
     layout = learner.weight_layout.remote()
