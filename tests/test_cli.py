@@ -35,6 +35,7 @@ def molt_wb(*args, **kwargs) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_train_writes_a_run_that_duckdb_reads_live_and_after(tmp_path):
     root = tmp_path / "runs"
     command = [
@@ -118,6 +119,7 @@ def test_train_writes_a_run_that_duckdb_reads_live_and_after(tmp_path):
     assert "live" in listing.stdout and "finished" in listing.stdout and "12/12" in listing.stdout
 
 
+@pytest.mark.slow
 def test_multirun_runs_every_job_under_one_sweep_id(tmp_path):
     result = molt_wb("train", *FAST, "trainer.steps=2", f"run.root={tmp_path}", "-m", "seed=0,1")
     assert result.returncode == 0, result.stderr[-2000:]
@@ -162,6 +164,7 @@ def test_importing_the_core_loads_no_heavy_framework():
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plugin", ["chat_minimal", "chat_anthropic", "tool_env"])
 def test_chat_agents_and_the_tool_env_train_end_to_end(tmp_path, plugin):
     result = molt_wb(

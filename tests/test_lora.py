@@ -115,6 +115,7 @@ def test_the_engine_samples_under_the_pushed_adapter_as_the_learner_scores_it(tr
     assert float(kl) < 1e-9
 
 
+@pytest.mark.slow
 def test_routing_replay_works_on_a_lora_moe_policy():
     path = str(tiny_model_path("tiny-moe"))
     cfg = config(("model=tiny-moe", "algo.routing_replay=true"))

@@ -235,6 +235,7 @@ def test_dead_hung_and_raising_episodes_are_recorded_and_the_run_goes_on(tmp_pat
     assert db.execute("select count(*) from segments where min_version <> step").fetchone()[0] == 0
 
 
+@pytest.mark.slow
 def test_a_dead_learner_fails_the_run_with_one_sentence_and_keeps_what_was_written(
     tmp_path, in_process, monkeypatch
 ):

@@ -55,6 +55,7 @@ def test_sparkline_draws_each_bucket_mean_between_the_lowest_and_highest(values,
     assert sparkline(values, width) == expected
 
 
+@pytest.mark.slow
 def test_the_summary_figures_are_what_sql_on_the_run_store_gives(run):
     root, _ = run
     numbers = figures("summed", root)
@@ -82,6 +83,7 @@ def test_the_summary_figures_are_what_sql_on_the_run_store_gives(run):
     assert "routing/mismatch_token_frac" not in numbers["means"]
 
 
+@pytest.mark.slow
 def test_the_summary_shows_curve_invariants_time_folder_and_inspect_command(run):
     root, train_output = run
     numbers = figures("summed", root)
@@ -142,6 +144,7 @@ def test_the_time_line_names_the_model_build_warm_start_and_actor_start(seconds,
     assert line in text.splitlines()
 
 
+@pytest.mark.slow
 def test_the_first_step_carries_the_start_phases_and_no_other_step_does(run):
     root, _ = run
     db = open_run("summed", root)
@@ -160,6 +163,7 @@ def test_the_first_step_carries_the_start_phases_and_no_other_step_does(run):
     assert figures("summed", root)["sums"]["perf/actor_start_s"] == seconds["perf/actor_start_s"]
 
 
+@pytest.mark.slow
 def test_runs_refuses_an_unknown_run_in_one_sentence(run):
     root, _ = run
     result = molt_wb("runs", "nope", "--root", root)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import matplotlib.image
+import pytest
 
 from workbench.store import list_runs, open_run
 
@@ -26,6 +27,7 @@ def molt_wb(*args):
     )
 
 
+@pytest.mark.slow
 def test_a_band_sweep_runs_every_job_and_compare_reads_them_back(tmp_path):
     result = molt_wb(
         "train",
@@ -92,6 +94,7 @@ def test_a_band_sweep_runs_every_job_and_compare_reads_them_back(tmp_path):
     assert len(table.stdout.strip().splitlines()) == 4
 
 
+@pytest.mark.slow
 def test_parallel_sweep_with_m_first_and_a_failing_job_that_does_not_stop_it(tmp_path):
     good = tmp_path / "good.jsonl"
     bad = tmp_path / "bad.jsonl"

@@ -22,6 +22,9 @@ from workbench.store import open_run
 from workbench.store.schema import step_tables
 from workbench.store.writer import RunWriter
 
+# each test trains a run end to end (the full suite; the fast loop skips them)
+pytestmark = pytest.mark.slow
+
 FAST = [
     "+recipe=arith",
     "model.warm_start_steps=0",
