@@ -5,6 +5,7 @@ replay buys when the rollout's routes differ (router noise on the rollout engine
 """
 
 import argparse
+import dataclasses
 import time
 
 import numpy as np
@@ -75,7 +76,7 @@ def main() -> None:
     OmegaConf.update(cfg, "run.id", "bench")
     learner = Learner(cfg, path)
     batch = collate(segments_from(TorchEngine(path), count, tokens))
-    unrouted = {k: v for k, v in batch.items() if k != "routed_experts"}
+    unrouted = dataclasses.replace(batch, routed_experts=None)
     # no hooks; routes measured only; replayed
     cases = [
         (unrouted, False),
