@@ -14,6 +14,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from workbench.algo.advantages import ADVANTAGES
 from workbench.algo.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
@@ -21,6 +22,7 @@ from workbench.api import load_plugin
 from workbench.extras import missing, needs
 from workbench.invariants.version_gate import ANCHORS, DENOMINATORS, LEVELS, MODES
 from workbench.locate import absolute_plugin, hydra_search_path
+from workbench.models.pretrained import needs_conversion
 from workbench.models.tiny import TINY_SPECS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -42,9 +44,11 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     name: str = "tiny"
-    """Built-in tiny model built offline (workbench.models.tiny); used when `path` is unset."""
+    """Built-in model, used when `path` is unset: a tiny one built offline (workbench.models.tiny)
+    or a pretrained one (workbench.models.pretrained: smollm2-135m, from the hub or the registry)."""
     path: str | None = None
-    """Local Hugging Face checkpoint folder of the policy; overrides `name`."""
+    """Local Hugging Face checkpoint folder of the policy, or a .gguf file (converted once);
+    overrides `name`."""
     dtype: str = "float32"
     """Torch dtype of rollout and learner weights."""
     warm_start_steps: int = 0
@@ -107,6 +111,11 @@ class AgentConfig:
     """When the chat template rewrites the history (Qwen3 drops old reasoning): seal (a new segment
     from the template's render) | bridge (keep the sampled ids, append the new turn as the template
     renders it: one segment)."""
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    """The task's settings, a dict given to the plugin's AgentRunner (`Env(**env_kwargs)`) and to
+    its make_dataset / eval_dataset as keyword arguments, so training data, episodes and the
+    held-out split share them: `+agent.env_kwargs.max_terms=2` adds a key,
+    `agent.env_kwargs.max_terms=3` changes one a recipe set; empty = the plugin's defaults."""
 
 
 @dataclass
@@ -706,10 +715,11 @@ def _refuse_out_of_range(cfg):
 def _refuse_missing_files(cfg):
     """Files and folders the config names exist and are of the right kind."""
     algo = cfg.algo
+    gguf_file = str(cfg.model.path).endswith(".gguf") and Path(cfg.model.path).is_file()
     _refuse(
-        cfg.model.path and not Path(cfg.model.path, "config.json").exists(),
-        f"model.path={cfg.model.path} is not a Hugging Face checkpoint folder (no config.json): "
-        f"fix the path.",
+        cfg.model.path and not gguf_file and not Path(cfg.model.path, "config.json").exists(),
+        f"model.path={cfg.model.path} is neither a Hugging Face checkpoint folder (no config.json) "
+        f"nor a .gguf file: fix the path.",
     )
     # replay on a dense policy would do nothing while the run claims R3 (reads its config.json)
     _refuse(
@@ -744,6 +754,11 @@ def _refuse_missing_code(cfg):
     vllm = cfg.engine.name == "vllm"
     # each optional extra is imported only where its feature is on (workbench/extras.py)
     _refuse(lora and missing("lora"), needs(f"model.lora.rank={lora}", "lora"))
+    # a GGUF file or the registry's copy of a pretrained model converts with the gguf package
+    _refuse(
+        missing("gguf") and needs_conversion(cfg.model.name, cfg.model.path),
+        needs(f"model={cfg.model.path or cfg.model.name} (converted from GGUF)", "gguf"),
+    )
     mlflow = cfg.tracking.mlflow.enabled
     _refuse(mlflow and missing("mlflow"), needs("tracking.mlflow.enabled=true", "mlflow"))
     # a vLLM request keeps the LoRARequest it was added with; adapters on a sharded learner are
@@ -774,7 +789,7 @@ def _refuse_missing_code(cfg):
         "vision models import it): install the matching torchvision or use engine=torch.",
     )
     try:
-        plugin = load_plugin(cfg.agent.plugin)
+        plugin = load_plugin(cfg.agent.plugin, cfg.agent.env_kwargs)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     _refuse(

@@ -14,26 +14,39 @@ Plugins: `agent.plugin` is, in the order tried,
   name is never shadowed by one: an installed package must not change what a shipped recipe runs);
 - a module path (`mypkg.envs`): an installed module, else one in the current folder.
 The module exports `AgentRunner`; a `:Class` suffix (`mypkg.envs:Maze`, `maze.py:Maze`) names
-the class that serves as its `AgentRunner` instead.
+the class that serves as its `AgentRunner` instead (a module's `__getattr__` may make the class on
+demand: `reasoning_gym:chain_sum`), and the class's own `make_dataset` / `eval_dataset` /
+`warm_start`, where it has them, replace the module's.
+
+`agent.env_kwargs` (a dict) is bound where the plugin is loaded: the `AgentRunner` is constructed
+with them, and `make_dataset` / `eval_dataset` get them as keyword arguments, so a task's settings
+reach its episodes, its training data and its held-out split alike.
 """
 
 import ast
 import contextlib
+import functools
 import importlib
 import importlib.util
 import os
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 CONF_PACKAGE = "workbench.conf"
 PLUGIN_PACKAGE = "workbench.plugins"
 ENTRY_POINT_GROUP = "molt_wb.plugins"
-# a plugin loaded with `:Class`, by its spec: the same object every time it is asked for
+# a plugin loaded with `:Class` or with env_kwargs, by its spec and kwargs: the same object every
+# time it is asked for
 _CLASS_VIEWS: dict[str, types.ModuleType] = {}
+# what a `:Class` brings of its own in place of the module's
+_CLASS_EXPORTS = ("make_dataset", "eval_dataset", "warm_start")
+# what gets agent.env_kwargs besides the AgentRunner
+_DATASET_EXPORTS = ("make_dataset", "eval_dataset")
 
 
 @dataclass
@@ -207,27 +220,75 @@ def _runner_class(spec: str, where: str) -> str | None:
     return points[0].attr if points else None
 
 
-def load_plugin(spec: str) -> types.ModuleType:
-    """Import the plugin `agent.plugin` names (see this module's docstring for the forms)."""
+def _plain(env_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """agent.env_kwargs as a plain dict (Hydra gives a DictConfig)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(env_kwargs, DictConfig):
+        return OmegaConf.to_container(env_kwargs, resolve=True)
+    return dict(env_kwargs or {})
+
+
+def _accepts(function: Any, kwargs: dict[str, Any], spec: str, what: str) -> None:
+    """Refuse env_kwargs that `function` (a plugin's Env class or dataset maker) does not take."""
+    import inspect
+
+    try:
+        inspect.signature(function).bind_partial(**kwargs)
+    except TypeError as error:
+        raise ValueError(
+            f"Agent plugin {spec!r}: its {what} does not take agent.env_kwargs "
+            f"{sorted(kwargs)} ({error}): give only the keys it accepts, or none."
+        ) from None
+
+
+def _bind(spec: str, view: types.ModuleType, kwargs: dict[str, Any]) -> None:
+    """Make the view's AgentRunner construct with `kwargs` and its dataset makers take them."""
+    runner = view.AgentRunner
+    _accepts(runner, kwargs, spec, runner.__name__)
+
+    def __init__(self: Any) -> None:
+        runner.__init__(self, **kwargs)
+
+    # a subclass, so that isinstance/issubclass checks (Env or ChatAgent) still hold
+    view.AgentRunner = type(runner.__name__, (runner,), {"__init__": __init__})
+    for name in _DATASET_EXPORTS:
+        if hasattr(view, name):
+            _accepts(getattr(view, name), kwargs, spec, name)
+            setattr(view, name, functools.partial(getattr(view, name), **kwargs))
+
+
+def load_plugin(spec: str, env_kwargs: Mapping[str, Any] | None = None) -> types.ModuleType:
+    """Import the plugin `agent.plugin` names (see this module's docstring for the forms), with
+    `agent.env_kwargs` bound to its AgentRunner and dataset makers."""
     where, _ = _split_class(spec)
     module = _module_of(where, spec)
     class_name = _runner_class(spec, where)
+    kwargs = _plain(env_kwargs)
     if class_name is None:
         if not hasattr(module, "AgentRunner"):
             raise ValueError(
                 f"Agent plugin {spec!r} does not export AgentRunner: add `AgentRunner = YourEnv` "
                 f"or name the class as {where}:YourEnv."
             )
-        return module
-    if not hasattr(module, class_name):
+        if not kwargs:
+            return module
+    elif not hasattr(module, class_name):
         raise ValueError(f"Agent plugin {spec!r}: module {module.__name__} has no {class_name}.")
+    key = f"{spec} {sorted(kwargs.items())!r}"
     # the module's other exports (make_dataset, warm_start) with that class as its AgentRunner
-    if spec not in _CLASS_VIEWS:
+    if key not in _CLASS_VIEWS:
         view = types.ModuleType(module.__name__, module.__doc__)
         view.__dict__.update(vars(module))
-        view.AgentRunner = getattr(module, class_name)
-        _CLASS_VIEWS[spec] = view
-    return _CLASS_VIEWS[spec]
+        if class_name is not None:
+            view.AgentRunner = getattr(module, class_name)
+            for name in _CLASS_EXPORTS:
+                if hasattr(view.AgentRunner, name):
+                    setattr(view, name, getattr(view.AgentRunner, name))
+        if kwargs:
+            _bind(spec, view, kwargs)
+        _CLASS_VIEWS[key] = view
+    return _CLASS_VIEWS[key]
 
 
 def _summary(path: Path) -> str:

@@ -23,7 +23,7 @@ class Prompts:
     starts."""
 
     def __init__(self, cfg):
-        plugin = load_plugin(cfg.agent.plugin)
+        plugin = load_plugin(cfg.agent.plugin, cfg.agent.env_kwargs)
         try:
             if cfg.data.path:
                 # the plugin's own reader when it has one (images, real-set layouts), else

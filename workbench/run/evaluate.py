@@ -26,7 +26,7 @@ from workbench.store.query import resolve_run
 def eval_samples(cfg):
     """(split name, held-out samples): eval.path, else the plugin's eval_dataset, else make_dataset
     on another seed."""
-    plugin = load_plugin(cfg.agent.plugin)
+    plugin = load_plugin(cfg.agent.plugin, cfg.agent.env_kwargs)
     if cfg.eval.path:
         reader = getattr(plugin, "load_dataset", load_samples)
         return Path(cfg.eval.path).name, reader(cfg.eval.path)[: cfg.eval.size]
