@@ -43,7 +43,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workbench.config import compose_config  # noqa: E402
-from workbench.learner.state import HOLD  # noqa: E402
+from workbench.models.state import HOLD  # noqa: E402
 from workbench.run import loop  # noqa: E402
 from workbench.run.checkpoint import latest  # noqa: E402
 from workbench.store import open_run  # noqa: E402

@@ -14,7 +14,7 @@ from test_reliability import FAST, kill_actors, wait_for
 
 from workbench import cli
 from workbench.config import compose_config
-from workbench.learner.state import HOLD
+from workbench.models.state import HOLD
 from workbench.run import loop
 from workbench.run.faults import RunFailed
 from workbench.run.progress import Progress

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from workbench.config import ConfigError, compose_config
 from workbench.learner.learner import Learner
-from workbench.learner.state import save_learner
+from workbench.models.state import save_learner
 from workbench.rollout.worker import Job, RolloutWorker
 from workbench.run import loop
 from workbench.run.checkpoint import resume_config

@@ -36,10 +36,10 @@ from workbench.learner.batch import (
 )
 from workbench.learner.forward import PolicyForward
 from workbench.learner.sharding import Ranks
-from workbench.learner.state import load_learner, save_learner, side_files
 from workbench.learner.transport import WeightGroup, layout_of
 from workbench.models.lora import adapter_state, with_adapter
 from workbench.models.multimodal import ImageCodec, is_vision_language, load_policy
+from workbench.models.state import load_learner, save_learner, side_files
 from workbench.segment import Segment
 
 

@@ -45,7 +45,7 @@ def latest(run_dir):
     return done[-1] if done else None
 
 
-# ---- save: the learner writes its state (learner/state.py); the driver names, publishes and prunes
+# ---- save: the learner writes its state (models/state.py); the driver names, publishes and prunes
 
 
 def maybe_save(cfg, run_dir: Path, step, learner, store, data_state):

@@ -14,8 +14,8 @@ from pathlib import Path
 from workbench.config import AlgoConfig, Config, TrainerConfig
 from workbench.invariants.token_identity import TokenAccumulator
 from workbench.learner.learner import Learner
-from workbench.learner.state import save_policy
 from workbench.models.multimodal import ImageCodec, is_vision_language
+from workbench.models.state import save_policy
 from workbench.models.tiny import built_into
 from workbench.rollout.worker import opening_messages
 from workbench.run import run_folder
