@@ -86,7 +86,7 @@ def test_help_and_doctor_work_and_doctor_lists_each_extra_as_missing(bare_python
 def test_doctor_lists_each_installed_extra_as_present() -> None:
     doctor = molt_wb(sys.executable, "doctor")
     # the test extra installs these (not vllm, bench)
-    for extra in ("lora", "mlflow", "plot", "tui", "tune", "docs"):
+    for extra in ("lora", "mlflow", "plot", "tui", "tune", "docs", "gguf"):
         assert f"{extra + ' extra':<12} present" in doctor.stdout.splitlines()
 
 
@@ -118,6 +118,19 @@ def test_a_feature_without_its_extra_is_refused_in_one_sentence_naming_it(
 ) -> None:
     result = molt_wb(bare_python, *args, cwd=tmp_path)
     assert result.returncode == 2
+    assert result.stderr == f"error: {sentence}\n"
+
+
+def test_a_pretrained_model_with_no_copy_held_is_refused_without_the_gguf_extra(
+    bare_python: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an empty model cache: the registry's GGUF would have to be converted
+    monkeypatch.setenv("MOLT_WB_CACHE", str(tmp_path / "cache"))
+    result = molt_wb(bare_python, "train", "+recipe=arith", "model=smollm2-135m", cwd=tmp_path)
+    assert result.returncode == 2
+    sentence = (
+        "model=smollm2-135m (converted from GGUF) needs the gguf extra: pip install -e '.[gguf]'."
+    )
     assert result.stderr == f"error: {sentence}\n"
 
 

@@ -22,6 +22,7 @@ from workbench.api import load_plugin
 from workbench.extras import missing, needs
 from workbench.invariants.version_gate import ANCHORS, DENOMINATORS, LEVELS, MODES
 from workbench.locate import absolute_plugin, hydra_search_path
+from workbench.models.pretrained import needs_conversion
 from workbench.models.tiny import TINY_SPECS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -43,9 +44,11 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     name: str = "tiny"
-    """Built-in tiny model built offline (workbench.models.tiny); used when `path` is unset."""
+    """Built-in model, used when `path` is unset: a tiny one built offline (workbench.models.tiny)
+    or a pretrained one (workbench.models.pretrained: smollm2-135m, from the hub or registry)."""
     path: str | None = None
-    """Local Hugging Face checkpoint folder of the policy; overrides `name`."""
+    """Local Hugging Face checkpoint folder of the policy, or a .gguf file (converted once);
+    overrides `name`."""
     dtype: str = "float32"
     """Torch dtype of rollout and learner weights."""
     warm_start_steps: int = 0
@@ -712,10 +715,11 @@ def _refuse_out_of_range(cfg):
 def _refuse_missing_files(cfg):
     """Files and folders the config names exist and are of the right kind."""
     algo = cfg.algo
+    gguf_file = str(cfg.model.path).endswith(".gguf") and Path(cfg.model.path).is_file()
     _refuse(
-        cfg.model.path and not Path(cfg.model.path, "config.json").exists(),
-        f"model.path={cfg.model.path} is not a Hugging Face checkpoint folder (no config.json): "
-        f"fix the path.",
+        cfg.model.path and not gguf_file and not Path(cfg.model.path, "config.json").exists(),
+        f"model.path={cfg.model.path} is neither a Hugging Face checkpoint folder (no config.json) "
+        f"nor a .gguf file: fix the path.",
     )
     # replay on a dense policy would do nothing while the run claims R3 (reads its config.json)
     _refuse(
@@ -750,6 +754,11 @@ def _refuse_missing_code(cfg):
     vllm = cfg.engine.name == "vllm"
     # each optional extra is imported only where its feature is on (workbench/extras.py)
     _refuse(lora and missing("lora"), needs(f"model.lora.rank={lora}", "lora"))
+    # a GGUF file or the registry's copy of a pretrained model converts with the gguf package
+    _refuse(
+        missing("gguf") and needs_conversion(cfg.model.name, cfg.model.path),
+        needs(f"model={cfg.model.path or cfg.model.name} (converted from GGUF)", "gguf"),
+    )
     mlflow = cfg.tracking.mlflow.enabled
     _refuse(mlflow and missing("mlflow"), needs("tracking.mlflow.enabled=true", "mlflow"))
     # a vLLM request keeps the LoRARequest it was added with; adapters on a sharded learner are

@@ -6,21 +6,22 @@ from pathlib import Path
 
 from workbench.algo.advantages import ADVANTAGES
 from workbench.api import load_plugin
-from workbench.models.tiny import tiny_model_path
+from workbench.models.pretrained import local_path, named_path
 from workbench.run.checkpoint import latest
 from workbench.run.progress import StartClock
 
 
 def policy_path(cfg, clock: StartClock | None = None):
-    """The checkpoint every actor loads: a resumed run's latest, model.path, or the tiny model
-    (warm-started if the recipe says so; the seconds of each on `clock`)."""
+    """The checkpoint every actor loads: a resumed run's latest, model.path (a .gguf file
+    converted once), or the built-in model `model.name` (warm-started if the recipe says so; the
+    seconds of each on `clock`)."""
     # a LoRA run resumes on its base: the checkpoint holds the adapter (models/lora.py); a run
     # resumed before its first checkpoint starts again from its first policy
     checkpoint = cfg.run.resume and latest(Path(cfg.run.root) / cfg.run.id)
     if checkpoint and not cfg.model.lora.rank:
         return str(checkpoint / "policy")
     if cfg.model.path:
-        return str(cfg.model.path)
+        return str(local_path(cfg.model.path))
     return warm_started(cfg, cfg.model.warm_start_steps, clock)
 
 
@@ -34,14 +35,15 @@ def teacher_path(cfg):
 
 
 def warm_started(cfg, steps, clock: StartClock | None = None):
-    """The tiny model `model.name` after `steps` warm-start steps on the plugin (0: as built); the
-    seconds of its build and its warm start on `clock` (each about 0 once cached)."""
+    """The built-in model `model.name` (tiny, or pretrained: models/pretrained.py) after `steps`
+    warm-start steps on the plugin (0: as built); the seconds of its build (or download) and its
+    warm start on `clock` (each about 0 once cached)."""
     # torch: imported only where a warm start may be built
     from workbench.run.sft import warm_started_path
 
     clock = clock or StartClock()
     with clock.timed("model_build"):
-        path = tiny_model_path(cfg.model.name)
+        path = named_path(cfg.model.name)
     if not steps:
         return str(path)
     plugin = load_plugin(cfg.agent.plugin, cfg.agent.env_kwargs)

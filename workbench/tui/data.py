@@ -12,7 +12,7 @@ from pathlib import Path
 
 import duckdb
 
-from workbench.models.tiny import tiny_model_path
+from workbench.models.pretrained import held_folder
 from workbench.store.nonfinite import FIRST_STEPS
 from workbench.store.query import resolve_run, run_row
 from workbench.store.schema import TABLES
@@ -251,7 +251,7 @@ class RunData:
         try:
             from tokenizers import Tokenizer
 
-            folder = self.model.get("path") or tiny_model_path(self.model.get("name", "tiny"))
+            folder = held_folder(self.model.get("name", "tiny"), self.model.get("path"))
             return Tokenizer.from_file(str(Path(folder, "tokenizer.json")))
         except Exception:
             # a model folder moved or gone: ids are still shown
