@@ -15,5 +15,9 @@ setup(
     + list(SHIPPED_FOLDERS)
     + CONFIG_GROUPS,
     package_dir=SHIPPED_FOLDERS,
-    package_data={name: ["*.yaml"] for name in ["workbench.conf", *CONFIG_GROUPS]},
+    # and the loopback server's request-field classification, beside its wires
+    package_data={
+        **{name: ["*.yaml"] for name in ["workbench.conf", *CONFIG_GROUPS]},
+        "workbench.server.wires": ["fields.toml"],
+    },
 )

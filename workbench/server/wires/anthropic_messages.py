@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from workbench.server.wires.base import (
-    ANY_STRING,
     ChatReply,
     ChatRequest,
     Wire,
@@ -29,15 +28,6 @@ from workbench.server.wires.base import (
     tool_message,
 )
 
-# fields accepted at the values that change nothing: (whether a value does, the values accepted)
-NO_OPS = {
-    "thinking": (lambda value: value == {"type": "disabled"}, '{"type": "disabled"}'),
-    "service_tier": ANY_STRING,
-}
-FIELDS = {
-    *"model messages max_tokens system temperature top_p stop_sequences stream".split(),
-    *"tools tool_choice metadata".split(),
-}
 STOP_REASONS = {"length": "max_tokens", "stop_sequence": "stop_sequence"}
 # a block streamed as generated: the reply's pieces it takes, and its delta type
 STREAMED = {"thinking": ("reasoning", "thinking_delta"), "text": ("content", "text_delta")}
@@ -48,9 +38,10 @@ class AnthropicMessages(Wire):
     path = "/v1/messages"
     base_url_key = "anthropic_base_url"
     base_url_suffix = ""
+    fields = "anthropic_messages"
 
     def decode(self, body: dict) -> ChatRequest:
-        refuse_unsupported(body, FIELDS, NO_OPS)
+        refuse_unsupported(body, self.fields)
         refuse_top_p(body)
         if not isinstance(body.get("max_tokens"), int):
             raise WireError("max_tokens: Field required (an integer).")

@@ -12,9 +12,11 @@ import base64
 import binascii
 import io
 import json
+import tomllib
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
 
 
@@ -96,6 +98,8 @@ class Wire(abc.ABC):
     # the session info's key for this wire's SDK base URL, and what follows /s/<session> in it
     base_url_key: str
     base_url_suffix: str
+    # its section of fields.toml: each request field supported, a no-op or refused
+    fields: str
 
     @abc.abstractmethod
     def decode(self, body: dict) -> ChatRequest:
@@ -265,37 +269,60 @@ def tool_call(call_id: Any, name: Any, arguments: Any, where: str) -> dict:
     return {"id": str(call_id), "name": str(name), "arguments": tool_arguments(arguments, where)}
 
 
-def refuse_unsupported(
-    body: dict, fields: set[str], no_ops: dict[str, tuple[Callable[[Any], bool], str]]
-) -> None:
-    """Refuse a body holding a field the wire lists neither in `fields` nor in `no_ops`, or a field
-    of `no_ops` at a value that changes something here: `no_ops` maps it to (whether a value
-    changes nothing, the values accepted)."""
-    allowed = fields | set(no_ops)
-    unknown = sorted(set(body) - allowed)
+# each wire's request fields, classified: supported, accepted as a no-op (at the values a rule
+# of fields.toml gives), or refused with a reason
+FIELDS = tomllib.loads(resources.files(__package__).joinpath("fields.toml").read_text())
+# a no-op rule naming a type: any value of it
+TYPES = {"a string": str, "true or false": bool, "an integer": int, "an object": dict}
+
+
+def changes_nothing(value: Any, rule: str | list | dict) -> bool:
+    """Whether a no-op field's value is one its rule accepts (null always is)."""
+    if value is None:
+        return True
+    if isinstance(rule, str):
+        # a bool is an int to Python, not to JSON
+        return isinstance(value, TYPES[rule]) and isinstance(value, bool) == (
+            rule == "true or false"
+        )
+    if isinstance(rule, dict):
+        return isinstance(value, dict) and all(
+            key in rule and changes_nothing(item, rule[key]) for key, item in value.items()
+        )
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in rule)
+
+
+def accepted(rule: str | list | dict) -> str:
+    """The values a no-op rule accepts, as a refusal names them."""
+    if isinstance(rule, str):
+        return rule
+    if isinstance(rule, dict):
+        return "{" + ", ".join(f'"{key}": {accepted(item)}' for key, item in rule.items()) + "}"
+    return " or ".join(json.dumps(value) for value in rule)
+
+
+def refuse_unsupported(body: dict, fields: str) -> None:
+    """Refuse a body holding a field the wire's `fields` section of fields.toml does not list, a
+    field it refuses, or a no-op field at a value that changes something here."""
+    classes = FIELDS[fields]
+    no_ops = classes["no_op"]
+    allowed = {*classes["supported"], *no_ops}
+    unknown = sorted(set(body) - allowed - set(classes["refused"]))
     if unknown:
         raise WireError(
             f"Unsupported field(s) {', '.join(unknown)}: this server samples exact token ids and "
             f"supports only {', '.join(sorted(allowed))}."
         )
-
-    for key, (changes_nothing, accepted) in no_ops.items():
-        if body.get(key) is not None and not changes_nothing(body[key]):
+    for key, reason in classes["refused"].items():
+        if body.get(key) is not None:
+            raise WireError(f"{key} is not supported: {reason}.")
+    for key, rule in no_ops.items():
+        if not changes_nothing(body.get(key), rule):
             shown = json.dumps(body[key])[:60]
             raise WireError(
                 f"{key}={shown} is not supported: this server samples the policy as it is, so "
-                f"only {accepted} (which changes nothing) is accepted."
+                f"only {accepted(rule)} (which changes nothing) is accepted."
             )
-
-
-def is_zero(value: Any) -> bool:
-    return not isinstance(value, bool) and value == 0
-
-
-# (whether a value changes nothing, the values accepted) of no-op fields several wires have: any
-# string (a hint the policy's template does not read), any boolean (the provider's bookkeeping)
-ANY_STRING = (lambda value: isinstance(value, str), "a string")
-ANY_BOOLEAN = (lambda value: isinstance(value, bool), "true or false")
 
 
 def refuse_top_p(body: dict) -> None:

@@ -7,15 +7,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from workbench.server.wires.base import (
-    ANY_BOOLEAN,
-    ANY_STRING,
     ChatReply,
     ChatRequest,
     Wire,
     WireError,
     chat_message,
     field_of,
-    is_zero,
     number,
     objects,
     openai_forced_tool,
@@ -26,22 +23,6 @@ from workbench.server.wires.base import (
     tool_call,
 )
 
-# fields accepted at the values that change nothing: (whether a value does, the values accepted);
-# reasoning_effort, verbosity and service_tier are hints the policy's template does not read
-NO_OPS = {
-    "frequency_penalty": (is_zero, "0"),
-    "presence_penalty": (is_zero, "0"),
-    "top_logprobs": (is_zero, "0 (the engine returns the sampled token's log-prob only)"),
-    "response_format": (lambda value: value == {"type": "text"}, '{"type": "text"}'),
-    "store": ANY_BOOLEAN,
-    "reasoning_effort": ANY_STRING,
-    "verbosity": ANY_STRING,
-    "service_tier": ANY_STRING,
-}
-FIELDS = {
-    *"model messages max_tokens max_completion_tokens temperature top_p stop n stream".split(),
-    *"stream_options tools tool_choice user seed metadata parallel_tool_calls logprobs".split(),
-}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # a streamed delta's key for each part of the reply
 DELTA_KEYS = {"reasoning": "reasoning_content", "content": "content"}
@@ -52,9 +33,10 @@ class OpenAIChat(Wire):
     path = "/v1/chat/completions"
     base_url_key = "openai_base_url"
     base_url_suffix = "/v1"
+    fields = "openai_chat"
 
     def decode(self, body: dict) -> ChatRequest:
-        refuse_unsupported(body, FIELDS, NO_OPS)
+        refuse_unsupported(body, self.fields)
         if not isinstance(body.get("logprobs", False), bool):
             raise WireError("'logprobs' must be true or false.")
         if body.get("n", 1) != 1:

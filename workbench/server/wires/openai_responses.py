@@ -17,15 +17,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Self
 
 from workbench.server.wires.base import (
-    ANY_BOOLEAN,
-    ANY_STRING,
     ChatReply,
     ChatRequest,
     Wire,
     WireError,
     chat_message,
     field_of,
-    is_zero,
     number,
     objects,
     openai_forced_tool,
@@ -36,39 +33,6 @@ from workbench.server.wires.base import (
     tool_message,
 )
 
-
-def _plain_text(value: Any) -> bool:
-    """`text` asking for plain text (its verbosity a hint the policy's template does not read)."""
-    return (
-        isinstance(value, dict)
-        and set(value) <= {"format", "verbosity"}
-        and value.get("format", {"type": "text"}) == {"type": "text"}
-    )
-
-
-# fields accepted at the values that change nothing: (whether a value does, the values accepted);
-# reasoning effort, service tier and the cache key are hints the policy's template does not read
-NO_OPS = {
-    "store": ANY_BOOLEAN,
-    "truncation": (lambda value: value == "disabled", '"disabled"'),
-    # a reasoning item this server returns holds its text: nothing is encrypted
-    "include": (
-        lambda value: value in ([], ["reasoning.encrypted_content"]),
-        '[] or ["reasoning.encrypted_content"]',
-    ),
-    "text": (_plain_text, '{"format": {"type": "text"}}'),
-    "reasoning": (
-        lambda value: isinstance(value, dict) and set(value) <= {"effort"},
-        '{"effort": ...}',
-    ),
-    "top_logprobs": (is_zero, "0"),
-    "service_tier": ANY_STRING,
-    "prompt_cache_key": ANY_STRING,
-}
-FIELDS = {
-    *"model input instructions max_output_tokens temperature top_p stream".split(),
-    *"tools tool_choice previous_response_id metadata parallel_tool_calls user".split(),
-}
 ROLES = ("user", "assistant", "system", "developer")
 
 
@@ -108,9 +72,10 @@ class OpenAIResponses(Wire):
     # the OpenAI SDK's base URL serves both of its wires
     base_url_key = "openai_base_url"
     base_url_suffix = "/v1"
+    fields = "openai_responses"
 
     def decode(self, body: dict) -> ResponsesRequest:
-        refuse_unsupported(body, FIELDS, NO_OPS)
+        refuse_unsupported(body, self.fields)
         refuse_top_p(body)
         previous = body.get("previous_response_id")
         if previous is not None and not isinstance(previous, str):
