@@ -28,6 +28,7 @@ from workbench.config import (
 from workbench.extras import EXTRAS, install, missing, needs
 from workbench.locate import where_found
 from workbench.models.tiny import cache_root
+from workbench.run import bundle_commands
 from workbench.run.faults import RunFailed
 from workbench.store.query import root_option
 
@@ -493,6 +494,11 @@ def doctor(root: str = ROOT):
             f"broken       {', '.join(broken)} do not import with this torch (CUDA builds pip "
             f"pulls in with vLLM); fix: pip uninstall -y {' '.join(TORCH_COMPANIONS)}"
         )
+
+
+# molt-wb bundle RUN STEP and molt-wb replay FILE (workbench/run/bundle_commands.py)
+app.command(cls=RunFolders)(bundle_commands.bundle)
+app.command()(bundle_commands.replay)
 
 
 app.command("plugins")(about.plugins)
