@@ -8,8 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from workbench.api import load_plugin
+from workbench.cli import app
+from workbench.config import ConfigError, compose_config
 from workbench.tools import jail
 from workbench.tools.sandbox import (
     SandboxResult,
@@ -223,20 +226,43 @@ def test_without_a_warm_pool_each_call_starts_its_own_jail():
     assert isolation_in_use() == "jail"
 
 
-def test_a_host_without_bwrap_is_refused_with_the_fix(monkeypatch, tmp_path):
-    # no bwrap on PATH: the jail cannot be set up, and nothing runs in its place
+@pytest.fixture
+def no_bwrap(monkeypatch, tmp_path):
+    """A PATH without bwrap: the jail cannot be set up."""
     monkeypatch.setenv("PATH", str(tmp_path))
     jail.unavailable.cache_clear()
-    try:
-        with pytest.raises(SandboxUnavailable, match="apt-get install -y bubblewrap"):
-            run_python("print(1)", isolation="jail")
-        with pytest.raises(SandboxUnavailable, match="sandbox.isolation=process"):
-            run_python("print(1)", isolation="jail")
-    finally:
-        monkeypatch.undo()
-        jail.unavailable.cache_clear()
+    yield
+    monkeypatch.undo()
+    jail.unavailable.cache_clear()
+
+
+def test_a_host_without_bwrap_is_refused_with_the_fix(no_bwrap):
+    # nothing runs in the jail's place
+    with pytest.raises(SandboxUnavailable, match="apt-get install -y bubblewrap"):
+        run_python("print(1)", isolation="jail")
+    with pytest.raises(SandboxUnavailable, match="sandbox.isolation=process"):
+        run_python("print(1)", isolation="jail")
     with pytest.raises(ValueError, match="sandbox.isolation=vm is unknown: use jail or process."):
         use_isolation("vm")
+
+
+def test_a_recipe_running_model_code_is_refused_at_start_up_without_the_jail(no_bwrap):
+    refusal = "Plugin code runs model-written code, but the sandbox's jail needs bwrap"
+    with pytest.raises(ConfigError, match=refusal):
+        compose_config(["+recipe=code"])
+    # accepted knowingly, and a recipe that runs no model code needs no jail
+    assert compose_config(["+recipe=code", "sandbox.isolation=process"]).sandbox.warm == 2
+    assert compose_config(["+recipe=math"]).sandbox.isolation == "jail"
+    with pytest.raises(ConfigError, match="sandbox.isolation=vm is unknown: use jail or process."):
+        compose_config(["sandbox.isolation=vm"])
+    doctor = CliRunner().invoke(app, ["doctor"])
+    assert "isolation    process limits only: the sandbox's jail needs bwrap" in doctor.output
+
+
+@needs_jail
+def test_doctor_says_the_jail_is_in_use():
+    doctor = CliRunner().invoke(app, ["doctor"])
+    assert "isolation    jail (bubblewrap" in doctor.output, doctor.output
 
 
 def test_the_plugins_that_run_model_code_are_known():

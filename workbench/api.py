@@ -25,7 +25,7 @@ from workbench.locate import PLUGIN_PACKAGE, load_plugin, shipped_folder
 
 # Tools and graders for plugins, re-exported so that plugins import only this module.
 from workbench.tools.grading import extract_answer, format_ok, geo3k_reward, grade, is_equivalent
-from workbench.tools.sandbox import SandboxResult, run_python
+from workbench.tools.sandbox import SandboxResult, run_python, use_isolation
 
 __all__ = [
     "PLUGIN_DIR",
@@ -41,6 +41,7 @@ __all__ = [
     "is_equivalent",
     "load_plugin",
     "run_python",
+    "use_isolation",
 ]
 
 # the shipped plugins: the repository's plugins/, installed as the package workbench.plugins

@@ -31,6 +31,7 @@ from workbench.models.tiny import cache_root
 from workbench.run import bundle_commands
 from workbench.run.faults import RunFailed
 from workbench.store.query import root_option
+from workbench.tools import jail
 
 app = typer.Typer(
     add_completion=False,
@@ -481,6 +482,8 @@ def doctor(root: str = ROOT):
         f"runs         {os.path.abspath(root)}\n"
         f"model cache  {cache_root()}"
     )
+    # where model-written code runs: the jail, or process limits only and why (docs/sandbox.md)
+    typer.echo(f"isolation    {jail.describe()}")
     # where this install found its configs and plugins (workbench/locate.py)
     for what, where in where_found().items():
         typer.echo(f"{what:<12} {where}")

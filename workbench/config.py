@@ -24,6 +24,8 @@ from workbench.invariants.version_gate import ANCHORS, DENOMINATORS, LEVELS, MOD
 from workbench.locate import absolute_plugin, hydra_search_path
 from workbench.models.pretrained import needs_conversion
 from workbench.models.tiny import TINY_SPECS
+from workbench.tools import jail
+from workbench.tools.sandbox import ISOLATIONS, runs_model_code
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -363,6 +365,18 @@ class SweepConfig:
 
 
 @dataclass
+class SandboxConfig:
+    isolation: str = "jail"
+    """Where model-written code runs: jail (bubblewrap as an unprivileged uid: no network, nothing
+    of the host readable but /usr, one work folder; a plugin running model code is refused where it
+    cannot be set up) | process (process limits only, the code can read and write the host's files:
+    for hosts without bubblewrap, chosen knowingly). docs/sandbox.md."""
+    warm: int = 2
+    """Jails each rollout worker starts ahead, each running one program and then replaced (a call
+    skips the jail's start-up); 0 = each call starts its own."""
+
+
+@dataclass
 class Config:
     seed: int = 0
     """Seed of data order, sampling and initialisation."""
@@ -381,6 +395,7 @@ class Config:
     ray: RayConfig = field(default_factory=RayConfig)
     run: RunConfig = field(default_factory=RunConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
 class ConfigError(ValueError):
@@ -637,6 +652,10 @@ def _refuse_unknown_names(cfg):
         cfg.tracking.wandb.mode in ("offline", "online", "disabled"),
         "tracking.wandb.mode must be offline, online or disabled.",
     )
+    _need(
+        cfg.sandbox.isolation in ISOLATIONS,
+        f"sandbox.isolation={cfg.sandbox.isolation} is unknown: use jail or process.",
+    )
 
 
 def _refuse_out_of_range(cfg):
@@ -658,6 +677,7 @@ def _refuse_out_of_range(cfg):
     )
     _need(0 <= algo.turn_discount <= 1, "algo.turn_discount must be between 0 and 1.")
     _need(cfg.sweep.parallel >= 1, "sweep.parallel must be at least 1.")
+    _need(cfg.sandbox.warm >= 0, "sandbox.warm must be 0 or more.")
     _need(
         trainer.steps >= 1 and trainer.prompts_per_step >= 1,
         "trainer.steps and trainer.prompts_per_step must be at least 1.",
@@ -802,4 +822,11 @@ def _refuse_missing_code(cfg):
         and not hasattr(getattr(plugin, "WARM_START_AS", plugin), "warm_start"),
         f"model.warm_start_steps is set but plugin {cfg.agent.plugin} has no warm_start(sample, "
         f"rng): set it to 0.",
+    )
+    # policy-written code is optimised to raise its reward, by tampering with the grader, the run
+    # or the checkout if it can: without the jail it runs as this user with the host's files
+    unjailed = cfg.sandbox.isolation == "jail" and runs_model_code(plugin) and jail.unavailable()
+    _refuse(
+        unjailed,
+        f"Plugin {cfg.agent.plugin} runs model-written code, but {unjailed}",
     )

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from workbench.api import ChatAgent, ChatContext, Env, Result, load_plugin
+from workbench.api import ChatAgent, ChatContext, Env, Result, load_plugin, use_isolation
 from workbench.engines import make_engine
 from workbench.engines.base import SamplingParams, derived_seed, from_wire
 from workbench.invariants.token_identity import (
@@ -73,6 +73,8 @@ class RolloutWorker:
         self.history_rewrite = cfg.agent.history_rewrite
         self.worker_index = worker_index
         self.seed = cfg.seed * 1000 + worker_index
+        # the policy's code runs in this process's sandbox as the run's config says
+        use_isolation(cfg.sandbox.isolation, cfg.sandbox.warm)
         self.engine = make_engine(cfg, model_path, seed=self.seed)
         set_threads(cfg, getattr(self.engine, "model", None))
         # one rollout at a time; weight pushes arrive on another thread

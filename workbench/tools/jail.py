@@ -121,13 +121,14 @@ def exit_code(status: int) -> int:
 
 @functools.cache
 def unavailable() -> str | None:
-    """None when this host can set up the jail; else one sentence saying why and what to do."""
+    """None when this host can set up the jail; else why not and what to do, as a clause that
+    continues a sentence (`Cannot run model code: ...`)."""
     if shutil.which("bwrap") is None:
-        return f"The sandbox's jail needs bwrap (bubblewrap), which is not on PATH: {INSTALL_HINT}."
+        return f"the sandbox's jail needs bwrap (bubblewrap), which is not on PATH: {INSTALL_HINT}."
     python = interpreter()
     if python is None:
         return (
-            "The sandbox's jail runs the OS's Python 3 (/usr/bin/python3), which is missing: "
+            "the sandbox's jail runs the OS's Python 3 (/usr/bin/python3), which is missing: "
             "install python3 with the OS's package manager, or set sandbox.isolation=process."
         )
     probe = subprocess.run(
@@ -215,3 +216,13 @@ class Pool:
         if started is not None:
             started.close()
         return start(self.argv, self.work_mb)
+
+
+def describe() -> str:
+    """What `molt-wb doctor` says of how this host isolates model-written code."""
+    reason = unavailable()
+    if reason:
+        return f"process limits only: {reason}"
+    version = subprocess.run(["bwrap", "--version"], capture_output=True, text=True).stdout
+    who = "nobody" if os.geteuid() == 0 else "this user"
+    return f"jail ({version.strip()}; model code runs as {who}, no network, sees /usr only)"

@@ -237,7 +237,7 @@ def run_python(
     isolation = isolation or isolation_in_use()
     jailed = isolation == "jail"
     if jailed and jail.unavailable():
-        raise SandboxUnavailable(jail.unavailable())
+        raise SandboxUnavailable(f"Cannot run model code: {jail.unavailable()}")
     limits = " ".join(_limits(timeout_s, memory_mb, output_limit, jailed))
     started = _take_jail() if jailed else _start_process()
     process = started.process
