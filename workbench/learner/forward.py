@@ -10,11 +10,11 @@ import contextlib
 
 import torch
 
-from workbench.algo.losses import token_logprobs_entropy
 from workbench.config import TrainerConfig
 from workbench.invariants.routing_replay import replay_routes
 from workbench.learner.batch import TokenLogprobs, TrainBatch, rows_of
 from workbench.learner.sharding import Ranks
+from workbench.models.heads import forward_logprobs_entropy
 from workbench.models.multimodal import ImageCodec, forward_inputs
 from workbench.models.packing import microbatches, pack_like, packed_logprobs, unpack
 from workbench.models.prefix import plan, shared_prefix_logprobs
@@ -177,8 +177,8 @@ class PolicyForward:
                         return logprob.cpu(), None, stats
                     return logprob[0].cpu(), logprob[1].cpu(), stats
             inputs = forward_inputs(model, ids, mask, train_batch.images, self.codec)
-            logprob, entropies = token_logprobs_entropy(
-                model(**inputs).logits, ids, self.temperature, entropy, self.entropy_grad
+            logprob, entropies = forward_logprobs_entropy(
+                model, inputs, ids, self.temperature, entropy, self.entropy_grad
             )
         if entropies is not None:
             entropies = entropies.cpu()

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from workbench.algo.losses import token_logprobs_entropy
+from workbench.models.heads import forward_logprobs_entropy
 
 
 def microbatches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -81,10 +81,10 @@ def packed_logprobs(
     positions = pack_like(mask.cumsum(-1) - 1, mask)
     packed_ids = pack_like(ids, mask)
     # no attention_mask and no cache: either one turns transformers' boundary detection off
-    logits = model(input_ids=packed_ids, position_ids=positions, use_cache=False).logits
+    inputs = dict(input_ids=packed_ids, position_ids=positions, use_cache=False)
     # [1, tokens]; a sequence's first token would read the previous sequence's last logits
-    logprob, entropies = token_logprobs_entropy(
-        logits, packed_ids, temperature, entropy, entropy_grad
+    logprob, entropies = forward_logprobs_entropy(
+        model, inputs, packed_ids, temperature, entropy, entropy_grad
     )
     logprob = unpack(logprob.where(positions > 0, 0.0), mask)
     if not entropy:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from workbench.algo.losses import logits_entropy, token_logprobs_entropy
+from workbench.models.heads import deferred, row_logprobs
 
 if TYPE_CHECKING:
     from transformers import Cache
@@ -131,24 +131,13 @@ def _packed(
     dtype = next(model.parameters()).dtype
     # [groups, 1, q, k]
     bias = torch.zeros(sees.shape, dtype=dtype).masked_fill(~sees, torch.finfo(dtype).min)[:, None]
-    logits = (
+    with deferred(model) as hidden:
         model(input_ids=ids, attention_mask=bias, position_ids=positions, use_cache=False)
-        .logits.flatten(0, 1)
-        .float()
-    )
-    if temperature != 1.0:
-        logits = logits / temperature
-    # the slot whose logits predict each next id
+    # [batch, seq - 1] the slot whose logits predict each next id
     source = slot[:, :-1].clamp(max=spare - 1)
-    normaliser = torch.logsumexp(logits, dim=-1)  # [slots]
-    # [batch, seq - 1]
-    picked = logits[source, token_ids[:, 1:]] - normaliser[source]
-    first = torch.zeros_like(picked[:, :1])
-    logprob = torch.cat([first, picked], dim=1)
-    if not entropy:
-        return logprob
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        return logprob, torch.cat([first, logits_entropy(logits, normaliser)[source]], dim=1)
+    options = (temperature, entropy, entropy_grad)
+    logprob, entropies = row_logprobs(model, hidden[0].flatten(0, 1), source, token_ids, *options)
+    return (logprob, entropies) if entropy else logprob
 
 
 def _cached(
@@ -169,50 +158,45 @@ def _cached(
     # [groups, prefix], right-padded
     prefix_mask = (torch.arange(longest)[None] < prefix_len[:, None]).long()
     prefix_ids = token_ids[first_rows, :longest] * prefix_mask
-    out = model(
-        input_ids=prefix_ids,
-        attention_mask=prefix_mask,
-        position_ids=torch.arange(longest)[None].expand_as(prefix_ids),
-        use_cache=True,
+    with deferred(model) as hidden:
+        out = model(
+            input_ids=prefix_ids,
+            attention_mask=prefix_mask,
+            position_ids=torch.arange(longest)[None].expand_as(prefix_ids),
+            use_cache=True,
+        )
+        cache = output_cache(out)
+        # each row reads its group's prefix keys and values
+        cache.batch_select_indices(group_of)
+        steps = torch.arange(int((lengths - own).max()))[None]  # [1, suffix]
+        suffix_mask = (steps < (lengths - own)[:, None]).long()  # [batch, suffix]
+        suffix_ids = (
+            token_ids.gather(1, (own[:, None] + steps).clamp(max=token_ids.shape[1] - 1))
+            * suffix_mask
+        )
+        model(
+            input_ids=suffix_ids,
+            attention_mask=torch.cat([prefix_mask[group_of], suffix_mask], dim=1),
+            position_ids=own[:, None] + steps,
+            use_cache=True,
+            **cache_input(model, cache),
+        )
+    # slots: the prefixes' positions [groups * prefix], then the rows' own [batch * suffix]; a
+    # row's token t is predicted by its group's position t - 1 up to its first own token (the last
+    # prefix position predicts it), then by its own position t - own - 1
+    t = torch.arange(1, token_ids.shape[1])[None]  # [1, seq - 1]
+    width = suffix_ids.shape[1]
+    in_prefix = group_of[:, None] * longest + t - 1
+    in_suffix = (
+        prefix_ids.numel()
+        + torch.arange(len(token_ids))[:, None] * width
+        + (t - own[:, None] - 1).clamp(max=width - 1)
     )
-    cache = output_cache(out)
-    # each row reads its group's prefix keys and values
-    cache.batch_select_indices(group_of)
-    steps = torch.arange(int((lengths - own).max()))[None]  # [1, suffix]
-    suffix_mask = (steps < (lengths - own)[:, None]).long()  # [batch, suffix]
-    suffix_ids = (
-        token_ids.gather(1, (own[:, None] + steps).clamp(max=token_ids.shape[1] - 1)) * suffix_mask
-    )
-    suffix = model(
-        input_ids=suffix_ids,
-        attention_mask=torch.cat([prefix_mask[group_of], suffix_mask], dim=1),
-        position_ids=own[:, None] + steps,
-        use_cache=True,
-        **cache_input(model, cache),
-    ).logits
-    # a row's first own token is predicted by its group's last prefix position; the rest by its
-    # suffix
-    last = out.logits[torch.arange(len(prefix_len)), prefix_len - 1][group_of]  # [batch, vocab]
+    source = torch.where(t <= own[:, None], in_prefix, in_suffix)  # [batch, seq - 1]
+    slots = torch.cat([hidden[0].flatten(0, 1), hidden[1].flatten(0, 1)])
     options = (temperature, entropy, entropy_grad)
-    # (log-probs, entropies) of each piece; the head as position 1 of the pair [last, last]
-    prefix = token_logprobs_entropy(out.logits, prefix_ids, *options)
-    head = token_logprobs_entropy(
-        last[:, None].expand(-1, 2, -1), suffix_ids[:, :1].expand(-1, 2), *options
-    )
-    rest = token_logprobs_entropy(suffix, suffix_ids, *options)
-    t = torch.arange(token_ids.shape[1])[None]
-    suffix_column = (longest + t - own[:, None]).clamp(max=longest + suffix_ids.shape[1] - 1)
-    order = torch.where(t < own[:, None], t, suffix_column)  # [batch, seq]
-
-    def arranged(part: int) -> torch.Tensor:
-        """[batch, seq]: piece `part` (0: log-probs, 1: entropies) of prefix, head and own
-        tokens, in each row's order."""
-        joined = torch.cat([prefix[part][group_of], head[part][:, 1:], rest[part][:, 1:]], dim=1)
-        return joined.gather(1, order)
-
-    if not entropy:
-        return arranged(0)
-    return arranged(0), arranged(1)
+    logprob, entropies = row_logprobs(model, slots, source, token_ids, *options)
+    return (logprob, entropies) if entropy else logprob
 
 
 def output_cache(out: ModelOutput) -> Cache:
