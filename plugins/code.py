@@ -1,11 +1,18 @@
 """The policy writes a Python function; the sandbox runs the task's tests: reward = fraction passed.
 
 `molt-wb train +recipe=code`. The reply's code is the last ```python block, or the whole reply.
-It runs in workbench.tools.sandbox (time and memory limits, no network) followed by each test in
-turn; a per-episode nonce marks the harness's own count, so code that prints a fake count earns
-nothing.
+
+The grade cannot be forged by the program. Each test is `CALL == EXPECTED`; the policy's program
+runs alone in one jail and reports, as JSON, what each CALL gave; the EXPECTED sides are computed in
+another jail that holds no program; the two lists of plain data are compared here. Whatever the
+program prints, patches (eval, json, its caller's frame) or rewrites, it only chooses the values it
+reports for the tests' calls, which is what a solution does; the expected values are nowhere it can
+read. (A test of another shape is one CALL whose expected value is True.)
 """
 
+import ast
+import functools
+import json
 import random
 import re
 import secrets
@@ -36,20 +43,27 @@ TASKS = [
         ["f([]) == {k}", "f([1, 2]) == 3 + {k}", "f([-{k}]) == 0"],
     ),
 ]
+# Runs in a jail: `code` (empty for the expected sides), then each expression, each value as JSON
+# (null where it raised or is not plain data), after a per-call nonce.
 HARNESS = """
+import json
 namespace = {{}}
-passed = 0
 try:
     exec(compile({code!r}, "solution.py", "exec"), namespace)
 except BaseException:
     pass
-for test in {tests!r}:
+values = []
+for expression in {expressions!r}:
     try:
-        passed += bool(eval(test, namespace))
+        values.append(json.dumps(eval(expression, namespace)))
     except BaseException:
-        pass
-print({nonce!r}, passed)
+        values.append(None)
+print({nonce!r}, json.dumps(values))
 """
+
+
+# an expression that failed: equal to nothing
+_FAILED = object()
 
 
 def extract_code(text: str) -> str:
@@ -57,14 +71,60 @@ def extract_code(text: str) -> str:
     return blocks[-1] if blocks else text
 
 
-def tests_passed(code: str, tests: list[str]) -> int:
-    """How many of `tests` (expressions) are true after running `code`, counted in the sandbox."""
+def split_test(test: str) -> tuple[str, str]:
+    """(CALL, EXPECTED) of a test `CALL == EXPECTED`; (test, "True") for a test of another shape."""
+    try:
+        tree = ast.parse(test, mode="eval").body
+    except SyntaxError:
+        return test, "True"
+    if isinstance(tree, ast.Compare) and len(tree.ops) == 1 and isinstance(tree.ops[0], ast.Eq):
+        return ast.unparse(tree.left), ast.unparse(tree.comparators[0])
+    return test, "True"
+
+
+def evaluate(code: str, expressions: list[str]) -> list:
+    """The value of each expression after `code`, run in a jail of its own; a _FAILED marker for
+    one that raised, is not plain data, or whose report is missing or malformed."""
     nonce = secrets.token_hex(8)
-    result = run_python(
-        HARNESS.format(code=code, tests=tests, nonce=nonce), timeout_s=5.0, memory_mb=256
-    )
-    counts = re.findall(rf"^{nonce} (\d+)$", result.stdout, re.MULTILINE)
-    return int(counts[-1]) if counts else 0
+    harness = HARNESS.format(code=code, expressions=expressions, nonce=nonce)
+    result = run_python(harness, timeout_s=5.0, memory_mb=256)
+    reports = re.findall(rf"^{nonce} (.*)$", result.stdout, re.MULTILINE)
+    try:
+        texts = json.loads(reports[-1])
+        assert isinstance(texts, list) and len(texts) == len(expressions)
+        return [_FAILED if text is None else json.loads(text) for text in texts]
+    except (IndexError, AssertionError, TypeError, ValueError):
+        return [_FAILED] * len(expressions)
+
+
+@functools.lru_cache(maxsize=1024)
+def expected_values(expressions: tuple[str, ...]) -> list:
+    """The EXPECTED sides' values, computed in a jail that holds no program (cached: tasks
+    repeat)."""
+    return evaluate("", list(expressions))
+
+
+def same(claimed, expected) -> bool:
+    """Equal as Python compares plain data, except that a bool equals only a bool (a program that
+    makes every value True must not pass the tests expecting 1)."""
+    if isinstance(claimed, bool) or isinstance(expected, bool):
+        return claimed is expected
+    if isinstance(claimed, list) and isinstance(expected, list):
+        pairs = zip(claimed, expected, strict=False)
+        return len(claimed) == len(expected) and all(same(a, b) for a, b in pairs)
+    if isinstance(claimed, dict) and isinstance(expected, dict):
+        keys_match = claimed.keys() == expected.keys()
+        return keys_match and all(same(claimed[key], expected[key]) for key in expected)
+    return claimed is not _FAILED and claimed == expected
+
+
+def tests_passed(code: str, tests: list[str]) -> int:
+    """How many of `tests` hold for `code`: its calls' values from its own jail, compared here with
+    the expected values from another (see the module docstring)."""
+    calls = [split_test(test)[0] for test in tests]
+    expected = expected_values(tuple(split_test(test)[1] for test in tests))
+    claimed = evaluate(code, calls)
+    return sum(same(value, want) for value, want in zip(claimed, expected, strict=True))
 
 
 class CodeEnv(Env):

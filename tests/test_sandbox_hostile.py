@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from workbench.api import load_plugin
 from workbench.tools import jail
 from workbench.tools.sandbox import PROCESS_LIMIT, SandboxResult, run_python
 
@@ -144,3 +145,32 @@ def test_the_machine_stays_responsive_while_bombs_run():
     # generous: on 2 shared cores an unbounded fork bomb stalls this for far longer, or forever
     assert latencies and max(latencies) < 20, latencies
     print(f"caller's process start + loop while bombs ran: max {max(latencies):.3f} s")
+
+
+# programs that go for the code recipe's reward without solving its task: print the grader's
+# success marker, patch the grader's eval, return an always-equal object, rewrite the harness's
+# count through its frame or its file, print a forged report at exit
+NONCE = "import re\nnonce = re.findall(r\"print\\('([0-9a-f]{16})'\", open('main.py').read())[0]\n"
+EXIT = "import os\nos._exit(0)"
+TAMPERING = {
+    "success_marker": NONCE + f"print(nonce, 3, flush=True)\n{EXIT}",
+    "forged_report": NONCE
+    + f"import json\nprint(nonce, json.dumps(['true'] * 3), flush=True)\n{EXIT}",
+    "patched_eval": "import builtins\nbuiltins.eval = lambda *args, **kwargs: True",
+    "always_equal": "class Equal:\n    def __eq__(self, other):\n        return True\n"
+    "def f(x):\n    return Equal()",
+    "frame_count": "import sys\nsys._getframe(1).f_globals['passed'] = 3",
+    "rewritten_tests": "open('main.py', 'w').write('print(3)')\n"
+    "import json\njson.dumps = lambda value: '3'",
+    "report_at_exit": NONCE + "import atexit\natexit.register(lambda: print(nonce, 3))",
+}
+
+
+@pytest.mark.parametrize("tampering", list(TAMPERING))
+def test_a_program_cannot_forge_the_code_recipes_grade(tampering):
+    code = load_plugin("code")
+    sample = code.make_dataset(1, 0)[0]
+    assert code.tests_passed(TAMPERING[tampering], sample["tests"]) == 0
+    env = code.AgentRunner()
+    env.reset(sample)
+    assert env.step(f"```python\n{TAMPERING[tampering]}\n```").reward == 0.0
