@@ -122,6 +122,13 @@ def train(ctx: typer.Context, config_dir: list[str] = CONFIG_DIR, root: str | No
     from workbench.run import cluster, loop, run_folder, summary
 
     parallel = configs[0].sweep.parallel if multirun else 1
+    # the policy's template checked once per (model, history_rewrite): rendering only, no forward
+    from workbench.run.preflight import startup_warnings
+
+    policies = {(c.model.path or c.model.name, c.agent.history_rewrite) for c in configs}
+    for model, mode in sorted(policies):
+        for sentence in startup_warnings(model, mode):
+            typer.secho(f"warning: {sentence}", fg="yellow", err=True)
     if multirun:
         # once, sized for the largest job (times sweep.parallel)
         try:
@@ -456,6 +463,30 @@ def inspect(
     with user_errors():
         run_id = run_id and resolve_run(run_id, root).name
     InspectApp(root, run_id, sweep, poll).run()
+
+
+@app.command("check-template")
+def check_template(
+    model: str = typer.Argument(
+        ..., help="A checkpoint folder, a .gguf file or a built-in model's name (tiny, ...)."
+    ),
+):
+    """Drive MODEL's own chat template and response parser through the cases that break token
+    identity (multi-turn prefixes, dropped reasoning, tool-call round trips, whitespace, stop
+    strings, a default system prompt) under both agent.history_rewrite modes, and recommend one.
+    Renders and parses only: no weights are loaded. Exits 1 when a case fails under the
+    recommended mode."""
+    from workbench.run.preflight import check, load_tokenizer
+
+    with user_errors():
+        report = check(load_tokenizer(model))
+    table = Table("case", "seal", "bridge", "what happened")
+    for case, seal, bridge, detail in report.rows():
+        table.add_row(case, seal, bridge, detail)
+    console().print(table)
+    typer.echo(report.advice())
+    if report.failing(report.recommended):
+        raise typer.Exit(1)
 
 
 @app.command()

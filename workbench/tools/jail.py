@@ -204,7 +204,22 @@ class Pool:
                     self.wanted.wait()
             started = start(self.argv, self.work_mb)
             with self.wanted:
+                full = len(self.ready) >= self.size
                 self.ready.append(started)
+            # closed meanwhile: this one is not wanted either
+            if full:
+                self.close()
+
+    def close(self) -> None:
+        """Stop refilling, and end the jails still waiting."""
+        with self.wanted:
+            self.size = 0
+            waiting = list(self.ready)
+            self.ready.clear()
+        for started in waiting:
+            started.process.kill()
+            started.process.wait()
+            started.close()
 
     def take(self) -> Started:
         """A ready jail, or one started now when none is (or the ready one has died)."""

@@ -132,6 +132,9 @@ def _take_jail() -> jail.Started:
         return jail.start(_jail_argv(), DISK_MB)
     pool = _pools.get(os.getpid())
     if pool is None or pool.size != _settings["warm"]:
+        # a new size: the old pool's jails end
+        if pool is not None:
+            pool.close()
         pool = jail.Pool(_jail_argv(), DISK_MB, _settings["warm"])
         _pools[os.getpid()] = pool
     return pool.take()
