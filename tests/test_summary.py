@@ -168,3 +168,23 @@ def test_runs_refuses_an_unknown_run_in_one_sentence(run):
     root, _ = run
     result = molt_wb("runs", "nope", "--root", root)
     assert result.returncode == 2 and "No run 'nope'" in result.stderr
+
+
+@pytest.mark.slow
+def test_the_summary_names_the_runs_peak_memory_over_ray_processes(run):
+    root, _ = run
+    db = open_run("summed", root)
+    peaks = [
+        value
+        for (value,) in db.execute(
+            "select value from metrics where key = 'memory/pss_peak_bytes' order by step"
+        ).fetchall()
+    ]
+    # sampled at every step; a peak so far only grows
+    assert len(peaks) == 6 and peaks == sorted(peaks) and peaks[0] > 0
+    processes = db.execute("select max(value) from metrics where key = 'memory/processes'")
+    # the driver, Ray's GCS and raylet, the store, the learner and a rollout worker at least
+    count = processes.fetchone()[0]
+    assert count >= 5
+    line = f"memory     peak PSS {peaks[-1] / 1e9:.1f} GB (driver + {count - 1:.0f} processes"
+    assert line in render(figures("summed", root), root)

@@ -1,5 +1,6 @@
 """What a run shows while it works: progress of its long pieces of work (model build, warm start,
-RL steps) and the step clock's `perf/` metrics; a new phase timing or progress field changes here.
+RL steps) and the step clock's `perf/` and `memory/` metrics; a new phase timing or progress field
+changes here.
 
 Each logged step's metrics also go to the callables in `WATCHERS`, in the driver's process, before
 the next step is logged: `molt-wb tune`'s pruner judges a trial there (tune.py).
@@ -20,6 +21,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.progress import Progress as Bar
+
+from workbench.run.memory import MemoryPeak
 
 # called with each logged step's metrics; one that raises KeyboardInterrupt stops the run as Ctrl-C
 WATCHERS: list[Callable[[dict], None]] = []
@@ -62,6 +65,8 @@ class StepClock:
 
     def __init__(self):
         self.end = time.perf_counter()
+        # the run's peak memory, sampled as each step's metrics arrive (memory.py)
+        self.memory = MemoryPeak()
 
     def timed(self, phases: dict, phase: str) -> contextlib.AbstractContextManager:
         """The seconds its block takes, added to `phases[phase]`."""
@@ -74,7 +79,7 @@ class StepClock:
         perf = {f"perf/{phase}_s": seconds for phase, seconds in phases.items()}
         perf["perf/step_s"] = total
         perf["perf/tokens_per_s"] = metrics.get("rollout/sampled_tokens", 0) / max(total, 1e-9)
-        return dict(metrics, **perf)
+        return dict(metrics, **perf, **self.memory.sample())
 
 
 class Task(contextlib.AbstractContextManager):

@@ -5,6 +5,7 @@ curve, the three invariants' figures and where the time went, read back from the
 import time
 from collections import defaultdict
 
+from workbench.run.memory import summary_line
 from workbench.store import nonfinite
 from workbench.store.query import REWARD_CURVE, open_run, resolve_run, root_option, run_row
 
@@ -30,16 +31,18 @@ def figures(run_id, root="runs"):
     # a metric a run never logged reads 0
     sums = defaultdict(float)
     means = defaultdict(float)
+    maxima = defaultdict(float)
     nonfinite_rows = []
     # a run stopped before its first step has no metrics yet
     if (folder / "metrics").is_dir():
         db = open_run(folder.name, root)
         rewards = db.execute(REWARD_CURVE).fetchall()
-        for key, total, mean in db.execute(
-            "select key, sum(value), avg(value) from metrics group by key"
+        for key, total, mean, most in db.execute(
+            "select key, sum(value), avg(value), max(value) from metrics group by key"
         ).fetchall():
             sums[key] = total
             means[key] = mean
+            maxima[key] = most
         nonfinite_rows = db.execute(nonfinite.FIRST_STEPS).fetchall()
     wall = run.get("updated", time.time()) - run["created"]
     return dict(
@@ -48,6 +51,7 @@ def figures(run_id, root="runs"):
         rewards=rewards,
         sums=sums,
         means=means,
+        maxima=maxima,
         wall_s=wall,
         nonfinite=nonfinite_rows,
     )
@@ -97,6 +101,11 @@ def render(numbers, root="runs"):
             f"KL with replay {means['mismatch/kl_replay']:.2e}, "
             f"without {means['mismatch/kl_no_replay']:.2e}"
         )
+    maxima = numbers.get("maxima", {})
+    memory = summary_line(
+        maxima.get("memory/pss_peak_bytes", 0), maxima.get("memory/processes", 0)
+    )
+    lines += [memory] if memory else []
     spent = {}
     for key, name in PHASES.items():
         seconds = sums[f"perf/{key}_s"]
