@@ -102,9 +102,7 @@ def render(numbers, root="runs"):
             f"without {means['mismatch/kl_no_replay']:.2e}"
         )
     maxima = numbers.get("maxima", {})
-    memory = summary_line(
-        maxima.get("memory/pss_peak_bytes", 0), maxima.get("memory/processes", 0)
-    )
+    memory = summary_line(maxima.get("memory/pss_peak_bytes", 0), maxima.get("memory/processes", 0))
     lines += [memory] if memory else []
     spent = {}
     for key, name in PHASES.items():
