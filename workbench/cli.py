@@ -28,7 +28,7 @@ from workbench.config import (
 from workbench.extras import EXTRAS, install, missing, needs
 from workbench.locate import where_found
 from workbench.models.tiny import cache_root
-from workbench.run import bundle_commands
+from workbench.run import bundle_commands, check_template
 from workbench.run.faults import RunFailed
 from workbench.store.query import root_option
 from workbench.tools import jail
@@ -123,12 +123,7 @@ def train(ctx: typer.Context, config_dir: list[str] = CONFIG_DIR, root: str | No
 
     parallel = configs[0].sweep.parallel if multirun else 1
     # the policy's template checked once per (model, history_rewrite): rendering only, no forward
-    from workbench.run.preflight import startup_warnings
-
-    policies = {(c.model.path or c.model.name, c.agent.history_rewrite) for c in configs}
-    for model, mode in sorted(policies):
-        for sentence in startup_warnings(model, mode):
-            typer.secho(f"warning: {sentence}", fg="yellow", err=True)
+    check_template.warn_at_start(configs)
     if multirun:
         # once, sized for the largest job (times sweep.parallel)
         try:
@@ -465,30 +460,6 @@ def inspect(
     InspectApp(root, run_id, sweep, poll).run()
 
 
-@app.command("check-template")
-def check_template(
-    model: str = typer.Argument(
-        ..., help="A checkpoint folder, a .gguf file or a built-in model's name (tiny, ...)."
-    ),
-):
-    """Drive MODEL's own chat template and response parser through the cases that break token
-    identity (multi-turn prefixes, dropped reasoning, tool-call round trips, whitespace, stop
-    strings, a default system prompt) under both agent.history_rewrite modes, and recommend one.
-    Renders and parses only: no weights are loaded. Exits 1 when a case fails under the
-    recommended mode."""
-    from workbench.run.preflight import check, load_tokenizer
-
-    with user_errors():
-        report = check(load_tokenizer(model))
-    table = Table("case", "seal", "bridge", "what happened")
-    for case, seal, bridge, detail in report.rows():
-        table.add_row(case, seal, bridge, detail)
-    console().print(table)
-    typer.echo(report.advice())
-    if report.failing(report.recommended):
-        raise typer.Exit(1)
-
-
 @app.command()
 def doctor(root: str = ROOT):
     """What is installed (torch, ray, vllm, ...), which optional extras are present or missing,
@@ -533,6 +504,8 @@ def doctor(root: str = ROOT):
 # molt-wb bundle RUN STEP and molt-wb replay FILE (workbench/run/bundle_commands.py)
 app.command(cls=RunFolders)(bundle_commands.bundle)
 app.command()(bundle_commands.replay)
+# molt-wb check-template MODEL (workbench/run/check_template.py)
+app.command("check-template")(check_template.command)
 
 
 app.command("plugins")(about.plugins)
