@@ -359,6 +359,43 @@ class RunConfig:
 
 
 @dataclass
+class AlarmConfig:
+    enabled: bool = True
+    """Check the run-health rules as each step's metrics are stored (workbench/store/alarms.py,
+    docs/run-health.md): a rule that fires is a row of the `alarms` table and a printed line."""
+    window: int = 5
+    """Steps a rule averages over: the run's first `window` steps are the baseline, its last
+    `window` what is compared with it."""
+    kl_acceleration: float = 2.0
+    """loss/kl_ref (algo.kl_coef > 0): fires when its rise over the last window is more than this
+    many times its rise over the window before."""
+    kl_min_rise: float = 0.01
+    """The least rise of loss/kl_ref over the last window (nats per token) that can fire."""
+    entropy_collapse: float = 0.1
+    """policy/entropy: fires when its mean over the last window falls below this fraction of the
+    baseline's."""
+    length_frac: float = 0.9
+    """health/turn_len_frac: fires when the mean sampled turn reaches this fraction of
+    engine.max_tokens over the last window, having been below it over the baseline."""
+    tool_call_shift: float = 3.0
+    """health/tool_calls: fires when the mean tool calls per episode over the last window falls
+    below the baseline's divided by this, or rises above this many times it while reward/mean
+    rose less than reward_rise (0.1 calls per episode is the least rate either side counts)."""
+    reward_rise: float = 0.1
+    """reward/mean against health/correctness: fires when the reward's mean rose this much from
+    the baseline while the verifier's correctness did not rise."""
+    correctness_key: str = "accuracy"
+    """The key of a plugin's Result.info that holds the verifier's own correctness (geo3k's
+    `accuracy`); its mean per step is health/correctness."""
+    max_seals_per_episode: float = 1.0
+    """identity/segments_per_episode − 1: fires at a step whose episodes sealed more often than
+    this on average."""
+    max_identity_violations: int = 0
+    """identity/violations: fires at a step with more segments than this whose trainer input
+    differs from the sampled ids (the learner also stops the run at the first)."""
+
+
+@dataclass
 class SweepConfig:
     parallel: int = 1
     """Jobs of a multirun that run at once on the same Ray cluster (1 = one after another)."""
@@ -395,6 +432,7 @@ class Config:
     ray: RayConfig = field(default_factory=RayConfig)
     run: RunConfig = field(default_factory=RunConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    alarm: AlarmConfig = field(default_factory=AlarmConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
@@ -729,6 +767,12 @@ def _refuse_out_of_range(cfg):
     _need(
         cfg.agent.history_rewrite in ("seal", "bridge"),
         f"agent.history_rewrite={cfg.agent.history_rewrite} is unknown: use seal or bridge.",
+    )
+    alarm = cfg.alarm
+    _need(
+        alarm.window >= 1 and alarm.kl_acceleration >= 1 and alarm.tool_call_shift >= 1,
+        "alarm.window must be at least 1 step, alarm.kl_acceleration and alarm.tool_call_shift "
+        "ratios of at least 1.",
     )
 
 

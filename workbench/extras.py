@@ -21,6 +21,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "vllm": ("vllm",),
     "bench": ("trl",),
     "docs": ("mkdocs",),
+    "envs": ("reasoning_gym",),
     "gguf": ("gguf",),
 }
 

@@ -309,6 +309,20 @@ TABLES: dict[str, tuple[str, dict[str, str]]] = {
             "time": "Unix time of the evaluation",
         },
     ),
+    "alarms": (
+        "run-health rule that fired (workbench/store/alarms.py)",
+        {
+            "run_id": "the run",
+            "step": "the loop step at which the rule's condition started to hold",
+            "rule": "kl_acceleration, entropy_collapse, length_drift, tool_call_shift, "
+            "reward_without_correctness, seals or identity_violations",
+            "metric": "the metric the rule read",
+            "value": "what the rule measured (a window's mean, a rise, a step's value)",
+            "threshold": "the bound it crossed, from its `alarm.*` key",
+            "evidence": "the firing in one sentence: the windows' steps and means",
+            "time": "Unix time it fired",
+        },
+    ),
 }
 
 

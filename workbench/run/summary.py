@@ -7,6 +7,7 @@ from collections import defaultdict
 
 from workbench.run.memory import summary_line
 from workbench.store import nonfinite
+from workbench.store.alarms import FIRED
 from workbench.store.query import REWARD_CURVE, open_run, resolve_run, root_option, run_row
 
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -33,6 +34,7 @@ def figures(run_id, root="runs"):
     means = defaultdict(float)
     maxima = defaultdict(float)
     nonfinite_rows = []
+    alarms = []
     # a run stopped before its first step has no metrics yet
     if (folder / "metrics").is_dir():
         db = open_run(folder.name, root)
@@ -44,6 +46,7 @@ def figures(run_id, root="runs"):
             means[key] = mean
             maxima[key] = most
         nonfinite_rows = db.execute(nonfinite.FIRST_STEPS).fetchall()
+        alarms = db.execute(FIRED).fetchall()
     wall = run.get("updated", time.time()) - run["created"]
     return dict(
         run=run,
@@ -54,7 +57,19 @@ def figures(run_id, root="runs"):
         maxima=maxima,
         wall_s=wall,
         nonfinite=nonfinite_rows,
+        alarms=alarms,
     )
+
+
+def alarm_lines(alarms):
+    """The run-health alarms that fired (store/alarms.py), one line each, in step order."""
+    if not alarms:
+        return ["alarms     none fired"]
+    labels = ["alarms"] + [""] * (len(alarms) - 1)
+    return [
+        f"{label:<10} step {step} {rule}: {evidence}"
+        for label, (step, rule, evidence) in zip(labels, alarms, strict=True)
+    ]
 
 
 def sparkline(values, width=50):
@@ -94,6 +109,7 @@ def render(numbers, root="runs"):
         f"retokenize drift {means['identity/retokenize_drift']:.4f}",
         f"gate       kept {means['gate/kept_frac']:.3f}, mismatch KL {means['mismatch/kl']:.2e}",
         nonfinite.summary_line(numbers.get("nonfinite", [])),
+        *alarm_lines(numbers.get("alarms", [])),
     ]
     if "routing/mismatch_token_frac" in means:
         lines.append(

@@ -8,8 +8,9 @@ waiting, and it runs its calls in order, so a checkpoint's shard marks follow th
 import time
 
 from workbench.store import nonfinite
+from workbench.store.alarms import Alarms, health_metrics, stored_metrics
 from workbench.store.query import root_option
-from workbench.store.schema import EVAL, FAILED_EPISODES, METRICS, rows_table, step_tables
+from workbench.store.schema import ALARMS, EVAL, FAILED_EPISODES, METRICS, rows_table, step_tables
 from workbench.store.writer import RunWriter
 from workbench.tracking import make_sinks
 
@@ -41,6 +42,10 @@ class StoreActor:
         self.cpu_mark = time.process_time()
         # the keys that held a non-finite value so far: each is warned about once
         self.nonfinite_keys = set()
+        # the run-health rules, over the metrics stored so far (a resumed run's) and each step's
+        self.alarm = cfg.alarm
+        self.max_tokens = cfg.engine.max_tokens
+        self.alarms = Alarms(cfg.alarm, stored_metrics(run_dir))
 
     def write_step(self, step, metrics, rows, *worker_segments):
         # perf/store_cpu_s: this process's CPU seconds (every thread) since the last step's: taking
@@ -51,6 +56,17 @@ class StoreActor:
         self.cpu_mark = cpu_mark
         segments = [s for batch in worker_segments for s in batch]
         self.writer.save_images([image for s in segments for image in s.images])
+        # the alarms' derived metrics: turn lengths, and what plugins report of their episodes
+        episodes = [
+            {
+                "rollout_id": s.rollout_id,
+                "segment_idx": s.segment_idx,
+                "turn_spans": s.turn_spans,
+                "info": s.display.get("info"),
+            }
+            for s in segments
+        ]
+        metrics |= health_metrics(episodes, self.max_tokens, self.alarm.correctness_key)
         tables = step_tables(self.run_id, step, rows["learner_version"], segments, rows)
         # no silent NaN: every metric and float column counted as it is written
         counts = nonfinite.count(metrics, tables)
@@ -83,6 +99,16 @@ class StoreActor:
         self.writer.append("metrics", rows_table(METRICS, self.run_id, step, rows))
         for sink in self.sinks:
             sink.log(metrics, step)
+        # each alarm once, where its condition starts to hold: a row and a line
+        fired = self.alarms.observe(step, metrics)
+        if fired:
+            alarm_rows = [dict(vars(firing), time=now) for firing in fired]
+            self.writer.append("alarms", rows_table(ALARMS, self.run_id, step, alarm_rows))
+        for firing in fired:
+            print(
+                f"alarm at step {step}, {firing.rule}: {firing.evidence} ({self.runs_command})",
+                flush=True,
+            )
 
     def write_eval(self, step, row):
         """One held-out evaluation: a row of the `eval` table and the metrics eval/reward,

@@ -152,6 +152,19 @@ EVAL = pa.schema(
     }
 )
 
+# a run-health rule that fired (store/alarms.py), at the step its condition started to hold
+ALARMS = pa.schema(
+    {
+        **ROW_KEY,
+        "rule": pa.string(),
+        "metric": pa.string(),
+        "value": pa.float64(),
+        "threshold": pa.float64(),
+        "evidence": pa.string(),
+        "time": pa.float64(),
+    }
+)
+
 TABLES = {
     "segments": SEGMENTS,
     "tokens": TOKENS,
@@ -161,6 +174,7 @@ TABLES = {
     "routing": ROUTING,
     "failed_episodes": FAILED_EPISODES,
     "eval": EVAL,
+    "alarms": ALARMS,
 }
 
 

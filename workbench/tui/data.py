@@ -13,6 +13,7 @@ from pathlib import Path
 import duckdb
 
 from workbench.models.pretrained import held_folder
+from workbench.store.alarms import FIRED
 from workbench.store.nonfinite import FIRST_STEPS
 from workbench.store.query import resolve_run, run_row
 from workbench.store.schema import TABLES
@@ -137,6 +138,8 @@ class RunData:
         rewards = [value for _, value in self.series("reward/mean")]
         # every key that held a NaN or inf, and the step it started at (store/nonfinite.py)
         nonfinite = [f"{key} from step {first}" for key, first, *_ in self.rows(FIRST_STEPS)]
+        # the run-health rules that fired (store/alarms.py)
+        alarms = [f"{rule} at step {step}" for step, rule, _ in self.rows(FIRED)]
         return {
             "status": self.run.get("status"),
             "steps": f"{self.run.get('steps_done', 0)}/{self.run.get('steps', '?')}",
@@ -145,6 +148,7 @@ class RunData:
             "reward (best)": max(rewards, default=None),
             **stats,
             "non-finite": ", ".join(nonfinite) or "none",
+            "alarms": ", ".join(alarms) or "none",
         }
 
     # ---- segments
