@@ -118,6 +118,10 @@ class AgentConfig:
     its make_dataset / eval_dataset as keyword arguments, so training data, episodes and the
     held-out split share them: `+agent.env_kwargs.max_terms=2` adds a key,
     `agent.env_kwargs.max_terms=3` changes one a recipe set; empty = the plugin's defaults."""
+    reward: str | None = None
+    """Another package's reward in place of an Env's own, for any Env: `verifiers:MODULE:Task` (a
+    verifiers Task class whose @vf.reward functions score the episode's transcript; the envs
+    extra); unset = the Env's rewards."""
 
 
 @dataclass
@@ -853,7 +857,7 @@ def _refuse_missing_code(cfg):
         "vision models import it): install the matching torchvision or use engine=torch.",
     )
     try:
-        plugin = load_plugin(cfg.agent.plugin, cfg.agent.env_kwargs)
+        plugin = load_plugin(cfg.agent.plugin, cfg.agent.env_kwargs, cfg.agent.reward)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     _refuse(

@@ -18,9 +18,14 @@ the class that serves as its `AgentRunner` instead (a module's `__getattr__` may
 demand: `reasoning_gym:chain_sum`), and the class's own `make_dataset` / `eval_dataset` /
 `warm_start`, where it has them, replace the module's.
 
+After a shipped plugin's name, everything past the first colon is the name its `__getattr__` gets,
+colons and all: `gem:game:Sudoku-v0-easy`, `openenv:http://127.0.0.1:8000`.
+
 `agent.env_kwargs` (a dict) is bound where the plugin is loaded: the `AgentRunner` is constructed
 with them, and `make_dataset` / `eval_dataset` get them as keyword arguments, so a task's settings
-reach its episodes, its training data and its held-out split alike.
+reach its episodes, its training data and its held-out split alike. `agent.reward` (`NAME:TARGET`)
+wraps the `AgentRunner` in the shipped plugin NAME's `rewarded(runner, TARGET)`: another package's
+reward in place of the Env's own (`verifiers:mytasks:SumTask`).
 """
 
 import ast
@@ -113,8 +118,17 @@ def hydra_search_path(config_dirs: list[str] | tuple[str, ...] = ()) -> Iterator
 # ---- plugins
 
 
+def _is_shipped(name: str) -> bool:
+    """Whether `name` is a shipped plugin's name (`arith`: plugins/arith.py)."""
+    return name.isidentifier() and (shipped_folder(PLUGIN_PACKAGE) / f"{name}.py").exists()
+
+
 def _split_class(spec: str) -> tuple[str, str | None]:
-    """`where:Class` as (where, Class); (spec, None) without a class."""
+    """`where:Class` as (where, Class); (spec, None) without a class. After a shipped plugin's name
+    the whole rest is the name (`textarena:GuessTheNumber-v0`, `gem:game:Sudoku-v0-easy`)."""
+    shipped, colon, rest = spec.partition(":")
+    if colon and rest and _is_shipped(shipped):
+        return shipped, rest
     where, colon, name = spec.rpartition(":")
     if not colon or not name.isidentifier():
         return spec, None
@@ -258,9 +272,25 @@ def _bind(spec: str, view: types.ModuleType, kwargs: dict[str, Any]) -> None:
             setattr(view, name, functools.partial(getattr(view, name), **kwargs))
 
 
-def load_plugin(spec: str, env_kwargs: Mapping[str, Any] | None = None) -> types.ModuleType:
+def _rewarded(runner: type, reward: str) -> type:
+    """The AgentRunner `runner` scored by `agent.reward` (`NAME:TARGET`) in place of its own
+    rewards: the shipped plugin NAME's `rewarded(runner, TARGET)`."""
+    name, colon, target = reward.partition(":")
+    module = importlib.import_module(f"{PLUGIN_PACKAGE}.{name}") if _is_shipped(name) else None
+    if not colon or not target or not hasattr(module, "rewarded"):
+        raise ValueError(
+            f"agent.reward={reward} names no reward: give it as verifiers:MODULE:TaskClass (a "
+            f"verifiers Task whose @vf.reward functions score the episode), or leave it unset."
+        )
+    return module.rewarded(runner, target)
+
+
+def load_plugin(
+    spec: str, env_kwargs: Mapping[str, Any] | None = None, reward: str | None = None
+) -> types.ModuleType:
     """Import the plugin `agent.plugin` names (see this module's docstring for the forms), with
-    `agent.env_kwargs` bound to its AgentRunner and dataset makers."""
+    `agent.env_kwargs` bound to its AgentRunner and dataset makers, and scored by `agent.reward`
+    when it is set."""
     where, _ = _split_class(spec)
     module = _module_of(where, spec)
     class_name = _runner_class(spec, where)
@@ -271,11 +301,11 @@ def load_plugin(spec: str, env_kwargs: Mapping[str, Any] | None = None) -> types
                 f"Agent plugin {spec!r} does not export AgentRunner: add `AgentRunner = YourEnv` "
                 f"or name the class as {where}:YourEnv."
             )
-        if not kwargs:
+        if not kwargs and not reward:
             return module
     elif not hasattr(module, class_name):
         raise ValueError(f"Agent plugin {spec!r}: module {module.__name__} has no {class_name}.")
-    key = f"{spec} {sorted(kwargs.items())!r}"
+    key = f"{spec} {sorted(kwargs.items())!r} {reward}"
     # the module's other exports (make_dataset, warm_start) with that class as its AgentRunner
     if key not in _CLASS_VIEWS:
         view = types.ModuleType(module.__name__, module.__doc__)
@@ -287,6 +317,8 @@ def load_plugin(spec: str, env_kwargs: Mapping[str, Any] | None = None) -> types
                     setattr(view, name, getattr(view.AgentRunner, name))
         if kwargs:
             _bind(spec, view, kwargs)
+        if reward:
+            view.AgentRunner = _rewarded(view.AgentRunner, reward)
         _CLASS_VIEWS[key] = view
     return _CLASS_VIEWS[key]
 

@@ -92,7 +92,7 @@ class RolloutWorker:
         # (64 kept: a batch's repeats, not many long episodes' ids)
         self.drift = functools.lru_cache(64)(functools.partial(retokenize_drift, self.tokenizer))
         self.decoded = functools.lru_cache(64)(self.tokenizer.decode)
-        self.plugin = load_plugin(cfg.agent.plugin, cfg.agent.env_kwargs)
+        self.plugin = load_plugin(cfg.agent.plugin, cfg.agent.env_kwargs, cfg.agent.reward)
         self.params = SamplingParams(
             max_tokens=cfg.engine.max_tokens,
             temperature=cfg.engine.temperature,
