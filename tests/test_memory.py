@@ -51,6 +51,22 @@ def test_a_freed_peak_still_counts() -> None:
         child.wait()
 
 
+def test_a_sample_resets_the_high_water_marks_so_the_next_counts_its_own_step() -> None:
+    code = (
+        "block = bytearray(300 * 2**20); del block; import time; print(1, flush=True); "
+        "time.sleep(60)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        child.stdout.readline()
+        memory = MemoryPeak(child.pid)
+        # the start reset the mark: the freed 300 MB is no peak of a step
+        assert memory.sample()["memory/pss_peak_bytes"] < 300 * 2**20
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_an_ended_process_counts_nothing_and_the_peak_only_grows() -> None:
     assert peak_kib(2**22 + 17) is None
     memory = MemoryPeak()
@@ -60,6 +76,7 @@ def test_an_ended_process_counts_nothing_and_the_peak_only_grows() -> None:
 
 def test_the_summary_line_names_the_peak_and_the_processes() -> None:
     assert summary_line(3.14e9, 9) == (
-        "memory     peak PSS 3.1 GB (driver + 8 processes it started, each at its own peak)"
+        "memory     peak PSS 3.1 GB (driver + 8 processes it started, each at its own peak in a "
+        "step)"
     )
     assert summary_line(0, 0) == ""

@@ -4,10 +4,13 @@ started (Ray's GCS and raylet, the actors, idle workers), read from Linux's /pro
 PSS shares each page among the processes that map it, so torch's libraries and Ray's object store
 count once for the run, not once per actor. A sample between steps would miss a learner's
 backward, whose activations are freed before its metrics arrive; so each process counts at its own
-peak: its PSS when sampled plus its resident high-water mark above its resident size then
-(`VmHWM - VmRSS`, what it held at its peak and has freed since, private memory). The sum over
-processes is an upper bound on the run's simultaneous peak (two processes need not peak at once).
-Elsewhere than Linux nothing is measured.
+peak within the step: its PSS when sampled plus its resident high-water mark above its resident
+size then (`VmHWM - VmRSS`, what it held at its peak and has freed since, private memory). Each
+sample then resets the high-water marks to the resident sizes (`/proc/PID/clear_refs`), and so does
+the start of the loop: the loading of the weights (their file pages mapped while being copied) is
+not counted as a peak of the run. The sum over processes is an upper bound on the run's
+simultaneous peak (two processes need not peak at once: rollout and learner take turns). Elsewhere
+than Linux nothing is measured.
 """
 
 import os
@@ -35,6 +38,15 @@ def descendants(root: int) -> list[int]:
     return found
 
 
+def reset_peak(pid: int) -> None:
+    """Reset process `pid`'s resident high-water mark to its resident size now (nothing where it
+    ended or may not be written)."""
+    try:
+        (PROC / str(pid) / "clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
 def peak_kib(pid: int) -> int | None:
     """Process `pid`'s peak PSS estimate in KiB (its PSS now plus its resident high-water mark
     above its resident size now); None when it ended or cannot be read."""
@@ -55,18 +67,24 @@ def peak_kib(pid: int) -> int | None:
 
 class MemoryPeak:
     """The run's peak memory so far: the largest sum of its processes' peak estimates over the
-    samples taken (`sample`, once per step)."""
+    samples taken (`sample`, once per step), each since the one before."""
 
     def __init__(self, root: int | None = None):
         self.root = root or os.getpid()
         self.peak_bytes = 0
         # processes counted in the largest sample, the driver included
         self.processes = 0
+        # the peaks of loading (actors reading the weights) are no peak of the steps
+        for pid in descendants(self.root):
+            reset_peak(pid)
 
     def sample(self) -> dict[str, float]:
         """The `memory/` metrics after one more sample: `memory/pss_peak_bytes` and
         `memory/processes` (the driver and the processes it started); {} where /proc is absent."""
-        peaks = [peak_kib(pid) for pid in descendants(self.root)]
+        pids = descendants(self.root)
+        peaks = [peak_kib(pid) for pid in pids]
+        for pid in pids:
+            reset_peak(pid)
         counted = [kib for kib in peaks if kib is not None]
         if not counted:
             return {}
@@ -84,5 +102,5 @@ def summary_line(peak_bytes: float, processes: float) -> str:
     others = int(processes) - 1
     return (
         f"memory     peak PSS {peak_bytes / 1e9:.1f} GB (driver + {others} processes it started, "
-        f"each at its own peak)"
+        f"each at its own peak in a step)"
     )
