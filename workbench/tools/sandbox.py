@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from types import ModuleType
@@ -103,8 +104,10 @@ class SandboxResult:
 
 # what run_python uses when not told: the run's sandbox.isolation and sandbox.warm, in each process
 _settings = {"isolation": "jail", "warm": 2}
-# this process's pool of warm jails (a forked child starts its own)
+# this process's pool of warm jails (a forked child starts its own); the lock makes one pool of
+# the step threads' first calls
 _pools: dict[int, jail.Pool] = {}
+_pools_lock = threading.Lock()
 
 
 def use_isolation(name: str, warm: int = 2) -> None:
@@ -130,13 +133,14 @@ def _take_jail() -> jail.Started:
     """A started jail: from this process's pool of warm ones, or started now."""
     if not _settings["warm"]:
         return jail.start(_jail_argv(), DISK_MB)
-    pool = _pools.get(os.getpid())
-    if pool is None or pool.size != _settings["warm"]:
-        # a new size: the old pool's jails end
-        if pool is not None:
-            pool.close()
-        pool = jail.Pool(_jail_argv(), DISK_MB, _settings["warm"])
-        _pools[os.getpid()] = pool
+    with _pools_lock:
+        pool = _pools.get(os.getpid())
+        if pool is None or pool.size != _settings["warm"]:
+            # a new size: the old pool's jails end
+            if pool is not None:
+                pool.close()
+            pool = jail.Pool(_jail_argv(), DISK_MB, _settings["warm"])
+            _pools[os.getpid()] = pool
     return pool.take()
 
 
