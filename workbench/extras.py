@@ -21,8 +21,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "vllm": ("vllm",),
     "bench": ("trl",),
     "docs": ("mkdocs",),
-    "envs": ("reasoning_gym",),
     "gguf": ("gguf",),
+    "envs": ("textarena", "openenv", "reasoning_gym"),
 }
 
 
