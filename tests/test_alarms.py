@@ -17,7 +17,7 @@ from workbench.run import run_folder
 from workbench.run.summary import figures, render
 from workbench.store import open_run
 from workbench.store.actor import StoreActor
-from workbench.store.alarms import Alarms, health_metrics
+from workbench.store.alarms import Alarms, Announcer, health_metrics
 from workbench.tui.data import RunData
 
 WINDOW = 3
@@ -164,32 +164,34 @@ def test_health_metrics_read_turns_and_what_the_plugin_reports_of_each_episode()
 
 def fed_store(tmp_path, run_id: str, steps: list[dict[str, float]], start: int = 0):
     """A real store actor (in this process) given `steps` of metrics from `start` on, as the loop
-    logs them (a `start` past 0 resumes the run), then a checkpoint of it."""
+    logs them (a `start` past 0 resumes the run), then a checkpoint of it; and (step, line) of
+    each line the driver announced after logging that step."""
     cfg = compose_config(
         ["tracking=none", f"run.root={tmp_path / 'runs'}", f"run.id={run_id}", "alarm.window=3"]
         + [f"run.resume={bool(start)}"]
     )
     run_dir, row = run_folder.start_run(cfg)
     store = StoreActor(run_folder.plain(cfg), str(run_dir), row)
+    announcer = Announcer(run_dir, f"molt-wb runs {run_id}")
+    announced = []
     for step, metrics in enumerate(steps[start:], start=start):
         store.log(step, metrics)
+        announced += [(step, line) for line in announcer.lines()]
     # the store's shard marks, as the driver saves them with a checkpoint
     checkpoint = run_dir / "checkpoints" / f"step-{len(steps):06d}"
     checkpoint.mkdir(parents=True)
     (checkpoint / "writer.json").write_text(json.dumps(store.checkpoint()))
     store.close("finished")
-    return run_dir
+    return announced
 
 
-def test_a_firing_is_a_row_a_printed_line_and_a_summary_line(tmp_path, capsys):
-    steps = series(policy__entropy=[0.8, 0.8, 0.8, 0.05, 0.05, 0.05], reward__mean=[0.5] * 6)
-    fed_store(tmp_path, "collapse", steps)
-    printed = capsys.readouterr().out
+def test_a_firing_is_a_row_a_line_at_its_step_and_a_summary_line(tmp_path):
+    steps = series(policy__entropy=[0.8, 0.8, 0.8, 0.05, 0.05, 0.05, 0.05], reward__mean=[0.5] * 7)
+    announced = fed_store(tmp_path, "collapse", steps)
     evidence = "policy/entropy 0.05 over steps 3-5, below 0.1 times its 0.8 over steps 0-2"
-    assert printed.strip() == (
-        f"alarm at step 5, entropy_collapse: {evidence} (molt-wb runs collapse --root "
-        f"{tmp_path / 'runs'})"
-    )
+    assert announced == [
+        (5, f"alarm at step 5, entropy_collapse: {evidence} (molt-wb runs collapse)")
+    ]
     db = open_run("collapse", tmp_path / "runs")
     [row] = db.execute(
         "select step, rule, metric, value, threshold, evidence from alarms"
@@ -211,12 +213,10 @@ def test_a_run_with_no_firing_says_so(tmp_path):
     assert RunData("calm", tmp_path / "runs").headline()["alarms"] == "none"
 
 
-def test_a_resumed_run_replays_its_metrics_and_does_not_fire_twice(tmp_path, capsys):
+def test_a_resumed_run_replays_its_metrics_and_does_not_fire_twice(tmp_path):
     steps = series(policy__entropy=[0.8, 0.8, 0.8, 0.05, 0.05, 0.05, 0.05, 0.05])
-    fed_store(tmp_path, "resumed", steps[:6])
-    capsys.readouterr()
-    fed_store(tmp_path, "resumed", steps, start=6)
-    assert "alarm" not in capsys.readouterr().out
+    assert [step for step, _ in fed_store(tmp_path, "resumed", steps[:6])] == [5]
+    assert fed_store(tmp_path, "resumed", steps, start=6) == []
     db = open_run("resumed", tmp_path / "runs")
     assert db.execute("select step, rule from alarms").fetchall() == [(5, "entropy_collapse")]
 

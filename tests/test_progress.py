@@ -40,8 +40,9 @@ def test_a_terminal_gets_a_rich_bar_with_time_left_and_no_lines(capsys, monkeypa
     assert "\x1b[" in drawn and "loss 0.50" in drawn and "4/10:" not in drawn
 
 
-def test_rl_steps_show_reward_and_tokens_per_s_and_are_silent_when_off(capsys):
-    cfg = OmegaConf.create({"run": {"id": "r1", "progress": True}, "trainer": {"steps": 2}})
+def test_rl_steps_show_reward_and_tokens_per_s_and_are_silent_when_off(tmp_path, capsys):
+    run = {"id": "r1", "progress": True, "root": str(tmp_path)}
+    cfg = OmegaConf.create({"run": run, "trainer": {"steps": 2}})
     progress = Progress(cfg)
     progress.update({"train/version": 1, "reward/mean": 0.25, "perf/tokens_per_s": 900.4})
     assert capsys.readouterr().out.startswith("r1 1/2: reward 0.250  900 tok/s  (")

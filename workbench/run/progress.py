@@ -11,6 +11,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import (
@@ -23,6 +24,8 @@ from rich.progress import (
 from rich.progress import Progress as Bar
 
 from workbench.run.memory import MemoryPeak
+from workbench.store.alarms import Announcer
+from workbench.store.query import root_option
 
 # called with each logged step's metrics; one that raises KeyboardInterrupt stops the run as Ctrl-C
 WATCHERS: list[Callable[[dict], None]] = []
@@ -127,14 +130,22 @@ class Task(contextlib.AbstractContextManager):
 
 
 class Progress(Task):
-    """The RL steps' progress: step, reward and tokens/s."""
+    """The RL steps' progress: step, reward and tokens/s; and each run-health alarm, one line as
+    the store writes it (whether or not progress shows)."""
 
     def __init__(self, cfg):
         super().__init__(cfg.run.id, cfg.trainer.steps, cfg.run.progress)
+        runs_command = f"molt-wb runs {cfg.run.id}{root_option(cfg.run.root)}"
+        self.alarms = Announcer(Path(cfg.run.root, cfg.run.id), runs_command)
 
     def update(self, metrics):
         info = f"reward {metrics['reward/mean']:.3f}  {metrics['perf/tokens_per_s']:.0f} tok/s"
         super().update(int(metrics["train/version"]), info)
+        for line in self.alarms.lines():
+            if self.bar:
+                self.bar.console.print(line, markup=False, highlight=False)
+            else:
+                print(line, flush=True)
         for watcher in WATCHERS:
             watcher(metrics)
 

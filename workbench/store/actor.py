@@ -99,16 +99,13 @@ class StoreActor:
         self.writer.append("metrics", rows_table(METRICS, self.run_id, step, rows))
         for sink in self.sinks:
             sink.log(metrics, step)
-        # each alarm once, where its condition starts to hold: a row and a line
+        # each alarm once, where its condition starts to hold: a row of the alarms table
         fired = self.alarms.observe(step, metrics)
         if fired:
             alarm_rows = [dict(vars(firing), time=now) for firing in fired]
             self.writer.append("alarms", rows_table(ALARMS, self.run_id, step, alarm_rows))
-        for firing in fired:
-            print(
-                f"alarm at step {step}, {firing.rule}: {firing.evidence} ({self.runs_command})",
-                flush=True,
-            )
+            # on disk now: the driver prints each new row as the run goes (alarms.Announcer)
+            self.writer.flush()
 
     def write_eval(self, step, row):
         """One held-out evaluation: a row of the `eval` table and the metrics eval/reward,

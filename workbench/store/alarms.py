@@ -289,3 +289,30 @@ def stored_metrics(run_dir: str | Path) -> dict[int, dict[str, float]]:
     for step, key, value in zip(columns["step"], columns["key"], columns["value"], strict=True):
         by_step[step][key] = value
     return dict(by_step)
+
+
+class Announcer:
+    """The driver's side of the alarms: the rows a run folder's `alarms` table gained since the
+    last call, as the lines a run prints (the store actor's own output goes to Ray's logs)."""
+
+    def __init__(self, run_dir: str | Path, runs_command: str):
+        self.folder = Path(run_dir, "alarms")
+        self.runs_command = runs_command
+        # a resumed run's earlier alarms were announced by the process that ran them
+        self.seen = {shard.name for shard in self.folder.glob("part-*.parquet")}
+
+    def lines(self) -> list[str]:
+        """`alarm at step S, RULE: EVIDENCE (molt-wb runs RUN)` for each new row, in order."""
+        import pyarrow.parquet as pq
+
+        lines = []
+        for shard in sorted(self.folder.glob("part-*.parquet")):
+            if shard.name in self.seen:
+                continue
+            self.seen.add(shard.name)
+            for row in pq.read_table(shard, columns=["step", "rule", "evidence"]).to_pylist():
+                lines.append(
+                    f"alarm at step {row['step']}, {row['rule']}: {row['evidence']} "
+                    f"({self.runs_command})"
+                )
+        return lines
