@@ -400,6 +400,15 @@ class AlarmConfig:
 
 
 @dataclass
+class AuditConfig:
+    gap_rows: int = 4
+    """Rows a step draws to measure the off-policy gap of its stale tokens in full: the learner
+    recomputes their log-probs under the weights of the version that sampled them (one forward
+    of these rows per stale version; the gap/ metrics and gap_* token columns,
+    docs/off-policy-gap.md); 0 = only on-policy tokens are measured."""
+
+
+@dataclass
 class SweepConfig:
     parallel: int = 1
     """Jobs of a multirun that run at once on the same Ray cluster (1 = one after another)."""
@@ -430,6 +439,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     gate: GateConfig = field(default_factory=GateConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -768,6 +778,7 @@ def _refuse_out_of_range(cfg):
         "or more.",
     )
     _need(trainer.async_depth >= 0, "trainer.async_depth must be 0 (synchronous) or more.")
+    _need(cfg.audit.gap_rows >= 0, "audit.gap_rows must be 0 (on-policy tokens only) or more.")
     _need(
         cfg.agent.history_rewrite in ("seal", "bridge"),
         f"agent.history_rewrite={cfg.agent.history_rewrite} is unknown: use seal or bridge.",

@@ -219,6 +219,15 @@ TABLES: dict[str, tuple[str, dict[str, str]]] = {
             "entropy": "entropy of π_old's distribution the token was drawn from, at the engine's "
             "temperature; null where the learner computed none",
             "turn": "the episode's index of the token's sampled turn; null outside them",
+            "gap_staleness": "the off-policy gap's part from weight versions: π_old less the "
+            "learner's log-prob under the sampling version (docs/off-policy-gap.md); null where "
+            "not measured",
+            "gap_routing": "the gap's part from MoE routing: π_old less the replay-on forward "
+            "(0 under replay and for a dense policy); null where not measured",
+            "gap_sampler": "the gap's part from the sampler's truncation (engine.top_p): raw less "
+            "processed log-prob; null where not measured",
+            "gap_numerics": "the gap's rest, the two implementations' disagreement: "
+            "train_logprob − behavior_logprob less the other three parts; null where not measured",
         },
     ),
     "metrics": (

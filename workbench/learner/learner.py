@@ -37,6 +37,7 @@ from workbench.learner.batch import (
 from workbench.learner.forward import PolicyForward
 from workbench.learner.sharding import Ranks
 from workbench.learner.transport import WeightGroup, layout_of
+from workbench.models.gap import GapAudit
 from workbench.models.lora import adapter_state, with_adapter
 from workbench.models.multimodal import ImageCodec, is_vision_language, load_policy
 from workbench.models.state import load_learner, save_learner, side_files
@@ -73,6 +74,7 @@ class Learner(PolicyForward):
         set_threads(cfg, self.model)
         self.moe = bool(find_routers(self.model))
         self.ranks.shard(self.model, cfg.model.dtype)
+        self.gap = GapAudit(cfg, self.model)
         # fused: one kernel for every tensor, 0.3 ms a step, not 0.9 (tiny, CPU)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
@@ -181,6 +183,7 @@ class Learner(PolicyForward):
         mismatch = routing["mismatch"] & real
         with torch.no_grad():
             other = self.logprobs(train_batch, replay=not self.replay)
+        routing["other_replay"] = other
         with_replay, without = (old_logprob, other) if self.replay else (other, old_logprob)
         behavior = train_batch.behavior_logprob
         mask = train_batch.loss_mask
@@ -372,6 +375,8 @@ class Learner(PolicyForward):
         consumed_at = self.version
         train_batch = collate(segments)
         identity = audit_identity(segments, train_batch)
+        # before π_old: the gap's staleness swaps in older weights, which no graph may hold then
+        behind = self.gap.behind(self, train_batch, consumed_at)
         # model compute: forwards, backward, optimizer (perf/learner_compute_s)
         start = time.perf_counter()
         pi_old = self.old_logprobs(train_batch)
@@ -393,6 +398,8 @@ class Learner(PolicyForward):
         if pi_old.routing:
             metrics.update(self.routing_metrics(train_batch, pi_old.routing, pi_old.logprob))
             routing_rows = routing_table_rows(segments, pi_old.routing)
+        gap, gap_columns = self.gap.parts(self, train_batch, pi_old, behind, consumed_at)
+        metrics.update(gap)
         steps, step_compute = self.optimizer_steps(train_batch, pi_old.live, targets)
         metrics.update(step_means(steps))
         metrics["loss/advantage_abs_mean"] = float(advantages.abs().mean())
@@ -402,4 +409,4 @@ class Learner(PolicyForward):
         rows = store_rows(
             train_batch, pi_old.logprob, gate, advantages, consumed_at, routing_rows, pi_old.entropy
         )
-        return metrics, rows
+        return metrics, rows | gap_columns

@@ -8,6 +8,7 @@ from collections import defaultdict
 from workbench.run.memory import summary_line
 from workbench.store import nonfinite
 from workbench.store.alarms import FIRED
+from workbench.store.gap import gap_line, gap_sizes
 from workbench.store.query import REWARD_CURVE, open_run, resolve_run, root_option, run_row
 
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -35,6 +36,7 @@ def figures(run_id, root="runs"):
     maxima = defaultdict(float)
     nonfinite_rows = []
     alarms = []
+    gap = None
     # a run stopped before its first step has no metrics yet
     if (folder / "metrics").is_dir():
         db = open_run(folder.name, root)
@@ -47,6 +49,7 @@ def figures(run_id, root="runs"):
             maxima[key] = most
         nonfinite_rows = db.execute(nonfinite.FIRST_STEPS).fetchall()
         alarms = db.execute(FIRED).fetchall()
+        gap = gap_sizes(db)
     wall = run.get("updated", time.time()) - run["created"]
     return dict(
         run=run,
@@ -58,6 +61,7 @@ def figures(run_id, root="runs"):
         wall_s=wall,
         nonfinite=nonfinite_rows,
         alarms=alarms,
+        gap=gap,
     )
 
 
@@ -110,6 +114,7 @@ def render(numbers, root="runs"):
         f"gate       kept {means['gate/kept_frac']:.3f}, mismatch KL {means['mismatch/kl']:.2e}",
         nonfinite.summary_line(numbers.get("nonfinite", [])),
         *alarm_lines(numbers.get("alarms", [])),
+        *gap_line(numbers.get("gap")),
     ]
     if "routing/mismatch_token_frac" in means:
         lines.append(

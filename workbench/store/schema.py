@@ -30,6 +30,8 @@ SEGMENT_ATTRIBUTES = (
 )
 # the Segment arrays stored as they are: one column each of `tokens`, concatenated
 TOKEN_ATTRIBUTES = ("loss_mask", "behavior_logprob", "behavior_version")
+# the off-policy gap's parts, one column each of `tokens` (models/gap.py)
+GAP_COLUMNS = ("gap_staleness", "gap_routing", "gap_sampler", "gap_numerics")
 
 SEGMENTS = pa.schema(
     {
@@ -71,6 +73,11 @@ TOKENS = pa.schema(
         "entropy": pa.float32(),
         # the episode's index of the token's sampled turn; null outside them (and in older runs)
         "turn": pa.int32(),
+        # the off-policy gap's parts (models/gap.py); null where not measured
+        "gap_staleness": pa.float32(),
+        "gap_routing": pa.float32(),
+        "gap_sampler": pa.float32(),
+        "gap_numerics": pa.float32(),
     }
 )
 
@@ -189,11 +196,11 @@ def learner_logprobs(pieces: list[np.ndarray], loss_mask: np.ndarray) -> pa.Arra
 def step_tables(run_id, step, learner_version, segments, train):
     """Segment and token rows of one consumed batch.
 
-    `train` holds from the learner: `train_logprob`, `is_weight` and optionally `entropy` and
-    `token_advantage` (float32 arrays whose concatenation is every segment's tokens in order,
-    segment after segment), `advantage` (one float per segment; each token's where no
-    `token_advantage`) and, when a learner gated them, `gate` (the version gate's
-    per-sequence columns).
+    `train` holds from the learner: `train_logprob`, `is_weight` and optionally `entropy`,
+    `token_advantage` and the gap's `GAP_COLUMNS` (float32 arrays whose concatenation is every
+    segment's tokens in order, segment after segment), `advantage` (one float per segment; each
+    token's where no `token_advantage`) and, when a learner gated them, `gate` (the version
+    gate's per-sequence columns).
     """
 
     def each(name):
@@ -237,6 +244,10 @@ def step_tables(run_id, step, learner_version, segments, train):
     for name in ("entropy", "token_advantage"):
         if train.get(name) is not None:
             token_rows[name.removeprefix("token_")] = np.concatenate(train[name])
+    # the gap's parts: NaN where not measured is null
+    for name in GAP_COLUMNS:
+        gap = np.concatenate(train.get(name) or [np.full(total, np.nan, np.float32)])
+        token_rows[name] = pa.array(gap, mask=np.isnan(gap))
     # no learner (molt-wb serve): no gate decisions
     gate_rows = dict.fromkeys(GATE_DECISIONS.names, [])
     gate = train.get("gate")

@@ -6,6 +6,19 @@ bin its value is below. Add a channel here: the token view cycles through CHANNE
 
 import math
 
+# the off-policy gap's parts, in the order of models/gap.py's PARTS (not imported: torch)
+GAP_PARTS = ("staleness", "routing", "sampler", "numerics")
+
+
+def dominant_gap(token: dict) -> int | None:
+    """The index in GAP_PARTS of the part with the largest magnitude of the token's off-policy
+    gap (models/gap.py); None where the gap was not measured."""
+    parts = [token.get(f"gap_{name}") for name in GAP_PARTS]
+    if None in parts:
+        return None
+    return max(range(len(parts)), key=lambda i: abs(parts[i]))
+
+
 CHANNELS = {
     "behavior logprob": (
         lambda t: t["behavior_logprob"],
@@ -41,6 +54,16 @@ CHANNELS = {
     "routing": (
         lambda t: len(t["mismatched_layers"]),
         [(0.5, "green", "same experts"), (math.inf, "red", "mismatch")],
+    ),
+    # the largest part of the token's off-policy gap: the cause of most of its δ
+    "gap cause": (
+        dominant_gap,
+        [
+            (0.5, "yellow", "staleness"),
+            (1.5, "magenta", "routing"),
+            (2.5, "cyan", "sampler"),
+            (math.inf, "green", "numerics"),
+        ],
     ),
     # the learner's entropy of the distribution the token was drawn from, in nats
     "entropy": (

@@ -196,8 +196,8 @@ class RunData:
     def tokens(self, key):
         """One segment's token rows in order, each as {column name: value}."""
         return self.records(
-            "select position, token_id, loss_mask, behavior_logprob, train_logprob, "
-            "behavior_version, is_weight, advantage, entropy, turn "
+            # every column: a run older than one (the gap's parts) reads without it
+            "select * exclude (run_id, step, rollout_id, segment_idx) "
             "from tokens where step = ? and rollout_id = ? and segment_idx = ? order by position",
             key,
         )

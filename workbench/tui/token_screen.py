@@ -16,7 +16,7 @@ from textual.widgets import Footer, Header, Static
 from textual_image.widget import HalfcellImage, Image
 
 from workbench.invariants.token_identity import FORCED_VERSION
-from workbench.tui.channels import CHANNELS, colour
+from workbench.tui.channels import CHANNELS, GAP_PARTS, colour, dominant_gap
 from workbench.tui.data import RunData
 
 # textual-image draws with sixel or the kitty protocol where the terminal answers for one, else in
@@ -187,6 +187,10 @@ class TokenScreen(Screen):
                 reward = self.segment["turn_rewards"][t["turn"]]
                 lines.append(f"turn      {t['turn'] + 1} (reward {reward:.4g})")
             lines.append(f"advantage {t['advantage']:+.4f}")
+            cause = dominant_gap(t)
+            if cause is not None:
+                parts = " ".join(f"{name[:5]} {t['gap_' + name]:+.3g}" for name in GAP_PARTS)
+                lines.append(f"gap       {parts} (most: {GAP_PARTS[cause]})")
         else:
             lines.append(f"train     {t['train_logprob']:.4f}")
         if self.route_layers:
