@@ -148,9 +148,7 @@ def test_the_inspector_opens_a_token_view_in_the_real_vocabulary(run: str) -> No
     assert "SmolLM" in text and "<|im_start|>" in text
 
 
-def test_export_merged_loads_in_transformers_and_serve_serves_it(
-    run: str, tmp_path: Path
-) -> None:
+def test_export_merged_loads_in_transformers_and_serve_serves_it(run: str, tmp_path: Path) -> None:
     import openai
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
