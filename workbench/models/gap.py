@@ -139,9 +139,10 @@ class GapAudit:
         return metrics, columns
 
     def _keep(self, version: int) -> None:
-        """A copy of the weights at `version` (the learner's now); the oldest beyond `keep`
-        dropped."""
-        self.versions[version] = {n: p.detach().clone() for n, p in self.trainable.items()}
+        """A copy of the weights at `version` (the learner's now) in host memory, where a GPU
+        run has room for them; the oldest beyond `keep` dropped."""
+        copies = {n: p.detach().to("cpu", copy=True) for n, p in self.trainable.items()}
+        self.versions[version] = copies
         for old in sorted(self.versions)[: -self.keep]:
             del self.versions[old]
 

@@ -24,8 +24,9 @@ from workbench.store.query import resolve_run
 
 # embedded weights larger than this go in a bundle as their path and hash (--max-mb)
 MAX_EMBEDDED_MB = 64
-# metrics a replay cannot reproduce: timings, and the rollout's own audit (not in the store)
-NOT_REPLAYED = ("perf/", "identity/", "audit/", "time/")
+# metrics a replay cannot reproduce: timings, the rollout's own audit (not in the store), and the
+# off-policy gap (its staleness reads the weights of earlier versions, which a bundle does not hold)
+NOT_REPLAYED = ("perf/", "identity/", "audit/", "time/", "gap/")
 
 
 def config_of(config_yaml: str, overrides: list[str] | None = None) -> DictConfig:
