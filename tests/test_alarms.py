@@ -242,6 +242,6 @@ def test_a_learning_rate_that_collapses_entropy_fires_while_the_same_run_at_its_
     calm = open_run(runs[1e-3], root).execute("select rule from alarms").fetchall()
     hot = open_run(runs[0.05], root).execute("select step, rule, evidence from alarms").fetchall()
     assert calm == []
-    assert [rule for _, rule, _ in hot] == ["entropy_collapse"]
-    step, _, evidence = hot[0]
+    # the collapsed policy may also run its replies to the cap (length_drift)
+    [(step, _, evidence)] = [alarm for alarm in hot if alarm[1] == "entropy_collapse"]
     assert f"alarm at step {step}, entropy_collapse: {evidence}" in result.stdout + result.stderr
