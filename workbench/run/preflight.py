@@ -55,6 +55,12 @@ TOOLS = [
 CALL = {"id": "call_0", "name": "add", "arguments": {"a": 2, "b": 3}}
 SECOND_CALL = {"id": "call_1", "name": "add", "arguments": {"a": 4, "b": 5}}
 STOP = "Observation:"
+# why an echo seals, by the accumulator's seal reason
+SEALED = {
+    "template_rewrite": "the history rewrote",
+    "compaction": "the client's echo is not the reply as sampled",
+    "tools_changed": "the tools changed",
+}
 
 
 class CaseError(Exception):
@@ -208,7 +214,7 @@ class Chat:
         for turn, request in enumerate(requests[1:], start=2):
             if request["action"] != "extend":
                 reason = segments[0].seal_reason
-                raise CaseError(f"turn {turn} sealed the segment ({reason}): the history rewrote")
+                raise CaseError(f"turn {turn} sealed the segment ({reason}): {SEALED[reason]}")
         if not all(segment.identity_holds() for segment in segments):
             raise CaseError("the segment's sampled ids differ from the engine's")
         return passed
@@ -440,12 +446,15 @@ def check(tokenizer: PreTrainedTokenizerBase) -> Report:
 
 
 def _play(probe: Probe, name: str, case: Callable[[Probe], str]) -> Outcome:
+    """One case's outcome; a reply a refused turn left queued never reaches the next case."""
     try:
         return Outcome(name, probe.mode, PASS, case(probe))
     except CaseError as error:
         return Outcome(name, probe.mode, FAIL, str(error))
     except NotApplicable as error:
         return Outcome(name, probe.mode, NOT_APPLICABLE, str(error))
+    finally:
+        probe.engine.queued.clear()
 
 
 def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
