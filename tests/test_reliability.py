@@ -183,7 +183,7 @@ def test_dead_hung_and_raising_episodes_are_recorded_and_the_run_goes_on(tmp_pat
     path = tmp_path / "faults.jsonl"
     overrides = [
         "trainer.steps=3",
-        "rollout.timeout_s=5",
+        "rollout.timeout_s=15",
         f"data.path={data_file(path, rows(6))}",
         "run.id=faults",
     ]
@@ -219,7 +219,7 @@ def test_dead_hung_and_raising_episodes_are_recorded_and_the_run_goes_on(tmp_pat
         and "in step" in trace
     )
     assert (
-        "rollout.timeout_s=5"
+        "rollout.timeout_s=15"
         in db.execute(
             "select any_value(error) from failed_episodes where kind = 'timeout'"
         ).fetchone()[0]

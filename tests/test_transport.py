@@ -40,7 +40,7 @@ def test_a_dead_or_hung_rollout_worker_rejoins_the_weight_group_and_the_run_goes
     import ray
 
     path = tmp_path / "faults.jsonl"
-    overrides = collective(tmp_path, "rejoin", "trainer.steps=3", "rollout.timeout_s=5")
+    overrides = collective(tmp_path, "rejoin", "trainer.steps=3", "rollout.timeout_s=15")
     first = first_samples(overrides, 3)
     faults = rows(8)
     # step 1: worker 1 dies; step 2: worker 0 hangs and is killed

@@ -54,8 +54,9 @@ def local_ray():
 
 
 def trailing(logged: list, *overrides):
-    # a wait that should not happen fails in seconds
-    defaults = ["+recipe=arith", "trainer.checkpoint_every=0", "trainer.timeout_s=5"]
+    # a wait that should not happen fails in a minute (not seconds: a loaded machine's Ray task
+    # can take seconds to schedule, and no passing test waits for it)
+    defaults = ["+recipe=arith", "trainer.checkpoint_every=0", "trainer.timeout_s=60"]
     cfg = plain(compose_config([*defaults, *overrides]))
     return Trailing(cfg, lambda step, metrics, sent: logged.append((step, metrics["loss"])))
 
