@@ -1,0 +1,273 @@
+"""How far from this machine's compute limit the learner and the engine run on SmolLM2-135M.
+
+    python bench/roofline.py [--quick] [--threads 1,2] [--dtypes float32,bfloat16]
+
+1. The limit: the best rate of square matrix products (2·n³ FLOP each, n = 1024 and 2048) in
+   float32 and bfloat16, with one thread and with every core.
+2. The learner: molt-wb's learner forward (models/heads.py: log-probs and entropy in chunks of
+   tokens), backward and AdamW step on 4 rows x 128 distinct tokens (no shared prompt), in model
+   FLOP = 6 · parameters · tokens.
+3. The engine: molt-wb's torch engine generating 32 new tokens for 8 prompts of 64 tokens: the
+   prefill (2 · parameters · prompt tokens) and the decode (2 · parameters · new tokens).
+4. The learner step's memory: the resident peak it adds (Linux's high-water mark, reset before the
+   step) with the output layer in chunks of tokens and with the whole batch's logits kept.
+
+Every rate is given per wall second and per CPU second of this process (all its threads): on a
+machine shared with other jobs the wall rate moves with their load and the CPU rate much less, so
+the model FLOP utilisation (MFU) is the model's rate per CPU second over the matrix products' rate
+per CPU second, same dtype and threads. Attention's own FLOP (quadratic in the sequence) are left
+out of the model FLOP, as is custom: at these lengths they are under 5 % of the total. The model is
+the converted SmolLM2-135M-Instruct (model=smollm2-135m: the hub, or the registry's GGUF converted
+once); `--quick` runs a random model of its shape with 4 of its 30 layers (no download), smaller
+batches and one step: a smoke run, figures printed, not asserted.
+"""
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from workbench.algo.losses import token_logprobs_entropy  # noqa: E402
+from workbench.engines.base import SamplingParams  # noqa: E402
+from workbench.engines.torch_engine import TorchEngine  # noqa: E402
+from workbench.models.heads import forward_logprobs_entropy  # noqa: E402
+from workbench.models.multimodal import load_policy  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# SmolLM2-135M's shape (its config.json)
+SMOLLM2 = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+)
+
+
+class Seconds:
+    """Wall seconds and this process's CPU seconds (every thread's) of the blocks it times."""
+
+    def __init__(self) -> None:
+        self.wall = 0.0
+        self.cpu = 0.0
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        wall = time.perf_counter()
+        cpu = time.process_time()
+        try:
+            yield
+        finally:
+            self.wall += time.perf_counter() - wall
+            self.cpu += time.process_time() - cpu
+
+    def rates(self, flop: float) -> tuple[float, float]:
+        """`flop` per wall second and per CPU second."""
+        return flop / max(self.wall, 1e-9), flop / max(self.cpu, 1e-9)
+
+
+def matmul_flops(n: int, dtype: torch.dtype, seconds: float) -> tuple[float, float]:
+    """The best FLOP per wall second and per CPU second of n x n matrix products in `dtype`, over
+    about `seconds`."""
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    torch.mm(a, b)  # warm-up: the kernel's first call
+    best = (0.0, 0.0)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        clock = Seconds()
+        with clock.timed():
+            torch.mm(a, b)
+        rates = clock.rates(2 * n**3)
+        best = (max(best[0], rates[0]), max(best[1], rates[1]))
+    return best
+
+
+def model_folder(quick: bool, scratch: str) -> str:
+    """The SmolLM2-135M checkpoint folder; with `quick`, a random 4-layer model of its shape."""
+    if not quick:
+        from workbench.models.pretrained import named_path
+
+        return str(named_path("smollm2-135m"))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**dict(SMOLLM2, num_hidden_layers=4), pad_token_id=2, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(scratch)
+    return scratch
+
+
+def learner_flops(
+    path: str, dtype: torch.dtype, rows: int, tokens: int, steps: int
+) -> tuple[float, float]:
+    """Model FLOP (6 · parameters · tokens) per wall second and per CPU second of the learner's
+    forward (log-probs and entropy in chunks), backward and AdamW step on `rows` x `tokens`
+    distinct ids."""
+    model = load_policy(path, str(dtype).removeprefix("torch.")).train()
+    parameters = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, model.config.vocab_size, (rows, tokens), generator=generator)
+    mask = torch.ones_like(ids)
+    inputs = dict(input_ids=ids, attention_mask=mask)
+    clock = Seconds()
+    for step in range(steps + 1):
+        # the first step warms up (and allocates AdamW's state): not counted
+        with clock.timed() if step else contextlib.nullcontext():
+            logprob, entropy = forward_logprobs_entropy(model, inputs, ids, 1.0, True)
+            loss = -(logprob * mask).mean() - 1e-3 * (entropy * mask).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return clock.rates(6 * parameters * rows * tokens * steps)
+
+
+def learner_peak_mb(path: str, rows: int, tokens: int, chunked: bool) -> float | None:
+    """The resident memory (MB) a learner step (forward with log-probs and entropy, backward)
+    adds at its peak over the memory before it, with the output layer in chunks of tokens or the
+    batch's whole logits; None where Linux's /proc is absent."""
+    status = Path("/proc/self/status")
+    if not status.exists():
+        return None
+    model = load_policy(path).train()
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, model.config.vocab_size, (rows, tokens), generator=generator)
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+    def step() -> None:
+        if chunked:
+            logprob, entropy = forward_logprobs_entropy(model, inputs, ids, 1.0, True)
+        else:
+            logits = model(**inputs).logits
+            logprob, entropy = token_logprobs_entropy(logits, ids, 1.0, True)
+        (-(logprob.mean()) - 1e-3 * entropy.mean()).backward()
+
+    step()  # the gradients' own memory, allocated once, is not the step's
+    model.zero_grad(set_to_none=False)
+
+    def kib(key: str) -> int:
+        line = next(x for x in status.read_text().splitlines() if x.startswith(key))
+        return int(line.split()[1])
+
+    Path("/proc/self/clear_refs").write_text("5")
+    before = kib("VmRSS")
+    step()
+    return (kib("VmHWM") - before) / 1e3
+
+
+def engine_flops(
+    path: str, dtype: torch.dtype, prompts: int, prompt_tokens: int, new_tokens: int
+) -> dict[str, tuple[float, float]]:
+    """The engine's prefill and decode model FLOP (2 · parameters · tokens) per wall second and
+    per CPU second, and its new tokens per second (wall and CPU), on `prompts` distinct random
+    prompts."""
+    engine = TorchEngine(path, str(dtype).removeprefix("torch."))
+    parameters = sum(p.numel() for p in engine.model.parameters())
+    generator = torch.Generator().manual_seed(1)
+    vocab = engine.model.config.vocab_size
+    batch = [
+        torch.randint(10, vocab, (prompt_tokens,), generator=generator).numpy()
+        for _ in range(prompts)
+    ]
+    engine.generate(batch[:1], SamplingParams(max_tokens=2, seed=0))  # warm-up
+    prefill = Seconds()
+    with prefill.timed():
+        engine.generate(batch, SamplingParams(max_tokens=1, seed=0))
+    total = Seconds()
+    with total.timed():
+        generations = engine.generate(batch, SamplingParams(max_tokens=new_tokens, seed=0))
+    new = sum(len(g.token_ids) for g in generations)
+    # the whole call less its prefill (and first token): new - 1 decode steps per row
+    decode = Seconds()
+    decode.wall = total.wall - prefill.wall
+    decode.cpu = total.cpu - prefill.cpu
+    return {
+        "prefill": prefill.rates(2 * parameters * prompts * prompt_tokens),
+        "decode": decode.rates(2 * parameters * (new - len(generations))),
+        "new tokens": total.rates(new),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="a random 4-layer model, one step")
+    parser.add_argument(
+        "--threads", default=f"1,{os.cpu_count()}", help="torch thread counts to measure"
+    )
+    parser.add_argument(
+        "--dtypes",
+        default="",
+        help="dtypes the model runs in (default: float32, and bfloat16 where its matrix products "
+        "beat float32's)",
+    )
+    args = parser.parse_args()
+    threads = sorted({int(t) for t in args.threads.split(",")})
+    seconds = 0.5 if args.quick else 3.0
+    sizes = (512,) if args.quick else (1024, 2048)
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"\nmatrix products (n x n, best of {seconds:.1f} s): GFLOP per wall s / per CPU s")
+    peak = {}
+    for name, dtype in DTYPES.items():
+        for count in threads:
+            torch.set_num_threads(count)
+            flops = [matmul_flops(n, dtype, seconds) for n in sizes]
+            peak[name, count] = (max(f[0] for f in flops), max(f[1] for f in flops))
+            pairs = zip(sizes, flops, strict=True)
+            cells = "  ".join(f"n={n} {w / 1e9:6.1f} / {c / 1e9:6.1f}" for n, (w, c) in pairs)
+            print(f"{name:>9}, {count} thread(s): {cells}")
+    dtypes = [d for d in args.dtypes.split(",") if d] or ["float32"]
+    # per CPU second: the figure other jobs on the machine move least
+    best = {name: max(peak[name, t][1] for t in threads) for name in DTYPES}
+    if not args.dtypes and best["bfloat16"] > best["float32"]:
+        dtypes.append("bfloat16")
+    rows, tokens, steps = (2, 32, 1) if args.quick else (4, 128, 2)
+    prompts, prompt_tokens, new_tokens = (2, 16, 8) if args.quick else (8, 64, 32)
+    with tempfile.TemporaryDirectory() as scratch:
+        path = model_folder(args.quick, scratch)
+        if args.quick:
+            print("\n--quick: a random model of SmolLM2-135M's shape with 4 of its 30 layers")
+        print(
+            f"\nSmolLM2-135M: learner {rows} x {tokens} tokens a step; engine {prompts} prompts "
+            f"of {prompt_tokens} tokens, {new_tokens} new each. Model GFLOP per wall s / per CPU "
+            f"s (MFU: the fraction of the same dtype's and threads' matrix-product peak, per CPU s)"
+        )
+        for name in dtypes:
+            for count in threads:
+                torch.set_num_threads(count)
+                limit = peak[name, count][1]
+                figures = {"learner": learner_flops(path, DTYPES[name], rows, tokens, steps)}
+                figures |= engine_flops(path, DTYPES[name], prompts, prompt_tokens, new_tokens)
+                print(f"{name:>9}, {count} thread(s):")
+                for part, (wall, cpu) in figures.items():
+                    if part == "new tokens":
+                        print(f"{'':>11}{part:<10} {wall:7.1f} / s wall, {cpu:7.1f} / CPU s")
+                        continue
+                    print(
+                        f"{'':>11}{part:<10} {wall / 1e9:7.1f} / {cpu / 1e9:7.1f} "
+                        f"(MFU {cpu / limit:.0%})"
+                    )
+        chunked = learner_peak_mb(path, rows, tokens, chunked=True)
+        if chunked is not None:
+            whole = learner_peak_mb(path, rows, tokens, chunked=False)
+            print(
+                f"\nlearner step's resident peak over its start ({rows} x {tokens} tokens, "
+                f"float32): output layer in chunks {chunked:.0f} MB, whole logits {whole:.0f} MB"
+            )
+
+
+if __name__ == "__main__":
+    main()
