@@ -20,6 +20,7 @@ from workbench.run.faults import RunFailed
 from workbench.run.summary import figures, render
 from workbench.store import nonfinite, open_run
 from workbench.store.actor import StoreActor
+from workbench.store.alarms import Announcer
 from workbench.tui.data import RunData
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -72,14 +73,14 @@ def store_step(store: StoreActor, step: int, segments, rows, metrics: dict) -> N
     store.write_step(step, {"train/version": float(step + 1)} | metrics, rows, segments)
 
 
-def test_each_nonfinite_value_is_counted_warned_once_and_named_with_its_first_step(
-    tmp_path, capsys
-):
+def test_each_nonfinite_value_is_counted_warned_once_and_named_with_its_first_step(tmp_path):
     from store.test_store import learner_rows, make_segments
 
     cfg = compose_config(["+recipe=arith", f"run.root={tmp_path}", "run.id=nan", "tracking=none"])
     row = {"run_id": "nan", "created": 0.0, "steps": 3, "status": "running", "config": {}}
     store = StoreActor(cfg, str(tmp_path / "nan"), row)
+    # the driver's side: it prints the store's alarm rows (the actor's own output goes to Ray's logs)
+    announcer = Announcer(tmp_path / "nan", f"molt-wb runs nan --root {tmp_path}")
     clean = make_segments(2, length=5)
     store_step(store, 0, clean, learner_rows(clean), {"policy/entropy": 0.7})
     for step in (1, 2):
@@ -91,15 +92,12 @@ def test_each_nonfinite_value_is_counted_warned_once_and_named_with_its_first_st
         metrics = {"policy/entropy": float("nan"), "mismatch/kl": 0.0}
         store_step(store, step, segments, rows, metrics)
     store.close("finished")
-    warned = capsys.readouterr().out
-    assert warned.count("warning: policy/entropy has 1 non-finite") == 1
-    assert (
-        warned.count("warning: tokens.entropy has 2 non-finite value(s) (NaN or inf) at step 1")
-        == 1
-    )
-    assert warned.count("warning: tokens.train_logprob has 1") == 1
-    # the command it points to finds the run where it is
-    assert f"(`molt-wb runs nan --root {tmp_path}` names every such key)" in warned
+    warned = announcer.lines()
+    assert warned == [
+        f"alarm at step 1, nonfinite: {key} has {bad} non-finite value(s) (NaN or inf); the run "
+        f"goes on and counts them in audit/nonfinite/{key} (molt-wb runs nan --root {tmp_path})"
+        for key, bad in [("policy/entropy", 1), ("tokens.entropy", 2), ("tokens.train_logprob", 1)]
+    ]
     db = open_run("nan", str(tmp_path))
     audit = dict(
         db.execute(

@@ -9,7 +9,6 @@ import time
 
 from workbench.store import nonfinite
 from workbench.store.alarms import Alarms, health_metrics, stored_metrics
-from workbench.store.query import root_option
 from workbench.store.schema import ALARMS, EVAL, FAILED_EPISODES, METRICS, rows_table, step_tables
 from workbench.store.writer import RunWriter
 from workbench.tracking import make_sinks
@@ -31,8 +30,6 @@ class StoreActor:
 
     def __init__(self, cfg, run_dir, run_row):
         self.run_id = cfg.run.id
-        # the command a warning points to
-        self.runs_command = f"molt-wb runs {cfg.run.id}{root_option(cfg.run.root)}"
         self.writer = RunWriter(run_dir, run_row, cfg.run.flush_rows, cfg.run.flush_seconds)
         if cfg.run.flush_seconds > 0:
             self.writer.flush_every(cfg.run.flush_seconds)
@@ -71,11 +68,14 @@ class StoreActor:
         # no silent NaN: every metric and float column counted as it is written
         counts = nonfinite.count(metrics, tables)
         metrics = metrics | nonfinite.audit_metrics(counts)
-        for key in counts.keys() - self.nonfinite_keys:
-            print(nonfinite.warning(step, key, counts[key], self.runs_command), flush=True)
+        # each key once, as an alarm the driver prints
+        warned = [
+            nonfinite.firing(key, counts[key])
+            for key in sorted(counts.keys() - self.nonfinite_keys)
+        ]
         self.nonfinite_keys |= counts.keys()
         self._append(tables)
-        self.log(step, metrics)
+        self.log(step, metrics, warned)
         self.writer.update_run(
             at_flush=True,
             steps_done=int(metrics["train/version"]),
@@ -93,14 +93,16 @@ class StoreActor:
         self.writer.flush()
         return dict(self.writer.next_shard)
 
-    def log(self, step, metrics):
+    def log(self, step, metrics, warned=()):
+        """One step's metrics to the store and the sinks; the alarms they fire, and the `warned`
+        ones (nonfinite), as rows of the alarms table."""
         now = time.time()
         rows = [{"key": key, "value": float(value), "time": now} for key, value in metrics.items()]
         self.writer.append("metrics", rows_table(METRICS, self.run_id, step, rows))
         for sink in self.sinks:
             sink.log(metrics, step)
         # each alarm once, where its condition starts to hold: a row of the alarms table
-        fired = self.alarms.observe(step, metrics)
+        fired = [*warned, *self.alarms.observe(step, metrics)]
         if fired:
             alarm_rows = [dict(vars(firing), time=now) for firing in fired]
             self.writer.append("alarms", rows_table(ALARMS, self.run_id, step, alarm_rows))

@@ -15,6 +15,8 @@ import math
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from workbench.store.alarms import Firing
+
 TOTAL = "audit/nonfinite"
 # losses and gradients: a non-finite value here has reached (or is about to reach) the weights
 STOP_KEYS = ("loss/policy", "loss/grad_norm")
@@ -48,12 +50,19 @@ def audit_metrics(counts: dict[str, int]) -> dict[str, float]:
     return metrics
 
 
-def warning(step: int, key: str, bad: int, runs: str) -> str:
-    """The one line the run prints the first time `key` has a non-finite value; `runs` is the
-    command that names every such key (`molt-wb runs RUN --root DIR`)."""
-    return (
-        f"warning: {key} has {bad} non-finite value(s) (NaN or inf) at step {step}; the run goes "
-        f"on and counts them in {TOTAL}/{key} (`{runs}` names every such key)."
+def firing(key: str, bad: int) -> Firing:
+    """The `nonfinite` row of the alarms table the first time `key` has a non-finite value: the
+    driver prints it as the run goes (alarms.Announcer; the store actor's own output goes to Ray's
+    logs), the summary and the TUI list it."""
+    return Firing(
+        rule="nonfinite",
+        metric=f"{TOTAL}/{key}",
+        value=float(bad),
+        threshold=0.0,
+        evidence=(
+            f"{key} has {bad} non-finite value(s) (NaN or inf); the run goes on and counts them "
+            f"in {TOTAL}/{key}"
+        ),
     )
 
 
