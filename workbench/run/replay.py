@@ -218,7 +218,7 @@ def diff_outputs(
             _equal("routing mismatched", [r["mismatched"] for r in step.routing], replayed)
         )
     if not whole:
-        note = f"{len(step.segments)} of {step.batch_rows} rows: not compared (whole batch)"
+        note = f"not compared: {len(step.segments)} of {step.batch_rows} rows, these need all"
         return [*diffs, Diff("advantages, loss, grad norm, metrics", 0, 0.0, atol, True, note)]
     token_advantage = rows.get("token_advantage")
     if token_advantage is None:

@@ -53,9 +53,10 @@ def read_table(run_dir: Path, table: str, step: int) -> pa.Table:
     shards = sorted(Path(run_dir, table).glob("part-*.parquet"))
     pieces = []
     for shard in shards:
-        rows = pq.read_table(shard)
+        # row groups of other steps are skipped by their statistics
+        rows = pq.read_table(shard, filters=[("step", "=", step)])
         if rows.num_rows:
-            pieces.append(rows.filter(pa.compute.equal(rows["step"], step)))
+            pieces.append(rows)
     if not pieces:
         return pa.table({"step": pa.array([], pa.int32())})
     return pa.concat_tables(pieces, promote_options="default")

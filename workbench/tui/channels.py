@@ -55,16 +55,6 @@ CHANNELS = {
         lambda t: len(t["mismatched_layers"]),
         [(0.5, "green", "same experts"), (math.inf, "red", "mismatch")],
     ),
-    # the largest part of the token's off-policy gap: the cause of most of its δ
-    "gap cause": (
-        dominant_gap,
-        [
-            (0.5, "yellow", "staleness"),
-            (1.5, "magenta", "routing"),
-            (2.5, "cyan", "sampler"),
-            (math.inf, "green", "numerics"),
-        ],
-    ),
     # the learner's entropy of the distribution the token was drawn from, in nats
     "entropy": (
         lambda t: t["entropy"],
@@ -73,6 +63,16 @@ CHANNELS = {
             (0.5, "yellow", "<.5"),
             (1.5, "dark_orange", "<1.5"),
             (math.inf, "red", "≥1.5 nats"),
+        ],
+    ),
+    # the largest part of the token's off-policy gap: the cause of most of its δ
+    "gap cause": (
+        dominant_gap,
+        [
+            (0.5, "yellow", "staleness"),
+            (1.5, "magenta", "routing"),
+            (2.5, "cyan", "sampler"),
+            (math.inf, "green", "numerics"),
         ],
     ),
 }
