@@ -122,3 +122,31 @@ def test_episodes_run_through_a_rollout_worker(tiny_path: str) -> None:
     for segment in segments:
         assert segment.reward in (0.0, 1.0)
         assert segment.audit["identity"]
+
+
+@pytest.mark.slow
+def test_the_smol_gcd_recipe_trains_the_real_model_with_identity_intact(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from workbench.models import pretrained
+
+    # the conversion, once per model cache (tests/test_real_model.py makes the same)
+    if not pretrained.cached_path("smollm2-135m"):
+        pytest.importorskip("gguf", reason="no SmolLM2 copy is cached and the gguf extra is absent")
+        try:
+            pretrained.pretrained_path("smollm2-135m")
+        except pretrained.Unreachable as error:
+            pytest.skip(str(error))
+    root = str(tmp_path)
+    train = [sys.executable, "-m", "workbench.cli", "train", "+recipe=smol_gcd", "run.id=smol"]
+    train += ["trainer.steps=2", "trainer.prompts_per_step=2", "trainer.group_size=2"]
+    train += ["engine.max_tokens=8", "tracking=none", "run.progress=false", f"run.root={root}"]
+    result = subprocess.run(train, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "0 violations" in result.stdout
+    scored = [sys.executable, "-m", "workbench.cli", "eval", "smol", "--root", root]
+    scored += ["eval.size=2", "eval.temperature=0"]
+    result = subprocess.run(scored, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "eval eval_dataset step 1: n=2" in result.stdout
