@@ -70,7 +70,9 @@ class GapAudit:
         self.top_p = cfg.engine.top_p if cfg.engine.temperature > 0 else 1.0
         # versions rollout can still sample from: behind by async_depth, one more mid-sequence
         self.keep = 0
-        if self.rows and (cfg.trainer.async_depth or cfg.rollout.partial):
+        # sharded learners (ray.learner_workers > 1) hold DTensor shards: no copies, on-policy only
+        sharded = cfg.ray.learner_workers > 1
+        if self.rows and (cfg.trainer.async_depth or cfg.rollout.partial) and not sharded:
             self.keep = cfg.trainer.async_depth + 1 + int(cfg.rollout.partial)
         self.trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
         # version -> a copy of the trainable parameters at that version
