@@ -2,8 +2,9 @@
 
     python bench/roofline.py [--quick] [--threads 1,2] [--dtypes float32,bfloat16]
 
-1. The limit: the best rate of square matrix products (2·n³ FLOP each, n = 1024 and 2048) in
-   float32 and bfloat16, with one thread and with every core.
+1. The limit: the best rate of matrix products (2·m·k·n FLOP each: square ones of 512, 1024 and
+   2048, and the model's own MLP projection of 512 tokens, 512 x 576 by 576 x 1536) in float32
+   and bfloat16, with one thread and with every core.
 2. The learner: molt-wb's learner forward (models/heads.py: log-probs and entropy in chunks of
    tokens), backward and AdamW step on 4 rows x 128 distinct tokens (no shared prompt), in model
    FLOP = 6 · parameters · tokens.
@@ -80,19 +81,27 @@ class Seconds:
         return flop / max(self.wall, 1e-9), flop / max(self.cpu, 1e-9)
 
 
-def matmul_flops(n: int, dtype: torch.dtype, seconds: float) -> tuple[float, float]:
-    """The best FLOP per wall second and per CPU second of n x n matrix products in `dtype`, over
-    about `seconds`."""
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
+def matmul_flops(
+    shape: tuple[int, int, int], dtype: torch.dtype, seconds: float
+) -> tuple[float, float]:
+    """The best FLOP per wall second and per CPU second of [m, k] x [k, n] matrix products in
+    `dtype`, over about `seconds`."""
+    m, k, n = shape
+    a = torch.randn(m, k).to(dtype)
+    b = torch.randn(k, n).to(dtype)
     torch.mm(a, b)  # warm-up: the kernel's first call
     best = (0.0, 0.0)
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         clock = Seconds()
+        products = 0
+        # samples of 50 ms at least: other threads' CPU time is counted at the scheduler's ticks
         with clock.timed():
-            torch.mm(a, b)
-        rates = clock.rates(2 * n**3)
+            begin = time.perf_counter()
+            while products == 0 or time.perf_counter() - begin < 0.05:
+                torch.mm(a, b)
+                products += 1
+        rates = clock.rates(2 * m * k * n * products)
         best = (max(best[0], rates[0]), max(best[1], rates[1]))
     return best
 
@@ -217,18 +226,22 @@ def main() -> None:
     args = parser.parse_args()
     threads = sorted({int(t) for t in args.threads.split(",")})
     seconds = 0.5 if args.quick else 3.0
-    sizes = (512,) if args.quick else (1024, 2048)
+    shapes = [(512, 512, 512)]
+    if not args.quick:
+        # square products, and SmolLM2's MLP up-projection over 512 tokens
+        shapes += [(1024, 1024, 1024), (2048, 2048, 2048), (512, 576, 1536)]
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"\nmatrix products (n x n, best of {seconds:.1f} s): GFLOP per wall s / per CPU s")
+    print(f"\nmatrix products (m x k x n, best of {seconds:.1f} s): GFLOP per wall s / per CPU s")
     peak = {}
     for name, dtype in DTYPES.items():
         for count in threads:
             torch.set_num_threads(count)
-            flops = [matmul_flops(n, dtype, seconds) for n in sizes]
+            flops = [matmul_flops(shape, dtype, seconds) for shape in shapes]
             peak[name, count] = (max(f[0] for f in flops), max(f[1] for f in flops))
-            pairs = zip(sizes, flops, strict=True)
-            cells = "  ".join(f"n={n} {w / 1e9:6.1f} / {c / 1e9:6.1f}" for n, (w, c) in pairs)
-            print(f"{name:>9}, {count} thread(s): {cells}")
+            print(f"{name:>9}, {count} thread(s):")
+            for shape, (wall, cpu) in zip(shapes, flops, strict=True):
+                size = "x".join(map(str, shape))
+                print(f"{'':>11}{size:<15} {wall / 1e9:7.1f} / {cpu / 1e9:7.1f}")
     dtypes = [d for d in args.dtypes.split(",") if d] or ["float32"]
     # per CPU second: the figure other jobs on the machine move least
     best = {name: max(peak[name, t][1] for t in threads) for name in DTYPES}
