@@ -4,18 +4,21 @@ the jail), one call at a time and 8 at once.
 
     python bench/sandbox.py [--quick] [--calls 40] [--parallel 8]
 
-The jail's cost is its median latency minus the process isolation's, one call at a time.
+The jail's cost is its median latency minus the process isolation's, one call at a time; the
+`bare` row is the jail's own Python and prelude started without bwrap, what bwrap adds to.
 """
 
 import argparse
 import os
 import statistics
+import subprocess
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from workbench.api import load_plugin
 from workbench.tools import jail
-from workbench.tools.sandbox import run_python, use_isolation
+from workbench.tools.sandbox import PRELUDE, run_python, use_isolation
 
 TRIVIAL = "print(1)"
 
@@ -27,11 +30,29 @@ def geo3k_call() -> str:
     return geo3k.prelude(sample) + "final_answer(180 - sum(values))"
 
 
+def bare(code: str) -> None:
+    """The jail's Python and prelude in a temporary directory, no jail: what bwrap adds to."""
+    with tempfile.TemporaryDirectory() as workdir:
+        subprocess.run(
+            [jail.interpreter(), "-I", "-S", "-c", PRELUDE],
+            input=f"\n{code}".encode(),
+            cwd=workdir,
+            env={},
+            capture_output=True,
+            check=True,
+            # a session of its own, as the sandbox's processes have (the scheduler's autogroups)
+            start_new_session=True,
+        )
+
+
 def timed(code: str, isolation: str) -> float:
     """Seconds one call takes; the call must succeed."""
     started = time.perf_counter()
-    result = run_python(code, isolation=isolation)
-    assert result.error is None, result
+    if isolation == "bare":
+        bare(code)
+    else:
+        result = run_python(code, isolation=isolation)
+        assert result.error is None, result
     return time.perf_counter() - started
 
 
@@ -64,6 +85,7 @@ def main() -> None:
     if jail.unavailable():
         print(f"no jail on this host, the process isolation only: {jail.unavailable()}")
     else:
+        modes += [("bare (the jail's Python, no bwrap)", "bare", 0)]
         modes += [("jail, sandbox.warm=0", "jail", 0), ("jail, sandbox.warm=2", "jail", 2)]
         modes += [(f"jail, sandbox.warm={args.parallel}", "jail", args.parallel)]
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; {calls} calls a figure")
@@ -72,7 +94,7 @@ def main() -> None:
     medians = {}
     for program, code in (("trivial", TRIVIAL), ("geo3k tool call", geo3k_call())):
         for label, isolation, warm in modes:
-            use_isolation(isolation, warm)
+            use_isolation("process" if isolation == "bare" else isolation, warm)
             median_ms, rate = serial(code, isolation, calls)
             at_once = parallel(code, isolation, calls, args.parallel)
             medians[program, label] = median_ms
@@ -80,9 +102,11 @@ def main() -> None:
     use_isolation("jail")
     process = modes[0][0]
     for program, label in medians:
-        if label != process:
+        if label.startswith("jail"):
             cost = medians[program, label] - medians[program, process]
             print(f"jail cost, {program}, {label}: {cost:+.1f} ms a call at the median")
+            added = medians[program, label] - medians[program, modes[1][0]]
+            print(f"  of which over the bare start of the jail's Python: {added:+.1f} ms")
 
 
 if __name__ == "__main__":
