@@ -238,7 +238,8 @@ def test_the_readme_is_short_and_opens_with_the_two_commands_ci_runs():
     assert len(text.splitlines()) <= 250
     commands = [code.strip() for language, code in code_blocks(text) if language == "bash"][:2]
     assert commands == [
-        "python3 -m venv .venv && . .venv/bin/activate && pip install -e . "
+        "apt-get update && apt-get install -y bubblewrap  # the jail for model-written code (sudo "
+        "unless root)\npython3 -m venv .venv && . .venv/bin/activate && pip install -e . "
         "&& molt-wb train +recipe=geo3k",
         "python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[test]' "
         "&& python -m pytest -q",
