@@ -188,7 +188,7 @@ class Pool:
     skips the jail's start-up. Each runs one program only, so none sees another's files. Started
     from one long-lived thread: bwrap's --die-with-parent follows the thread that started it."""
 
-    def __init__(self, argv: list[str], work_mb: int, size: int):
+    def __init__(self, argv: list[str], work_mb: int, size: int) -> None:
         self.argv = argv
         self.work_mb = work_mb
         self.size = size

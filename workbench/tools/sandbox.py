@@ -33,6 +33,7 @@ import threading
 import time
 from dataclasses import dataclass
 from types import ModuleType
+from typing import IO
 
 from workbench.tools import jail
 
@@ -193,7 +194,7 @@ def _netns_prefix() -> tuple[str, ...]:
     return prefix if probe.returncode == 0 else ()
 
 
-def _read(handle, limit: int) -> tuple[str, bool]:
+def _read(handle: IO[bytes], limit: int) -> tuple[str, bool]:
     """The first `limit` bytes of an output file as text, and whether it held more."""
     handle.seek(0)
     data = handle.read(limit + 1)
