@@ -1,7 +1,9 @@
 """Run model-written Python in a jail: the policy's Python tool, and every grader of its code.
 
 Boundary: the code can harm nothing outside its own jail, which holds the OS's `/usr` read-only and
-one empty work folder deleted afterwards (workbench/tools/jail.py says what it assumes of the host).
+one empty work folder deleted afterwards. It assumes of the host: `bwrap` on PATH, unprivileged
+user namespaces on, a Python 3 under `/usr`, and a kernel without an exploit reachable from an
+unprivileged process (workbench/tools/jail.py has the jail's command line).
 Invariant: whatever the code does, the caller gets a `SandboxResult` back within the timeout (plus
 jail start-up) and is never crashed, blocked or flooded by it.
 
