@@ -28,6 +28,7 @@ error. Games of two or more players are refused: one policy plays one seat here.
 import functools
 import importlib
 import inspect
+import random
 import re
 from typing import Any
 
@@ -37,6 +38,8 @@ from workbench.api import Env, Result
 EVAL_OFFSET = 1_000_000
 # `agent.plugin=textarena` without a game
 DEFAULT_GAME = "GuessTheNumber-v0"
+# the most moves of a warm-start teacher's game
+TEACHER_TURNS = 8
 
 
 def _textarena() -> Any:
@@ -113,13 +116,63 @@ class TextArenaEnv(Env):
 
     @classmethod
     def make_dataset(cls, size: int, seed: int, **settings: Any) -> list[dict[str, Any]]:
-        """`size` games: the seeds `seed .. seed + size - 1`."""
-        return [{"id": index, "seed": seed + index} for index in range(size)]
+        """`size` games: the seeds `seed .. seed + size - 1`, each with the game's settings (what
+        the warm start's teacher plays)."""
+        return [{"id": index, "seed": seed + index, "settings": settings} for index in range(size)]
 
     @classmethod
     def eval_dataset(cls, size: int, seed: int, **settings: Any) -> list[dict[str, Any]]:
         """`size` held-out games, at seeds from `seed + EVAL_OFFSET` (none a training seed)."""
         return cls.make_dataset(size, seed + EVAL_OFFSET)
+
+
+def _guess_the_number_move(env: TextArenaEnv, rng: random.Random, interval: list[int]) -> str:
+    """A noisy teacher's move: half the time no number (an invalid move, which costs a turn),
+    otherwise half the time the middle of the numbers the hints leave (`interval`, narrowed here
+    by the guess's hint) and half the time any number of the range."""
+    game = env.arena
+    # the game under textarena's wrappers
+    while hasattr(game, "env"):
+        game = game.env
+    draw = rng.random()
+    if draw < 0.5:
+        return "?"
+    guess = rng.randint(game.min_number, game.max_number)
+    if draw < 0.75:
+        guess = (interval[0] + interval[1]) // 2
+    # what the hint will say
+    if guess < game.game_number:
+        interval[0] = max(interval[0], guess + 1)
+    elif guess > game.game_number:
+        interval[1] = min(interval[1], guess - 1)
+    return f"[{guess}]"
+
+
+def _guess_the_number_teacher(
+    cls: type[TextArenaEnv], sample: dict[str, Any], rng: random.Random
+) -> list[dict[str, str]]:
+    """One game of the noisy teacher, as the turns after the opening (`model.warm_start_steps`):
+    played on the real game, so every feedback message is the game's own."""
+    env = cls(**sample.get("settings", {}))
+    env.reset(sample)
+    game = env.arena
+    while hasattr(game, "env"):
+        game = game.env
+    interval = [game.min_number, game.max_number]
+    turns = []
+    for _ in range(TEACHER_TURNS):
+        move = _guess_the_number_move(env, rng, interval)
+        turns.append({"role": "assistant", "content": move})
+        result = env.step(move)
+        if result.terminated:
+            return turns
+        turns.append({"role": "user", "content": result.observation})
+    # the demonstration ends on the teacher's move
+    return turns[:-1]
+
+
+# the games with a warm-start teacher
+TEACHERS = {"GuessTheNumber-v0": _guess_the_number_teacher}
 
 
 @functools.cache
@@ -150,6 +203,8 @@ def __getattr__(game: str) -> type[TextArenaEnv]:
             f"the word games download nltk data and fail offline: choose another game."
         ) from None
     attributes = {"game": game, "__signature__": _settings_signature(game)}
+    if game in TEACHERS:
+        attributes["warm_start"] = classmethod(TEACHERS[game])
     return type(f"TextArena[{game}]", (TextArenaEnv,), attributes)
 
 
@@ -157,8 +212,10 @@ class GuessTheNumber(TextArenaEnv):
     """`agent.plugin=textarena` without a game: GuessTheNumber-v0."""
 
     game = DEFAULT_GAME
+    warm_start = classmethod(_guess_the_number_teacher)
 
 
 AgentRunner = GuessTheNumber
 make_dataset = GuessTheNumber.make_dataset
 eval_dataset = GuessTheNumber.eval_dataset
+warm_start = GuessTheNumber.warm_start
