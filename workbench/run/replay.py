@@ -8,6 +8,7 @@ weights, gate decisions, route mismatches) are compared for any rows; those of t
 (advantages, loss, gradient norm, the step's metrics) when the bundle holds the whole batch.
 """
 
+import json
 import math
 import tempfile
 import warnings
@@ -24,9 +25,11 @@ from workbench.store.query import resolve_run
 
 # embedded weights larger than this go in a bundle as their path and hash (--max-mb)
 MAX_EMBEDDED_MB = 64
-# metrics a replay cannot reproduce: timings, the rollout's own audit (not in the store), and the
-# off-policy gap (its staleness reads the weights of earlier versions, which a bundle does not hold)
-NOT_REPLAYED = ("perf/", "identity/", "audit/", "time/", "gap/")
+# metrics a replay cannot reproduce: timings, the rollout's own audit (not in the store), the
+# off-policy gap (its staleness reads the weights of earlier versions, which a bundle does not
+# hold), and the route fractions (the store keeps the rollout's experts only where the learner's
+# differed, so their denominators are lost; the mismatch counts per layer are compared instead)
+NOT_REPLAYED = ("perf/", "identity/", "audit/", "time/", "gap/", "routing/")
 
 
 def config_of(config_yaml: str, overrides: list[str] | None = None) -> DictConfig:
@@ -70,9 +73,13 @@ def make_bundle(
             f"Run {run_dir.name} trains a LoRA adapter, which bundles do not hold yet: bundle a "
             f"run with model.lora.rank=0."
         )
-    step_rows = read_step(run_dir, step, rows)
-    version = step_rows.learner_version
+    version = read_step(run_dir, step, 1).learner_version
     weights = {"policy": _policy_at(run_dir, cfg, step, version)}
+    step_rows = read_step(run_dir, step, rows, _experts_per_token(weights["policy"]))
+    # one optimizer step a batch: every output comes before it, so the optimizer's state (and the
+    # checkpoint's pickled files) is not needed: the policy's safetensors alone
+    if cfg.trainer.minibatches == 1 and (weights["policy"] / "policy").is_dir():
+        weights["policy"] = weights["policy"] / "policy"
     if cfg.algo.kl_coef > 0:
         weights["reference"] = _starting_policy(cfg)
     from workbench.run.model_paths import teacher_path
@@ -120,6 +127,15 @@ def _policy_at(run_dir: Path, cfg: DictConfig, step: int, version: int) -> Path:
     )
 
 
+def _experts_per_token(folder: Path) -> int:
+    """The experts a MoE policy in `folder` (a checkpoint or a policy folder) routes each token
+    to; 1 for a dense one."""
+    config = folder / "policy" / "config.json"
+    if not config.exists():
+        config = folder / "config.json"
+    return int(json.loads(config.read_text()).get("num_experts_per_tok") or 1)
+
+
 def _starting_policy(cfg: DictConfig) -> Path:
     """The policy the run started from (model.path, or the tiny model as the run built it)."""
     from workbench.run.model_paths import policy_path
@@ -152,7 +168,12 @@ def replay(bundle: str, atol: float = 1e-4, rtol: float = 1e-4) -> tuple[dict, l
             config_yaml, ["ray.learner_workers=1", "ray.learner_gpus=0", "run.resume=false"]
         )
         metrics, rows = _train(cfg, folders, meta, step)
-    return meta, diff_outputs(step, metrics, rows, atol, rtol)
+    skip = ()
+    # without replay, the replay-on forward beside π_old forced the rollout's routes everywhere,
+    # and the bundle holds them only where the live router differed
+    if not cfg.algo.routing_replay and any(r["mismatched"] for r in step.routing):
+        skip = ("mismatch/kl_replay",)
+    return meta, diff_outputs(step, metrics, rows, atol, rtol, skip)
 
 
 def _weights_folder(meta: dict, name: str, scratch: Path) -> Path:
@@ -180,6 +201,7 @@ def _train(
     checkpoint = meta["weights"]["policy"]["checkpoint"]
     teacher = folders.get("teacher")
     learner = Learner(cfg, str(policy / "policy" if checkpoint else policy), teacher=teacher)
+    learner.version = meta["learner_version"]
     if checkpoint:
         # one process, no process group: torch.distributed.checkpoint warns that it loads alone
         with warnings.catch_warnings():
@@ -191,9 +213,14 @@ def _train(
 
 
 def diff_outputs(
-    step: StepRows, metrics: dict[str, float], rows: dict[str, Any], atol: float, rtol: float
+    step: StepRows,
+    metrics: dict[str, float],
+    rows: dict[str, Any],
+    atol: float,
+    rtol: float,
+    skip: tuple[str, ...] = (),
 ) -> list[Diff]:
-    """Every replayed output against the recorded one."""
+    """Every replayed output against the recorded one (but the metrics in `skip`)."""
     whole = len(step.segments) == step.batch_rows
     recorded = step.token_outputs
     diffs = [
@@ -226,7 +253,7 @@ def diff_outputs(
         token_advantage = [np.repeat(np.asarray(rows["advantage"], np.float32), lengths)]
     diffs.append(_close("advantage", recorded["advantage"], token_advantage[0], atol, rtol))
     for key in sorted(step.metrics):
-        if key in metrics and not key.startswith(NOT_REPLAYED):
+        if key in metrics and not key.startswith(NOT_REPLAYED) and key not in skip:
             diffs.append(_close(key, [step.metrics[key]], [metrics[key]], atol, rtol))
     return diffs
 

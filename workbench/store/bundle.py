@@ -70,9 +70,9 @@ def steps_stored(run_dir: Path) -> list[int]:
     return sorted(steps)
 
 
-def read_step(run_dir: Path, step: int, rows: int | None = None) -> StepRows:
-    """Step `step` of the run in `run_dir`, its first `rows` segments (None: all); ValueError
-    when the store holds no such step."""
+def read_step(run_dir: Path, step: int, rows: int | None = None, top_k: int = 1) -> StepRows:
+    """Step `step` of the run in `run_dir`, its first `rows` segments (None: all), with a MoE
+    policy's routes `top_k` experts wide; ValueError when the store holds no such step."""
     segments_table = read_table(run_dir, "segments", step)
     if not segments_table.num_rows:
         stored = steps_stored(run_dir)
@@ -89,7 +89,7 @@ def read_step(run_dir: Path, step: int, rows: int | None = None) -> StepRows:
     for row in segment_rows:
         key = (row["rollout_id"], row["segment_idx"])
         token_rows = by_segment[key].sort_values("position")
-        segments.append(segment_of(run_dir, row, token_rows, routing))
+        segments.append(segment_of(run_dir, row, token_rows, routing, top_k))
         for name in TOKEN_OUTPUTS:
             outputs[name].append(token_rows[name].to_numpy(np.float32, na_value=np.nan))
     gate_rows = read_table(run_dir, "gate_decisions", step).to_pylist()[:keep]
@@ -110,7 +110,9 @@ def read_step(run_dir: Path, step: int, rows: int | None = None) -> StepRows:
     )
 
 
-def segment_of(run_dir: Path, row: dict, tokens: Any, routing: list[dict]) -> Segment:
+def segment_of(
+    run_dir: Path, row: dict, tokens: Any, routing: list[dict], top_k: int = 1
+) -> Segment:
     """The Segment of a `segments` row and its `tokens` rows (a DataFrame, by position). Its
     routes: the rollout's experts where the learner's live router chose others, -1 (the live
     choice) elsewhere; under replay the forward is the one the learner ran, since at every other
@@ -125,7 +127,7 @@ def segment_of(run_dir: Path, row: dict, tokens: Any, routing: list[dict]) -> Se
     routed_experts = None
     if mine:
         layers = max(r["layer"] for r in mine) + 1
-        top_k = max((len(e) for r in mine for e in r["rollout_experts"]), default=1)
+        top_k = max((len(e) for r in mine for e in r["rollout_experts"]), default=top_k)
         routed_experts = np.full((len(tokens), layers, top_k), -1, dtype=np.int16)
         for r in mine:
             for position, experts in zip(r["positions"], r["rollout_experts"], strict=True):
