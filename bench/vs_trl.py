@@ -2,9 +2,12 @@
 
     pip install -e '.[bench]'
     python bench/vs_trl.py [--quick] [--steps N] [--seeds 0-5] [--target 0.75] [override ...]
+    python bench/vs_trl.py --model smollm2-135m --task gcd [...]   # the real model (#43)
 
 Both sides train the arith recipe's warm-started tiny Qwen3 (built offline, same checkpoint) on the
-recipe's data and reward (plugins/arith.py), with the same group size, prompts per step, completion
+recipe's data and reward (plugins/arith.py) or, with `--model smollm2-135m --task TASK`, the
+real SmolLM2-135M-Instruct on the recipe `smol_TASK` (a reasoning-gym task, its env_kwargs and
+reward: plugins/reasoning_gym.py), with the same group size, prompts per step, completion
 length, learning rate (constant), clip, temperature and number of steps, GRPO advantages (group std)
 and a token-mean loss, no KL term, on the CPU: molt-wb through `loop.train` (Ray actors, run store,
 gate), TRL through `GRPOTrainer` (no vLLM, no hub, report_to none). Each side runs in its own child
@@ -16,7 +19,8 @@ and training overlap.
 TRL runs twice: as shipped, and with OMP_WAIT_POLICY=PASSIVE (what molt-wb sets for its Ray actors),
 so the ratio shows what is framework and what is that setting. Step times exclude start-up and the
 first (warm-up) step; generated tokens are sampled completion tokens (stop token included) on both
-sides. Prints each side and the ratios molt-wb / TRL.
+sides. Prints each side and the ratios molt-wb / TRL; reward per minute is the reward the steady
+steps earned (mean reward x episodes) over their wall-clock minutes.
 
 Speed at equal reward: each side's training time until its reward, averaged over 5 steps, first
 reaches `--target` (time to target: the steps' own times, the warm-up step counted at the steady
@@ -55,9 +59,11 @@ OFFLINE = {
 def config(steps: int, extra: list[str], root: str = "runs"):
     from workbench.config import compose_config
 
+    # the arith recipe unless the overrides name one (--model smollm2-135m --task TASK)
+    recipe = [] if any(o.startswith("+recipe=") for o in extra) else ["+recipe=arith"]
     return compose_config(
         [
-            "+recipe=arith",
+            *recipe,
             f"trainer.steps={steps}",
             "tracking=none",
             "run.progress=false",
@@ -73,10 +79,9 @@ def run_molt(steps: int, extra: list[str], model_path: str) -> dict:
     from workbench.store import open_run
 
     with tempfile.TemporaryDirectory() as root:
+        cfg = config(steps, [*extra, f"model.path={model_path}", "run.id=molt"], root)
         start = time.perf_counter()
-        run_id = loop.train(
-            config(steps, [*extra, f"model.path={model_path}", "run.id=molt"], root)
-        )
+        run_id = loop.train(cfg)
         wall = time.perf_counter() - start
         rows = (
             open_run(run_id, root)
@@ -89,6 +94,7 @@ def run_molt(steps: int, extra: list[str], model_path: str) -> dict:
         )
     return {
         "wall_s": wall,
+        "episodes": cfg.trainer.prompts_per_step * cfg.trainer.group_size,
         "step_s": [r[1] for r in rows],
         "tokens": [r[3] for r in rows],
         "reward": [r[2] for r in rows],
@@ -102,9 +108,10 @@ def run_trl(steps: int, extra: list[str], model_path: str) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from workbench.api import load_plugin
+    from workbench.models.lora import peft_config
 
     cfg = config(steps, extra)
-    plugin = load_plugin(cfg.agent.plugin)
+    plugin = load_plugin(cfg.agent.plugin, cfg.agent.env_kwargs)
     samples = plugin.make_dataset(cfg.data.size, cfg.seed)
     data = Dataset.from_list(
         [
@@ -143,6 +150,8 @@ def run_trl(steps: int, extra: list[str], model_path: str) -> dict:
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    # molt-wb's engine stops at the tokenizer's EOS; so does TRL's generation config here
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     group = cfg.trainer.group_size
     prompts = cfg.trainer.prompts_per_step
@@ -182,12 +191,15 @@ def run_trl(steps: int, extra: list[str], model_path: str) -> dict:
             train_dataset=data,
             processing_class=tokenizer,
             callbacks=[clock],
+            # the recipe's LoRA adapter, as molt-wb builds it (None: full fine-tuning)
+            peft_config=peft_config(cfg.model.lora) if cfg.model.lora.rank else None,
         )
         trainer.remove_callback(PrinterCallback)  # its per-step log dicts; the Clock keeps them
         trainer.train()
     wall = time.perf_counter() - start
     return {
         "wall_s": wall,
+        "episodes": group * prompts,
         "step_s": clock.step_s,
         "reward": [log["reward"] for log in clock.logs],
         "tokens": [log["completions/mean_length"] * group * prompts for log in clock.logs],
@@ -210,7 +222,7 @@ def measure(side: str, steps: int, extra: list[str], model_path: str, env: dict)
                 side,
                 "--json",
                 out.name,
-                "--model",
+                "--model-path",
                 model_path,
                 "--steps",
                 str(steps),
@@ -252,6 +264,8 @@ def measure(side: str, steps: int, extra: list[str], model_path: str, env: dict)
 def summary(r: dict, target: float = 0.75, window: int = 5) -> dict:
     steady = r["step_s"][1:] or r["step_s"]  # the first step warms up
     tokens = sum(r["tokens"][1:] or r["tokens"])
+    # the reward the steady steps earned: mean reward x episodes a step
+    earned = sum(r["reward"][1:] or r["reward"]) * r["episodes"]
     k = max(1, len(r["reward"]) // 5)
     # the warm-up step at the steady mean: its extra is start-up
     times = [sum(steady) / len(steady), *r["step_s"][1:]]
@@ -266,6 +280,7 @@ def summary(r: dict, target: float = 0.75, window: int = 5) -> dict:
     return {
         "step_s": sum(steady) / len(steady),
         "tokens_per_s": tokens / sum(steady),
+        "reward_per_min": earned / (sum(steady) / 60),
         "wall_s": r["wall_s"],
         "peak_rss_mb": r["peak_rss_mb"],
         "peak_pss_mb": r["peak_pss_mb"],
@@ -299,8 +314,8 @@ def compare_seeds(seeds: list[int], steps: int, overrides: list[str], target: fl
     sides = {"molt-wb": ("molt", []), "molt-wb async": ("molt", ASYNC), "TRL": ("trl", [])}
     table = {name: [] for name in sides}
     print(
-        f"{'seed':>4} {'side':>14} {'tokens/s':>9} {'reward last':>11} {'steps to target':>15} "
-        f"{'s to target':>11}"
+        f"{'seed':>4} {'side':>14} {'tokens/s':>9} {'reward/min':>10} {'PSS_MB':>7} "
+        f"{'reward last':>11} {'steps to target':>15} {'s to target':>11}"
     )
     for seed in seeds:
         extra = [*overrides, f"seed={seed}"]
@@ -309,7 +324,8 @@ def compare_seeds(seeds: list[int], steps: int, overrides: list[str], target: fl
             s = summary(measure(side, steps, [*extra, *more], model_path, {}), target)
             table[name].append(s)
             print(
-                f"{seed:>4} {name:>14} {s['tokens_per_s']:9.0f} {s['reward_last']:11.3f} "
+                f"{seed:>4} {name:>14} {s['tokens_per_s']:9.1f} {s['reward_per_min']:10.2f} "
+                f"{s['peak_pss_mb']:7.0f} {s['reward_last']:11.3f} "
                 f"{s['steps_to_target'] or '-':>15} {seconds_or_dash(s['s_to_target'])}",
                 flush=True,
             )
@@ -333,13 +349,15 @@ def compare_seeds(seeds: list[int], steps: int, overrides: list[str], target: fl
         f"mean over the {len(both)} seeds where every side reached it"
     )
     print(
-        f"{'side':>14} {'tokens/s':>9} {'reward last':>11} {'reached':>7} {'steps to target':>15} "
+        f"{'side':>14} {'tokens/s':>9} {'reward/min':>10} {'PSS_MB':>7} {'reward last':>11} "
+        f"{'reached':>7} {'steps to target':>15} "
         f"{'s to target':>11} {'tokens/s / TRL':>14} {'TRL s / s, to target':>20}"
     )
     for name in sides:
         reached = sum(s["s_to_target"] is not None for s in table[name])
         print(
-            f"{name:>14} {mean(name, 'tokens_per_s'):9.0f} {mean(name, 'reward_last'):11.3f} "
+            f"{name:>14} {mean(name, 'tokens_per_s'):9.1f} {mean(name, 'reward_per_min'):10.2f} "
+            f"{mean(name, 'peak_pss_mb'):7.0f} {mean(name, 'reward_last'):11.3f} "
             f"{reached:>4}/{len(seeds):<2} "
             f"{mean(name, 'steps_to_target'):15.1f} {mean(name, 's_to_target'):11.2f} "
             f"{mean(name, 'tokens_per_s') / mean('TRL', 'tokens_per_s'):14.2f} "
@@ -348,9 +366,11 @@ def compare_seeds(seeds: list[int], steps: int, overrides: list[str], target: fl
 
 
 def ratios(molt: dict, trl: dict) -> str:
-    """molt-wb / TRL of step time, tokens/s, wall, peak RSS and PSS, in the table's columns."""
+    """molt-wb / TRL of step time, tokens/s, reward per minute, wall, peak RSS and PSS, in the
+    table's columns."""
     return (
         f"{molt['step_s'] / trl['step_s']:7.2f} {molt['tokens_per_s'] / trl['tokens_per_s']:9.2f} "
+        f"{molt['reward_per_min'] / max(trl['reward_per_min'], 1e-9):10.2f} "
         f"{molt['wall_s'] / trl['wall_s']:7.2f} {molt['peak_rss_mb'] / trl['peak_rss_mb']:8.2f} "
         f"{molt['peak_pss_mb'] / trl['peak_pss_mb']:7.2f}"
     )
@@ -372,17 +392,25 @@ def main() -> None:
         default=0.75,
         help="the reward (mean over 5 steps) timed to (default 0.75)",
     )
+    parser.add_argument(
+        "--model", help="a pretrained model (smollm2-135m); default the arith recipe's tiny one"
+    )
+    parser.add_argument(
+        "--task", default="gcd", help="with --model: the recipe smol_TASK's task (default gcd)"
+    )
     parser.add_argument("--side", choices=("molt", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument(
         "overrides", nargs="*", help="extra Hydra overrides (applied to both sides)"
     )
     args = parser.parse_args()
     steps = 2 if args.quick else args.steps
+    if args.model:
+        args.overrides = [f"+recipe=smol_{args.task}", f"model={args.model}", *args.overrides]
     if args.side:
         run_side = {"molt": run_molt, "trl": run_trl}[args.side]
-        result = run_side(steps, args.overrides, args.model)
+        result = run_side(steps, args.overrides, args.model_path)
         Path(args.json).write_text(json.dumps(result))
         return
     if args.seeds:
@@ -411,12 +439,14 @@ def main() -> None:
         f"{config(steps, args.overrides).trainer.group_size} samples, {os.cpu_count()} CPU cores"
     )
     print(
-        f"{'':>26} {'step_s':>7} {'tokens/s':>9} {'wall_s':>7} {'peak_MB':>8} {'PSS_MB':>7} "
+        f"{'':>26} {'step_s':>7} {'tokens/s':>9} {'reward/min':>10} {'wall_s':>7} {'peak_MB':>8} "
+        f"{'PSS_MB':>7} "
         f"{'reward first':>12} {'reward last':>11} {'s to target':>11}"
     )
     for name, s in summaries.items():
         print(
-            f"{name:>26} {s['step_s']:7.3f} {s['tokens_per_s']:9.0f} {s['wall_s']:7.1f} "
+            f"{name:>26} {s['step_s']:7.3f} {s['tokens_per_s']:9.1f} {s['reward_per_min']:10.2f} "
+            f"{s['wall_s']:7.1f} "
             f"{s['peak_rss_mb']:8.0f} {s['peak_pss_mb']:7.0f} {s['reward_first']:12.3f} "
             f"{s['reward_last']:11.3f} {seconds_or_dash(s['s_to_target'])}"
         )

@@ -125,8 +125,9 @@ def __getattr__(task: str) -> type[ReasoningGymEnv]:
     try:
         import reasoning_gym.factory
     except ModuleNotFoundError:
-        raise AttributeError(task) from None
-    if task not in reasoning_gym.factory.DATASETS:
+        reasoning_gym = None
+    # without the package the class is made all the same: its data names the missing extra
+    if reasoning_gym is not None and task not in reasoning_gym.factory.DATASETS:
         raise AttributeError(task)
     # named for the task: pickle finds it again through this function
     return type(task, (ReasoningGymEnv,), {"task": task})
