@@ -200,6 +200,7 @@ def _train(
     policy = folders["policy"]
     checkpoint = meta["weights"]["policy"]["checkpoint"]
     teacher = folders.get("teacher")
+    teacher = teacher and str(teacher)
     learner = Learner(cfg, str(policy / "policy" if checkpoint else policy), teacher=teacher)
     learner.version = meta["learner_version"]
     if checkpoint:
