@@ -79,7 +79,7 @@ def test_each_nonfinite_value_is_counted_warned_once_and_named_with_its_first_st
     cfg = compose_config(["+recipe=arith", f"run.root={tmp_path}", "run.id=nan", "tracking=none"])
     row = {"run_id": "nan", "created": 0.0, "steps": 3, "status": "running", "config": {}}
     store = StoreActor(cfg, str(tmp_path / "nan"), row)
-    # the driver's side: it prints the store's alarm rows (the actor's own output goes to Ray's logs)
+    # the driver's side prints the store's alarm rows (the actor's output goes to Ray's logs)
     announcer = Announcer(tmp_path / "nan", f"molt-wb runs nan --root {tmp_path}")
     clean = make_segments(2, length=5)
     store_step(store, 0, clean, learner_rows(clean), {"policy/entropy": 0.7})
