@@ -28,6 +28,7 @@ from the Hugging Face hub, and the search tools a server: they fail here.
 import functools
 import importlib
 import inspect
+import random
 import re
 from typing import Any
 
@@ -104,13 +105,49 @@ class GemEnv(Env):
 
     @classmethod
     def make_dataset(cls, size: int, seed: int, **settings: Any) -> list[dict[str, Any]]:
-        """`size` episodes: the seeds `seed .. seed + size - 1`."""
-        return [{"id": index, "seed": seed + index} for index in range(size)]
+        """`size` episodes: the seeds `seed .. seed + size - 1`, each with the environment's
+        settings (what the warm start's teacher plays)."""
+        return [{"id": index, "seed": seed + index, "settings": settings} for index in range(size)]
 
     @classmethod
     def eval_dataset(cls, size: int, seed: int, **settings: Any) -> list[dict[str, Any]]:
         """`size` held-out episodes, at seeds from `seed + EVAL_OFFSET` (none a training seed)."""
         return cls.make_dataset(size, seed + EVAL_OFFSET)
+
+
+def _guess_the_number_teacher(
+    cls: type[GemEnv], sample: dict[str, Any], rng: random.Random
+) -> list[dict[str, str]]:
+    """One game of a noisy teacher, as the turns after the opening (`model.warm_start_steps`),
+    played on the real environment: one move in ten without a boxed number (gem ends the game
+    with its format penalty), otherwise half the time the middle of the numbers the hints leave
+    and half the time any number of the range."""
+    env = cls(**sample.get("settings", {}))
+    env.reset(sample)
+    game = env.gem_env
+    interval = [game.min_number, game.max_number]
+    turns = []
+    for _ in range(game.max_turns):
+        draw = rng.random()
+        guess = rng.randint(game.min_number, game.max_number)
+        if draw < 0.55:
+            guess = (interval[0] + interval[1]) // 2
+        if guess < game.game_number:
+            interval[0] = max(interval[0], guess + 1)
+        elif guess > game.game_number:
+            interval[1] = min(interval[1], guess - 1)
+        move = "?" if draw >= 0.9 else f"\\boxed{{{guess}}}"
+        turns.append({"role": "assistant", "content": move})
+        result = env.step(move)
+        if result.terminated or result.truncated:
+            return turns
+        turns.append({"role": "user", "content": result.observation})
+    # the demonstration ends on the teacher's move
+    return turns[:-1]
+
+
+# the environments with a warm-start teacher
+TEACHERS = {DEFAULT_ID: _guess_the_number_teacher}
 
 
 @functools.cache
@@ -137,6 +174,8 @@ def __getattr__(env_id: str) -> type[GemEnv]:
             f"nltk data: choose another game:* id or an rg:* one."
         ) from None
     attributes = {"env_id": env_id, "__signature__": _settings_signature(env_id)}
+    if env_id in TEACHERS:
+        attributes["warm_start"] = classmethod(TEACHERS[env_id])
     return type(f"Gem[{env_id}]", (GemEnv,), attributes)
 
 
@@ -144,8 +183,10 @@ class GuessTheNumber(GemEnv):
     """`agent.plugin=gem` without an id: game:GuessTheNumber-v0-easy."""
 
     env_id = DEFAULT_ID
+    warm_start = classmethod(_guess_the_number_teacher)
 
 
 AgentRunner = GuessTheNumber
 make_dataset = GuessTheNumber.make_dataset
 eval_dataset = GuessTheNumber.eval_dataset
+warm_start = GuessTheNumber.warm_start

@@ -69,6 +69,7 @@ def test_math_grades_boxed_answers_by_numeric_equivalence():
         ("judge", []),
         ("distill", []),
         ("guess_the_number", []),
+        ("gem_guess_the_number", []),
     ],
 )
 def test_recipe_runs_end_to_end(ray_session, tmp_path, recipe, extra):
