@@ -1,17 +1,21 @@
 """How far from this machine's compute limit the learner and the engine run on SmolLM2-135M.
 
-    python bench/roofline.py [--quick] [--threads 1,2] [--dtypes float32,bfloat16]
+    python bench/roofline.py [--quick] [--threads 1,2] [--dtypes float32,bfloat16] [--memory]
 
 1. The limit: the best rate of matrix products (2·m·k·n FLOP each: square ones of 512, 1024 and
    2048, and the model's own MLP projection of 512 tokens, 512 x 576 by 576 x 1536) in float32
    and bfloat16, with one thread and with every core.
 2. The learner: molt-wb's learner forward (models/heads.py: log-probs and entropy in chunks of
    tokens), backward and AdamW step on 4 rows x 128 distinct tokens (no shared prompt), in model
-   FLOP = 6 · parameters · tokens.
+   FLOP = 6 · parameters · tokens (SmolLM2's input embedding is its output layer: every parameter
+   is used once per token).
 3. The engine: molt-wb's torch engine generating 32 new tokens for 8 prompts of 64 tokens: the
-   prefill (2 · parameters · prompt tokens) and the decode (2 · parameters · new tokens).
-4. The learner step's memory: the resident peak it adds (Linux's high-water mark, reset before the
-   step) with the output layer in chunks of tokens and with the whole batch's logits kept.
+   prefill (2 · body parameters · prompt tokens: the output layer runs at each prompt's last
+   position only) and the decode (2 · parameters · new tokens).
+4. The learner step's memory (16 rows x 128 tokens): the resident peak it adds over the model and
+   its gradients (Linux's high-water mark, reset before the step, in a fresh process each) with
+   the output layer in chunks of tokens and with the whole batch's logits kept (`--memory`: this
+   part alone).
 
 Every rate is given per wall second and per CPU second of this process (all its threads): on a
 machine shared with other jobs the wall rate moves with their load and the CPU rate much less, so
@@ -25,6 +29,7 @@ batches and one step: a smoke run, figures printed, not asserted.
 
 import argparse
 import contextlib
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -43,6 +48,9 @@ from workbench.models.heads import forward_logprobs_entropy  # noqa: E402
 from workbench.models.multimodal import load_policy  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# the learner step whose memory part 4 measures (rows, tokens), by --quick: 2,048 tokens hold 400 MB
+# of float32 logits over SmolLM2's vocabulary
+MEMORY_BATCH = {False: (16, 128), True: (2, 32)}
 # SmolLM2-135M's shape (its config.json)
 SMOLLM2 = dict(
     vocab_size=49152,
@@ -120,14 +128,27 @@ def model_folder(quick: bool, scratch: str) -> str:
     return scratch
 
 
+def flop_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(the body's parameters, the output layer's) of a causal LM: a token's forward costs 2 FLOP
+    per body parameter, and 2 per output-layer parameter where its logits are computed; the input
+    embedding is a lookup (none when it is the output layer, tied)."""
+    head = model.get_output_embeddings().weight
+    embedding = model.get_input_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())
+    body = total - head.numel()
+    if embedding is not head:
+        body -= embedding.numel()
+    return body, head.numel()
+
+
 def learner_flops(
     path: str, dtype: torch.dtype, rows: int, tokens: int, steps: int
 ) -> tuple[float, float]:
-    """Model FLOP (6 · parameters · tokens) per wall second and per CPU second of the learner's
-    forward (log-probs and entropy in chunks), backward and AdamW step on `rows` x `tokens`
-    distinct ids."""
+    """Model FLOP (6 · (body + output layer) · tokens) per wall second and per CPU second of the
+    learner's forward (log-probs and entropy in chunks), backward and AdamW step on `rows` x
+    `tokens` distinct ids."""
     model = load_policy(path, str(dtype).removeprefix("torch.")).train()
-    parameters = sum(p.numel() for p in model.parameters())
+    parameters = sum(flop_counts(model))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(10, model.config.vocab_size, (rows, tokens), generator=generator)
@@ -147,26 +168,26 @@ def learner_flops(
 
 def learner_peak_mb(path: str, rows: int, tokens: int, chunked: bool) -> float | None:
     """The resident memory (MB) a learner step (forward with log-probs and entropy, backward)
-    adds at its peak over the memory before it, with the output layer in chunks of tokens or the
-    batch's whole logits; None where Linux's /proc is absent."""
-    status = Path("/proc/self/status")
-    if not status.exists():
+    adds at its peak over the loaded model and its gradients, with the output layer in chunks of
+    tokens or the batch's whole logits, in a fresh process (memory an earlier step freed stays
+    with the allocator); None where Linux's /proc is absent."""
+    if not Path("/proc/self/status").exists():
         return None
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_step_peak_mb, (path, rows, tokens, chunked))
+
+
+def _step_peak_mb(path: str, rows: int, tokens: int, chunked: bool) -> float:
+    """`learner_peak_mb` in this (fresh) process."""
+    torch.set_num_threads(1)
     model = load_policy(path).train()
+    for parameter in model.parameters():
+        # written, not only allocated: untouched pages are not resident yet
+        parameter.grad = torch.ones_like(parameter).zero_()
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(10, model.config.vocab_size, (rows, tokens), generator=generator)
     inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
-
-    def step() -> None:
-        if chunked:
-            logprob, entropy = forward_logprobs_entropy(model, inputs, ids, 1.0, True)
-        else:
-            logits = model(**inputs).logits
-            logprob, entropy = token_logprobs_entropy(logits, ids, 1.0, True)
-        (-(logprob.mean()) - 1e-3 * entropy.mean()).backward()
-
-    step()  # the gradients' own memory, allocated once, is not the step's
-    model.zero_grad(set_to_none=False)
+    status = Path("/proc/self/status")
 
     def kib(key: str) -> int:
         line = next(x for x in status.read_text().splitlines() if x.startswith(key))
@@ -174,18 +195,24 @@ def learner_peak_mb(path: str, rows: int, tokens: int, chunked: bool) -> float |
 
     Path("/proc/self/clear_refs").write_text("5")
     before = kib("VmRSS")
-    step()
+    if chunked:
+        logprob, entropy = forward_logprobs_entropy(model, inputs, ids, 1.0, True)
+    else:
+        logits = model(**inputs).logits
+        logprob, entropy = token_logprobs_entropy(logits, ids, 1.0, True)
+    (-(logprob.mean()) - 1e-3 * entropy.mean()).backward()
     return (kib("VmHWM") - before) / 1e3
 
 
 def engine_flops(
     path: str, dtype: torch.dtype, prompts: int, prompt_tokens: int, new_tokens: int
 ) -> dict[str, tuple[float, float]]:
-    """The engine's prefill and decode model FLOP (2 · parameters · tokens) per wall second and
-    per CPU second, and its new tokens per second (wall and CPU), on `prompts` distinct random
-    prompts."""
+    """The engine's prefill model FLOP (2 · body · prompt tokens, and the output layer at each
+    prompt's last position only) and decode model FLOP (2 · (body + output layer) · new tokens) per
+    wall second and per CPU second, and its new tokens per second (wall and CPU), on `prompts`
+    distinct random prompts."""
     engine = TorchEngine(path, str(dtype).removeprefix("torch."))
-    parameters = sum(p.numel() for p in engine.model.parameters())
+    body, head = flop_counts(engine.model)
     generator = torch.Generator().manual_seed(1)
     vocab = engine.model.config.vocab_size
     batch = [
@@ -205,8 +232,8 @@ def engine_flops(
     decode.wall = total.wall - prefill.wall
     decode.cpu = total.cpu - prefill.cpu
     return {
-        "prefill": prefill.rates(2 * parameters * prompts * prompt_tokens),
-        "decode": decode.rates(2 * parameters * (new - len(generations))),
+        "prefill": prefill.rates(2 * body * prompts * prompt_tokens + 2 * head * prompts),
+        "decode": decode.rates(2 * (body + head) * (new - len(generations))),
         "new tokens": total.rates(new),
     }
 
@@ -223,7 +250,14 @@ def main() -> None:
         help="dtypes the model runs in (default: float32, and bfloat16 where its matrix products "
         "beat float32's)",
     )
+    parser.add_argument(
+        "--memory", action="store_true", help="only the learner step's memory (part 4)"
+    )
     args = parser.parse_args()
+    if args.memory:
+        with tempfile.TemporaryDirectory() as scratch:
+            memory(model_folder(args.quick, scratch), *MEMORY_BATCH[args.quick])
+        return
     threads = sorted({int(t) for t in args.threads.split(",")})
     seconds = 0.5 if args.quick else 3.0
     shapes = [(512, 512, 512)]
@@ -273,13 +307,20 @@ def main() -> None:
                         f"{'':>11}{part:<10} {wall / 1e9:7.1f} / {cpu / 1e9:7.1f} "
                         f"(MFU {cpu / limit:.0%})"
                     )
-        chunked = learner_peak_mb(path, rows, tokens, chunked=True)
-        if chunked is not None:
-            whole = learner_peak_mb(path, rows, tokens, chunked=False)
-            print(
-                f"\nlearner step's resident peak over its start ({rows} x {tokens} tokens, "
-                f"float32): output layer in chunks {chunked:.0f} MB, whole logits {whole:.0f} MB"
-            )
+        memory(path, *MEMORY_BATCH[args.quick])
+
+
+def memory(path: str, rows: int, tokens: int) -> None:
+    """Print part 4: a learner step's resident peak, the output layer in chunks and whole."""
+    chunked = learner_peak_mb(path, rows, tokens, chunked=True)
+    if chunked is None:
+        print("\nno /proc here: the learner step's memory is not measured")
+        return
+    whole = learner_peak_mb(path, rows, tokens, chunked=False)
+    print(
+        f"\nlearner step's resident peak over the model and its gradients ({rows} x {tokens} "
+        f"tokens, float32): output layer in chunks {chunked:.0f} MB, whole logits {whole:.0f} MB"
+    )
 
 
 if __name__ == "__main__":
