@@ -23,6 +23,9 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "docs": ("mkdocs",),
     "gguf": ("gguf",),
     "envs": ("textarena", "openenv", "reasoning_gym"),
+    # what verifiers imports; verifiers itself (and gem-llm) go in with --no-deps beside it, their
+    # pins clash with hydra's and the SDKs' (docs/bring-your-env.md)
+    "verifiers": ("verifiers",),
 }
 
 
