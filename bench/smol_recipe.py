@@ -1,7 +1,7 @@
 """A real-model recipe's table: per seed, its training wall time from an empty model cache, its
 held-out accuracy before and after (sampled at the training temperature and greedy), its peak PSS.
 
-    python bench/smol_recipe.py [--recipe smol_gcd] [--seeds 0-2] [--samples 4] [override ...]
+    python bench/smol_recipe.py [--quick] [--recipe smol_gcd] [--seeds 0-2] [--samples 4] [override]
 
 Each seed: the model cache emptied (a fresh `MOLT_WB_CACHE` under a temporary folder, so the
 conversion from the registry's GGUF is timed with the run, as a first user meets it), then
@@ -10,6 +10,9 @@ then `molt-wb eval` of the starting policy and of the final checkpoint on the ru
 split, greedy (eval.temperature=0) and sampled at engine.temperature with `--samples` samples
 per question. The load average (`os.getloadavg`, 1 minute) is printed beside each run: on a
 shared machine the wall time grows with it. Prints one Markdown row per seed.
+
+`--quick` (a smoke run) trains seed 0 for one step of 2 questions x 2 samples in the model cache
+as it is (a converted model already there is reused) and scores 4 held-out questions.
 """
 
 import argparse
@@ -38,14 +41,21 @@ def accuracy(run_id: str, root: str, checkpoint: str | None, overrides: list[str
     return from_checkpoint(run_id, checkpoint, root, overrides)["accuracy"]
 
 
-def one_seed(recipe: str, seed: int, samples: int, overrides: list[str], root: str) -> dict:
-    """Train one seed from an empty model cache; its wall time, accuracies and peak PSS."""
+def one_seed(
+    recipe: str, seed: int, samples: int, overrides: list[str], root: str, empty_cache: bool = True
+) -> dict:
+    """Train one seed (from an empty model cache unless told otherwise); its wall time,
+    accuracies and peak PSS."""
     from workbench.run.checkpoint import saved_config
     from workbench.run.model_paths import policy_path
     from workbench.run.summary import figures
 
     run_id = f"{recipe}-seed{seed}"
     cache = tempfile.mkdtemp(prefix="molt-wb-cache-")
+    if not empty_cache:
+        from workbench.models.tiny import cache_root
+
+        cache = str(cache_root())
     env = {**os.environ, "MOLT_WB_CACHE": cache}
     command = ["molt-wb", "train", f"+recipe={recipe}", f"seed={seed}", f"run.id={run_id}"]
     command += [f"run.root={root}", "run.progress=false", *overrides]
@@ -76,6 +86,7 @@ def one_seed(recipe: str, seed: int, samples: int, overrides: list[str], root: s
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="one step of seed 0: a smoke run")
     parser.add_argument("--recipe", default="smol_gcd")
     parser.add_argument("--seeds", default="0-2")
     parser.add_argument("--samples", type=int, default=4, help="sampled answers per question")
@@ -88,8 +99,14 @@ def main() -> None:
         "| peak PSS |\n| --- | --- | --- | --- | --- | --- |",
         flush=True,
     )
-    for seed in seed_list(args.seeds):
-        row = one_seed(args.recipe, seed, args.samples, args.overrides, root)
+    seeds = seed_list(args.seeds)
+    overrides = args.overrides
+    if args.quick:
+        seeds = [0]
+        quick = ["trainer.steps=1", "trainer.prompts_per_step=2", "trainer.group_size=2"]
+        overrides = [*quick, "trainer.checkpoint_every=1", "eval.size=4", *overrides]
+    for seed in seeds:
+        row = one_seed(args.recipe, seed, args.samples, overrides, root, empty_cache=not args.quick)
         minutes, seconds = divmod(round(row["wall_s"]), 60)
         print(
             f"| {seed} | {minutes} min {seconds:02d} s "
