@@ -29,13 +29,16 @@ from workbench.algo.losses import logits_entropy
 # float32 logits per chunk: 2**24 (64 MB) is 341 tokens of a 49,152-token vocabulary, one chunk
 # of 32,768 tokens of the tiny models' 512
 CHUNK_ELEMENTS = 2**24
+# a vocabulary this small keeps its logits whole (a token's logits are no larger than the
+# activations the backward keeps of it anyway), and the tiny models train exactly as they did
+WHOLE_VOCAB = 8192
 # config keys of a transform applied to the logits after the output layer
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def output_layer(model: torch.nn.Module) -> torch.nn.Module | None:
     """The layer that turns hidden states into logits, where applying it later in chunks gives
-    the model's logits; None where the logits must be kept whole."""
+    the model's logits; None where the logits must be kept whole (or are small: WHOLE_VOCAB)."""
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):
@@ -43,7 +46,10 @@ def output_layer(model: torch.nn.Module) -> torch.nn.Module | None:
     config = model.config.get_text_config()
     if any(getattr(config, key, None) not in (None, 1.0) for key in LOGIT_TRANSFORMS):
         return None
-    return model.get_output_embeddings()
+    layer = model.get_output_embeddings()
+    if getattr(layer, "out_features", WHOLE_VOCAB + 1) <= WHOLE_VOCAB:
+        return None
+    return layer
 
 
 @contextlib.contextmanager
