@@ -59,7 +59,9 @@ def run_side(tree: Path, model: str, steps: int, extra: list[str]) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         script = tree / "bench" / "vs_trl.py"
         command = [sys.executable, str(script), "--side", "molt", "--json", out.name]
-        command += ["--model", model, "--steps", str(steps), *extra]
+        # the warm start's path: --model-path since the real-model flags, --model before them
+        flag = "--model-path" if "--model-path" in script.read_text() else "--model"
+        command += [flag, model, "--steps", str(steps), *extra]
         env = {**os.environ, **vs_trl.OFFLINE, "PYTHONPATH": str(tree)}
         child = subprocess.Popen(
             command, env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
