@@ -57,7 +57,9 @@ def one_seed(
 
         cache = str(cache_root())
     env = {**os.environ, "MOLT_WB_CACHE": cache}
-    command = ["molt-wb", "train", f"+recipe={recipe}", f"seed={seed}", f"run.id={run_id}"]
+    # the molt-wb beside this interpreter: the venv's, activated or not
+    molt_wb = str(Path(sys.executable).with_name("molt-wb"))
+    command = [molt_wb, "train", f"+recipe={recipe}", f"seed={seed}", f"run.id={run_id}"]
     command += [f"run.root={root}", "run.progress=false", *overrides]
     load_before = os.getloadavg()[0]
     start = time.perf_counter()

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from workbench.store.schema import TABLES
+from workbench.store.schema import GAP_COLUMNS, TABLES
 
 
 def write_run(root: Path, segments: int, length: int, steps: int, layers: int = 3) -> str:
@@ -72,6 +72,8 @@ def write_run(root: Path, segments: int, length: int, steps: int, layers: int = 
                 entropy=rng.exponential(1.0, n * length).astype(np.float32),
                 # one sampled turn, the episode's first
                 turn=pa.array(np.zeros(n * length, np.int32), mask=~sampled),
+                # the off-policy gap's parts: measured on a sample of rows only, null elsewhere
+                **{column: pa.nulls(n * length, pa.float32()) for column in GAP_COLUMNS},
             ),
             "gate_decisions": dict(
                 step=[step] * n,
