@@ -42,6 +42,9 @@ class Segment:
     seal_reason: str = "end"
     # int16 [T, layers, top_k], -1 where unknown
     routed_experts: np.ndarray | None = None
+    # float32 [T] the sampled ids' log-probs before the engine's top_p truncation (the torch
+    # engine's; the off-policy gap's sampler part is this less behavior_logprob), NaN where unknown
+    raw_logprob: np.ndarray | None = None
     # encoded images, in the order of their placeholder runs in token_ids
     images: list[bytes] = field(default_factory=list)
     # for people only: prompt text, env info

@@ -67,6 +67,9 @@ class Generation:
     versions: np.ndarray
     # "stop" | "length"
     finish_reason: str
+    # "routed_experts": int16 [prompt + n, layers, k], a MoE policy's routes; "raw_logprobs":
+    # float32 [n], each sampled id's log-prob before top_p's truncation (the torch engine's; vLLM
+    # returns one logprobs_mode per engine, so none: the learner recomputes the gap's sampler part)
     extras: dict = field(default_factory=dict)
 
 

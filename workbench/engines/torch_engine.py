@@ -3,7 +3,9 @@
 Prompts are left-padded into one batch (position ids follow the attention mask, so padding changes
 nothing a sequence sees); each step samples from softmax(logits / temperature) and records the
 sampled id's log-prob under exactly that distribution (top-p truncated and renormalised when
-top_p < 1). Temperature 0 is greedy decoding, with log-probs of the untempered distribution.
+top_p < 1), and beside it its raw log-prob, before the truncation (`extras["raw_logprobs"]`: the
+off-policy gap's sampler part is raw less processed, models/gap.py). Temperature 0 is greedy
+decoding, with log-probs of the untempered distribution.
 
 Weights pushed while a batch is generating wait in a slot; with `partial=True` they are swapped
 in between two token steps (pause, swap, resume: the KV cache of earlier tokens is kept), so one
@@ -220,6 +222,8 @@ class TorchEngine:
         cache_kw = cache_input(self.model, cache)
         sampled = []
         logprobs = []
+        # the sampled ids' log-probs before top_p's truncation
+        raws = []
         versions = []
         done = torch.zeros(batch, dtype=torch.bool)
         for step in range(params.max_tokens):
@@ -227,7 +231,8 @@ class TorchEngine:
             versions.append(forward_version)
             logits = logits.float()  # [batch, vocab]
             if params.temperature > 0:
-                dist = nucleus(torch.log_softmax(logits / params.temperature, dim=-1), params.top_p)
+                raw = torch.log_softmax(logits / params.temperature, dim=-1)
+                dist = nucleus(raw, params.top_p)
                 # Gumbel-max: an exact draw, far cheaper than multinomial; the uniform draws come
                 # from the call's generator, or row by row from each row's own
                 if row_generators:
@@ -237,7 +242,7 @@ class TorchEngine:
                     noise = torch.rand(dist.shape, generator=generator)
                 token = (dist - (-noise.log()).log()).argmax(-1)
             else:
-                dist = torch.log_softmax(logits, dim=-1)
+                dist = raw = torch.log_softmax(logits, dim=-1)
                 token = dist.argmax(-1)
             token = torch.where(done, self.pad_token_id, token)
             if listener is not None:
@@ -248,6 +253,7 @@ class TorchEngine:
                         listener(row, [sampled_id])
             sampled.append(token)
             logprobs.append(dist.gather(-1, token[:, None]).squeeze(-1))
+            raws.append(raw.gather(-1, token[:, None]).squeeze(-1))
             done |= torch.isin(token, stop)
             # no forward whose logits nothing samples
             if bool(done.all()) or step + 1 == params.max_tokens:
@@ -271,6 +277,7 @@ class TorchEngine:
 
         tokens = torch.stack(sampled, dim=1).int().numpy()  # [batch, new]
         token_logprobs = torch.stack(logprobs, dim=1).numpy()  # [batch, new], float32
+        raw_logprobs = torch.stack(raws, dim=1).numpy()  # [batch, new], float32
         stopped = np.isin(tokens, stop.numpy())  # [batch, new]
         # a row ends with its first stop token, else after the last step
         ends = np.where(stopped.any(1), stopped.argmax(1) + 1, tokens.shape[1])
@@ -280,6 +287,7 @@ class TorchEngine:
                 token_logprobs[row, :end],
                 np.asarray(versions[:end], dtype=np.int32),
                 "stop" if stopped[row].any() else "length",
+                {"raw_logprobs": raw_logprobs[row, :end]},
             )
             for row, end in enumerate(ends)
         ]

@@ -6,7 +6,10 @@ log-prob under the distribution it was sampled from. vLLM runs with
 (and top-p truncation), i.e. log softmax(logits / T) — exactly what the learner recomputes for the
 same ids (`token_logprobs(logits, ids, temperature)`), so their difference measures only the
 numerical mismatch of two implementations. The default `raw_logprobs` would report the untempered
-distribution and bias every importance ratio whenever T != 1.
+distribution and bias every importance ratio whenever T != 1. An engine takes one logprobs_mode,
+so a vLLM generation carries no raw log-probs beside the processed ones (the torch engine's
+`extras["raw_logprobs"]`): with top_p < 1 the off-policy gap's sampler part is then recomputed by
+the learner on the `audit.gap_rows` drawn rows (models/gap.py), not taken from the engine.
 
 The engine's own thread drives vLLM's `LLMEngine` one scheduler step at a time, so each token's
 weight version is the version of the forward that produced it. It runs continuously: prompts of

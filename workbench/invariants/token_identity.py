@@ -43,6 +43,8 @@ class SegmentTokens:
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     behavior_logprob: list[float] = field(default_factory=list)
+    # the sampled ids' log-probs before the engine's top_p truncation, NaN where it gave none
+    raw_logprob: list[float] = field(default_factory=list)
     behavior_version: list[int] = field(default_factory=list)
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
     seal_reason: str = ""
@@ -61,13 +63,15 @@ class SegmentTokens:
         ids: Sequence[int] | np.ndarray,
         logprobs: Sequence[float] | np.ndarray | None = None,
         versions: Sequence[int] | np.ndarray | None = None,
+        raw: np.ndarray | None = None,
     ) -> None:
         """Append `ids`: sampled (mask 1) when they come with their `logprobs`, else mask 0 with
-        log-prob 0 and `versions` (default -1)."""
+        log-prob 0 and `versions` (default -1); `raw`: their log-probs before truncation."""
         sampled = logprobs is not None
         self.token_ids.extend(map(int, ids))
         self.loss_mask.extend([int(sampled)] * len(ids))
         self.behavior_logprob.extend(map(float, logprobs) if sampled else [0.0] * len(ids))
+        self.raw_logprob.extend([np.nan] * len(ids) if raw is None else map(float, raw))
         self.behavior_version.extend([-1] * len(ids) if versions is None else map(int, versions))
 
     def copy(self) -> SegmentTokens:
@@ -92,6 +96,7 @@ class SegmentTokens:
             "token_ids": np.asarray(self.token_ids, dtype=np.int32),
             "loss_mask": np.asarray(self.loss_mask, dtype=np.uint8),
             "behavior_logprob": np.asarray(self.behavior_logprob, dtype=np.float32),
+            "raw_logprob": np.asarray(self.raw_logprob, dtype=np.float32),
             "behavior_version": np.asarray(self.behavior_version, dtype=np.int32),
         }
 
@@ -207,11 +212,13 @@ class TokenAccumulator:
         finish_reason: str,
         routed_experts: np.ndarray | None = None,
         stop_sequence: str | None = None,
+        raw_logprobs: np.ndarray | None = None,
     ) -> None:
         """Append what the engine sampled, untouched, with each token's log-prob and weight version
-        (`versions`: one int for the whole turn or int [n]). `message` is the assistant message
-        decoded from it (text, tool calls), for the conversation only; `finish_reason` "stop" means
-        the last id is the template's stop token."""
+        (`versions`: one int for the whole turn or int [n]) and, where the engine returns them, its
+        log-probs before truncation. `message` is the assistant message decoded from it (text, tool
+        calls), for the conversation only; `finish_reason` "stop" means the last id is the
+        template's stop token."""
         if len(logprobs) != len(token_ids):
             raise ValueError(
                 f"The engine returned {len(logprobs)} log-probs "
@@ -219,7 +226,7 @@ class TokenAccumulator:
             )
         start = len(self.open.token_ids)
         versions = np.broadcast_to(versions, len(token_ids))
-        self.open.extend(token_ids, logprobs, versions)
+        self.open.extend(token_ids, logprobs, versions, raw_logprobs)
         self.open.turn_spans.append((start, len(self.open.token_ids)))
         self.open.sampled_turns.append(np.array(token_ids, dtype=np.int64))
         # a sampled turn, and the stop string it was cut at: what its echo may carry

@@ -41,6 +41,8 @@ class TrainBatch:
     turn_rewards: torch.Tensor  # [rows, most turns + 1] float32
     # the experts the rollout's router chose, -1 = unknown; None when no Segment recorded routes
     routed_experts: torch.Tensor | None = None  # [rows, tokens, layers, k] int16
+    # the engine's log-probs before top_p's truncation, NaN where it gave none
+    raw_logprob: torch.Tensor | None = None  # [rows, tokens] float32
 
 
 @dataclass
@@ -90,10 +92,10 @@ def collate(segments: list[Segment]) -> TrainBatch:
         raise TypeError("The learner trains on Segment records only (token ids), never on text.")
     lengths = np.array([len(s.token_ids) for s in segments])
 
-    def padded(field: str, dtype: type, fill: int = 0) -> torch.Tensor:
-        """[rows, tokens, ...] right-padded, filled in numpy."""
+    def padded(field: str, dtype: type, fill: float = 0) -> torch.Tensor:
+        """[rows, tokens, ...] right-padded, filled in numpy (and where a Segment has None)."""
         values = [getattr(s, field) for s in segments]
-        shape = next(value.shape[1:] for value in values if value is not None)
+        shape = next((value.shape[1:] for value in values if value is not None), ())
         out = np.full((len(segments), lengths.max(), *shape), fill, dtype=dtype)
         for row, value in enumerate(values):
             if value is not None:
@@ -122,6 +124,7 @@ def collate(segments: list[Segment]) -> TrainBatch:
             padding_value=torch.nan,
         ),
         routed_experts=routed_experts,
+        raw_logprob=padded("raw_logprob", np.float32, np.nan),
     )
 
 

@@ -9,8 +9,12 @@ parts that sum to it: staleness + routing + sampler + numerics = δ.
   learner runs for its mismatch metrics; 0 under replay (the rollout's routes are forced) and for a
   dense policy.
 - sampler: what the engine's truncation (engine.top_p) does to the sampled token's log-prob: raw
-  less processed, taken by the learner on the drawn rows under the sampling version's weights; 0
-  when top_p = 1 (the temperature is applied on both sides).
+  less processed, both the engine's own, for every sampled token (the torch engine returns each
+  sampled id's raw log-prob beside the processed one; `Segment.raw_logprob`). An engine that
+  returns no raw log-prob (vLLM: one `logprobs_mode` per engine, and its processed log-probs are
+  the ones the gap needs) falls back to the learner: raw less processed under the learner's
+  distribution at the sampling version's weights, on the drawn rows only. 0 when top_p = 1 (the
+  temperature is applied on both sides).
 - numerics: the rest, δ less the three: the two implementations' disagreement, measured directly
   on on-policy tokens (where the other parts are 0 or measured).
 
@@ -55,7 +59,8 @@ class Behind:
 
     # the learner's log-prob under the token's own version; NaN where not measured
     logprob: torch.Tensor  # [rows, tokens]
-    # raw less processed log-prob (engine.top_p's truncation); NaN where not measured
+    # raw less processed log-prob (engine.top_p's truncation) the learner recomputed, where the
+    # engine gave no raw log-prob; NaN where not measured
     sampler: torch.Tensor  # [rows, tokens]
 
 
@@ -80,7 +85,8 @@ class GapAudit:
 
     def behind(self, learner: GapLearner, train_batch: TrainBatch, consumed_at: int) -> Behind:
         """The drawn rows' log-probs under each token's sampling version, and the sampler part
-        where top_p < 1; called before π_old, while no graph holds the weights."""
+        where top_p < 1 and the engine gave no raw log-prob; called before π_old, while no graph
+        holds the weights."""
         shape = train_batch.loss_mask.shape
         behind = Behind(torch.full(shape, torch.nan), torch.full(shape, torch.nan))
         if self.keep:
@@ -92,6 +98,9 @@ class GapAudit:
 
         drawn = rows_of(train_batch, rows)
         versions = drawn.behavior_version.masked_fill(~drawn.loss_mask, consumed_at)
+        # the learner recomputes the sampler part only where the engine's own is missing (vLLM)
+        unknown = engine_sampler(drawn).isnan() & drawn.loss_mask
+        recompute = self.top_p < 1 and bool(unknown.any())
         for version in versions.unique().tolist():
             if version != consumed_at and version not in self.versions:
                 continue
@@ -100,7 +109,7 @@ class GapAudit:
                 if version != consumed_at:
                     logprob = learner.logprobs(drawn)
                     behind.logprob[rows] = torch.where(at, logprob, behind.logprob[rows])
-                if self.top_p < 1:
+                if recompute:
                     sampler = sampler_part(learner, drawn, self.top_p)
                     behind.sampler[rows] = torch.where(at, sampler, behind.sampler[rows])
         return behind
@@ -125,6 +134,9 @@ class GapAudit:
         if replayed is not None and not learner.replay:
             values["routing"] = pi_old.logprob - replayed
         values["sampler"] = behind.sampler if self.top_p < 1 else torch.zeros_like(delta)
+        # the engine's own raw less processed log-prob, wherever it returned the raw one
+        engine = engine_sampler(train_batch)
+        values["sampler"] = torch.where(engine.isnan(), values["sampler"], engine)
         values["numerics"] = delta - values["staleness"] - values["routing"] - values["sampler"]
         measured = sampled & values["numerics"].isfinite()
         count = measured.sum().clamp(min=1)
@@ -150,10 +162,12 @@ class GapAudit:
 
     def _drawn(self, train_batch: TrainBatch, consumed_at: int) -> torch.Tensor:
         """The rows whose parts are measured in full this step: `audit.gap_rows` of those with a
-        stale sampled token (all rows with a sampled token when top_p < 1), drawn with the run's
-        seed; none when every part is known without a forward."""
+        stale sampled token (or, when top_p < 1, a sampled token the engine gave no raw log-prob
+        of), drawn with the run's seed; none when every part is known without a forward."""
         stale = train_batch.loss_mask & (train_batch.behavior_version != consumed_at)
-        wanted = train_batch.loss_mask if self.top_p < 1 else stale
+        wanted = stale
+        if self.top_p < 1:
+            wanted = stale | (train_batch.loss_mask & engine_sampler(train_batch).isnan())
         candidates = wanted.any(-1).nonzero().flatten()
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + consumed_at)
         order = torch.randperm(len(candidates), generator=generator)
@@ -172,6 +186,15 @@ class GapAudit:
         finally:
             for name, parameter in self.trainable.items():
                 parameter.data.copy_(self.versions[current][name])
+
+
+def engine_sampler(train_batch: TrainBatch) -> torch.Tensor:
+    """The engine's own sampler part [rows, tokens]: each sampled id's raw less processed
+    log-prob; NaN where the engine returned no raw log-prob (vLLM) and on tokens not sampled."""
+    raw = train_batch.raw_logprob
+    if raw is None:
+        return torch.full(train_batch.loss_mask.shape, torch.nan)
+    return torch.where(train_batch.loss_mask, raw - train_batch.behavior_logprob, torch.nan)
 
 
 def sampler_part(learner: GapLearner, train_batch: TrainBatch, top_p: float) -> torch.Tensor:

@@ -338,6 +338,7 @@ class RolloutWorker:
                     {"role": "assistant", "content": text},
                     generation.finish_reason,
                     generation.extras.get("routed_experts"),
+                    raw_logprobs=generation.extras.get("raw_logprobs"),
                 )
                 rewards[i].append(result.reward)
                 infos[i] = result.info

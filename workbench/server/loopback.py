@@ -315,7 +315,9 @@ class LoopbackServer:
         if routes is not None:
             routes = routes[: len(prompt) + len(ids)]
         episode.add_forced(forced_ids)
-        episode.add_sampled(ids, logprobs, versions, message, finish, routes, stop_sequence)
+        raw = generation.extras.get("raw_logprobs")
+        raw = None if raw is None else raw[: len(ids)]
+        episode.add_sampled(ids, logprobs, versions, message, finish, routes, stop_sequence, raw)
         # committed: generation succeeded
         session.accumulator = episode
         session.requests.append(
