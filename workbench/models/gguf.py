@@ -12,7 +12,7 @@ import hashlib
 import sys
 from pathlib import Path
 
-from workbench.models.tiny import built_into, cache_root
+from workbench.models.tiny import built_into, cache_root, one_builder
 
 # bump when the conversion's output changes: a new cache folder, never a stale one
 CONVERTER_VERSION = 1
@@ -37,11 +37,14 @@ def converted(gguf_file: str | Path, target: Path | None = None) -> Path:
     target = target or converted_path(source)
     if (target / "config.json").exists():
         return target
-    _say(f"converting {source.name} to a float32 Hugging Face folder (once) ...")
-    tokenizer, model = load(source)
-    with built_into(target) as staging:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+    with one_builder(target):
+        if (target / "config.json").exists():
+            return target
+        _say(f"converting {source.name} to a float32 Hugging Face folder (once) ...")
+        tokenizer, model = load(source)
+        with built_into(target) as staging:
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
     _say(f"converted into {target}")
     return target
 

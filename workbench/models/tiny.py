@@ -8,6 +8,7 @@ hash of their spec, so every actor (and vLLM later) loads the same files by path
 """
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -284,6 +285,14 @@ def tiny_model_path(name="tiny"):
     target = cache_root() / "models" / f"{name}-{spec_hash(spec)}"
     if (target / "config.json").exists():
         return target
+    with one_builder(target):
+        return _build_tiny(target, spec)
+
+
+def _build_tiny(target: Path, spec: dict) -> Path:
+    """Build the tiny model of `spec` into `target`, unless a builder before this one did."""
+    if (target / "config.json").exists():
+        return target
     tokenizer = build_tokenizer(spec["vocab_size"], vision="vision" in spec)
     model = build_model(spec, tokenizer)
     with built_into(target) as staging:
@@ -304,6 +313,18 @@ def tiny_model_path(name="tiny"):
                 temporal_patch_size=vision["temporal_patch_size"],
             ).save_pretrained(staging)
     return target
+
+
+@contextlib.contextmanager
+def one_builder(target: Path):
+    """Build `target` one process at a time: an advisory lock on a file beside it, held for the
+    block. Runs, sweep jobs and test workers that need the same model at once wait for the first
+    build and then find it, instead of each building it again (`built_into` keeps them correct
+    either way; this keeps them from repeating minutes of work)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from workbench.invariants.token_identity import TokenAccumulator
 from workbench.learner.learner import Learner
 from workbench.models.multimodal import ImageCodec, is_vision_language
 from workbench.models.state import save_policy
-from workbench.models.tiny import built_into
+from workbench.models.tiny import built_into, one_builder
 from workbench.rollout.worker import opening_messages
 from workbench.run import run_folder
 from workbench.run.checkpoint import commit
@@ -187,6 +187,14 @@ def warm_started_path(base: Path, plugin, plugin_source, steps, lr, seed, batch=
         f"learner sft|{base.resolve()}|{plugin_source}|{steps}|{lr}|{seed}|{batch}".encode()
     ).hexdigest()[:12]
     target = base.parent / f"{base.name}-warm-{key}"
+    if (target / "config.json").exists():
+        return target
+    with one_builder(target):
+        return _warm_start(target, base, plugin, steps, lr, seed, batch)
+
+
+def _warm_start(target: Path, base: Path, plugin, steps, lr, seed, batch) -> Path:
+    """Build the warm start into `target`, unless a builder before this one did."""
     if (target / "config.json").exists():
         return target
     # torch's AdamW defaults (weight decay 0.01) and no gradient clip: the optimizer the recipes'
