@@ -243,7 +243,7 @@ def test_the_readme_is_short_and_opens_with_the_two_commands_ci_runs():
         "&& molt-wb train +recipe=geo3k",
         "python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[test]'\npip install "
         "--no-deps gem-llm==0.1.0 verifiers==0.4.0  # pins clash with hydra's and the SDKs'\n"
-        "python -m pytest -q",
+        "python -m pytest -q -n 2 --dist loadfile",
     ]
 
 
