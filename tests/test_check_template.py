@@ -14,8 +14,10 @@ from fixtures.templates import FAMILIES, QWEN3_CODER_RESPONSE, tiny_in_family
 from typer.testing import CliRunner, Result
 
 from workbench.cli import app
+from workbench.config import compose_config
 from workbench.models.pretrained import cached_path
-from workbench.run.preflight import CASES, check, startup_warnings
+from workbench.run.check_template import calls_tools
+from workbench.run.preflight import CASES, TOOL_CASES, check, startup_warnings
 
 PASS = "pass"
 FAIL = "FAIL"
@@ -117,6 +119,19 @@ def test_startup_warnings_say_one_sentence_per_failing_case_and_the_mode_that_pa
     )
     assert startup_warnings(folder, "bridge") == []
     assert startup_warnings("tiny", "seal") == []
+    # a policy that never calls a tool is not warned about the tool cases
+    without = startup_warnings(folder, "seal", tools=False)
+    assert [s.split(",")[1].split(":")[0].strip() for s in without] == [
+        case for case, (seal, _) in QWEN3.items() if seal == FAIL and case not in TOOL_CASES
+    ]
+
+
+def test_only_a_run_whose_policy_may_call_tools_is_checked_for_them():
+    assert not calls_tools(compose_config(["+recipe=arith"]))
+    assert not calls_tools(compose_config(["+recipe=smol_gcd"]))
+    # geo3k's Env lists its Python tool; a ChatAgent's client may send tools with any request
+    assert calls_tools(compose_config(["+recipe=geo3k"]))
+    assert calls_tools(compose_config(["+recipe=geo3k", "agent.plugin=chat_geo3k"]))
 
 
 def molt_wb(*args: str) -> Result:
@@ -186,6 +201,7 @@ def test_train_warns_once_per_failing_case_before_it_starts(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     warned = [line for line in result.stderr.splitlines() if "template check" in line]
-    failing = [case for case, (seal, _) in QWEN3.items() if seal == FAIL]
+    # arith's Env calls no tool: the tool cases are not its concern
+    failing = [c for c, (seal, _) in QWEN3.items() if seal == FAIL and c not in TOOL_CASES]
     assert [line.split(",")[1].split(":")[0].strip() for line in warned] == failing
     assert warned[0].startswith("warning: template check, multi_turn: turn 2 sealed the segment")

@@ -43,7 +43,22 @@ def warn_at_start(configs: list) -> None:
     once per (model, mode) among `configs` (rendering only: no forward)."""
     from workbench.run.preflight import startup_warnings
 
-    policies = {(c.model.path or c.model.name, c.agent.history_rewrite) for c in configs}
-    for model, mode in sorted(policies):
-        for sentence in startup_warnings(model, mode):
+    policies = {
+        (c.model.path or c.model.name, c.agent.history_rewrite, calls_tools(c)) for c in configs
+    }
+    for model, mode, tools in sorted(policies):
+        for sentence in startup_warnings(model, mode, tools):
             typer.secho(f"warning: {sentence}", fg="yellow", err=True)
+
+
+def calls_tools(cfg) -> bool:
+    """Whether the run's policy may call tools: False only for an Env plugin that lists none (a
+    ChatAgent's client may send tools with any request; a plugin that does not load is checked in
+    full and fails later with its own sentence)."""
+    from workbench.api import Env, load_plugin
+
+    try:
+        runner = load_plugin(cfg.agent.plugin, cfg.agent.env_kwargs).AgentRunner
+    except Exception:
+        return True
+    return not (isinstance(runner, type) and issubclass(runner, Env)) or bool(runner.tools)

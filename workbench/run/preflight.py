@@ -479,9 +479,14 @@ def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
     )
 
 
-def startup_warnings(model: str, mode: str) -> list[str]:
+# the cases a policy that never calls a tool cannot meet
+TOOL_CASES = ("tool_call", "parallel_calls", "call_with_content")
+
+
+def startup_warnings(model: str, mode: str, tools: bool = True) -> list[str]:
     """One sentence per case the policy's template (`model`) fails under `agent.history_rewrite`
-    `mode`: what `molt-wb train` prints before it starts."""
+    `mode` (the tool cases only where the run's policy may call `tools`): what `molt-wb train`
+    prints before it starts."""
     try:
         report = check(load_tokenizer(model))
     # advisory: a check that cannot run never stops a run (the run itself says what is wrong)
@@ -490,6 +495,8 @@ def startup_warnings(model: str, mode: str) -> list[str]:
     other = MODES[1 - MODES.index(mode)]
     sentences = []
     for outcome in report.failing(mode):
+        if outcome.case in TOOL_CASES and not tools:
+            continue
         fix = ""
         if report.outcome(outcome.case, other).status == PASS:
             fix = f"; agent.history_rewrite={other} passes it"
