@@ -1,0 +1,72 @@
+"""The real model learns a multi-turn game: `+recipe=smol_guess_the_number` trains
+SmolLM2-135M-Instruct on textarena's GuessTheNumber (1 to 8) through the textarena adapter, from
+the cached conversion, for the recipe's first steps on seed 0.
+
+Its reward rises over those steps, every episode is one segment of several turns (the chat history
+grows turn by turn without a reseal), the turns of an episode train on different advantages
+(algo.advantage=turn) and the token identity holds (0 violations). Skipped when textarena is absent,
+or when neither the hub nor the registry is reachable and no conversion is cached.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from workbench.models import pretrained
+from workbench.store import open_run
+
+pytestmark = pytest.mark.slow
+
+# the steps the test runs of the recipe's ten, 2 prompts x 8 episodes each
+STEPS = 4
+# the rise the test requires of the mean reward of the steps after the first over the first step's
+# (the base policy's): seed 0 measured 0.384 -> 0.631 (docs/bring-your-env.md); half of it
+RISE = 0.12
+
+
+@pytest.fixture(scope="module")
+def smollm() -> None:
+    """The converted SmolLM2-135M-Instruct in the model cache: cached, or fetched and converted."""
+    pytest.importorskip("textarena")
+    if pretrained.cached_path("smollm2-135m"):
+        return
+    pytest.importorskip("gguf", reason="no SmolLM2 copy is cached and the gguf extra is absent")
+    try:
+        pretrained.pretrained_path("smollm2-135m")
+    except pretrained.Unreachable as error:
+        pytest.skip(str(error))
+
+
+def test_smollm2_learns_guess_the_number_one_segment_per_episode_with_turn_credit(
+    smollm: None, tmp_path
+) -> None:
+    command = [sys.executable, "-m", "workbench.cli", "train", "+recipe=smol_guess_the_number"]
+    settings = [
+        f"trainer.steps={STEPS}",
+        f"run.root={tmp_path}",
+        "run.id=smol-guess",
+        "tracking=none",
+        "run.progress=false",
+    ]
+    result = subprocess.run([*command, *settings], capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "identity   0 violations" in result.stdout
+    db = open_run("smol-guess", str(tmp_path))
+    metric = "select value from metrics where key = 'reward/mean' order by step"
+    rewards = [value for (value,) in db.execute(metric).fetchall()]
+    assert len(rewards) == STEPS
+    later = sum(rewards[1:]) / (STEPS - 1)
+    assert later - rewards[0] >= RISE, rewards
+    episodes, segments, longest = db.execute(
+        "select count(distinct rollout_id), count(*), max(len(turn_rewards)) from segments"
+    ).fetchone()
+    # every episode of every step, each one segment of several turns
+    assert episodes == segments == STEPS * 2 * 8
+    assert longest >= 3
+    # turn credit: within an episode, the turns' tokens are trained on different advantages
+    credited = db.execute(
+        "select count(*) from (select rollout_id from tokens where loss_mask = 1 "
+        "group by rollout_id having count(distinct round(advantage, 5)) > 1)"
+    ).fetchone()[0]
+    assert credited > 0
