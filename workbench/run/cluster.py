@@ -29,6 +29,10 @@ def init_ray(cfg, sized_for: list | None = None):
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray runs its workers at nice 15, so any other busy process on the machine starves the
+    # learner and the rollout workers (two busy loops made a 22 s step take 594 s); the run's
+    # actors compete at the driver's priority instead
+    os.environ.setdefault("RAY_worker_niceness", "0")
     if not ray.is_initialized():
         _start_ray(cfg, ray_cpus(sized_for or [cfg]))
     # a cluster (ray.address) may grow: nodes join, an autoscaler adds them
