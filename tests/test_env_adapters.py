@@ -15,6 +15,7 @@ from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
+from fixtures.multiturn import assert_one_segment_per_episode_with_turn_credit
 from omegaconf import OmegaConf
 
 from workbench.api import Env, Result, load_plugin
@@ -406,15 +407,4 @@ def test_the_guess_the_number_recipe_learns_one_segment_per_episode_with_turn_cr
     last = sum(rewards[-10:]) / 10
     # margin from the measured run of docs/bring-your-env.md (seed 0)
     assert last - first >= RISE, (first, last)
-    episodes, segments, longest = db.execute(
-        "select count(distinct rollout_id), count(*), max(len(turn_rewards)) from segments"
-    ).fetchone()
-    # every episode of every step, each one segment of several turns
-    assert episodes == segments == steps * 4 * 8
-    assert longest >= 3
-    # turn credit: within an episode, the turns' tokens are trained on different advantages
-    credited = db.execute(
-        "select count(*) from (select rollout_id from tokens where loss_mask = 1 "
-        "group by rollout_id having count(distinct round(advantage, 5)) > 1)"
-    ).fetchone()[0]
-    assert credited > 0
+    assert_one_segment_per_episode_with_turn_credit(db, steps * 4 * 8)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from fixtures.multiturn import assert_one_segment_per_episode_with_turn_credit
 
 from workbench.models import pretrained
 from workbench.store import open_run
@@ -59,15 +60,4 @@ def test_smollm2_learns_guess_the_number_one_segment_per_episode_with_turn_credi
     assert len(rewards) == STEPS
     later = sum(rewards[1:]) / (STEPS - 1)
     assert later - rewards[0] >= RISE, rewards
-    episodes, segments, longest = db.execute(
-        "select count(distinct rollout_id), count(*), max(len(turn_rewards)) from segments"
-    ).fetchone()
-    # every episode of every step, each one segment of several turns
-    assert episodes == segments == STEPS * 2 * 8
-    assert longest >= 3
-    # turn credit: within an episode, the turns' tokens are trained on different advantages
-    credited = db.execute(
-        "select count(*) from (select rollout_id from tokens where loss_mask = 1 "
-        "group by rollout_id having count(distinct round(advantage, 5)) > 1)"
-    ).fetchone()[0]
-    assert credited > 0
+    assert_one_segment_per_episode_with_turn_credit(db, STEPS * 2 * 8)
