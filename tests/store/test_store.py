@@ -9,6 +9,7 @@ import textwrap
 
 import duckdb
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from workbench.segment import Segment
@@ -231,3 +232,25 @@ def test_each_tokens_turn_and_the_episodes_turn_rewards_are_stored_and_null_in_o
     assert db.execute(
         "select step, segment_idx, turn_rewards from segments order by step, segment_idx"
     ).fetchall() == [(0, 0, None), (1, 0, [0.5, 0.0, 1.0]), (1, 1, [0.5, 0.0, 1.0])]
+
+
+def test_compare_reads_the_same_figures_from_the_same_store_every_time(tmp_path):
+    # float sums depend on their order: a reader on several threads summed the shards in whatever
+    # order they finished and printed tokens/s differing in the last digit from call to call
+    from workbench.store.compare import compare_rows
+
+    writer = RunWriter(tmp_path / "r1", {"run_id": "r1", "created": 1.0, "status": "running"})
+    values = np.random.default_rng(0).lognormal(4.0, 3.0, size=64 * 32)
+    for step, chunk in enumerate(np.split(values, 64)):
+        rows = {
+            "run_id": ["r1"] * len(chunk),
+            "step": [step] * len(chunk),
+            "key": ["perf/tokens_per_s"] * len(chunk),
+            "value": chunk.tolist(),
+            "time": [0.0] * len(chunk),
+        }
+        writer.append("metrics", pa.table(rows))
+        writer.flush()
+    writer.close("finished")
+    readings = {compare_rows(["r1"], str(tmp_path))[1][0]["tokens_per_s"] for _ in range(30)}
+    assert len(readings) == 1 and readings.pop() == pytest.approx(values.mean())

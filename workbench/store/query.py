@@ -123,7 +123,8 @@ def open_run(run_id, root="runs"):
     import duckdb
 
     folder = resolve_run(run_id, root).resolve()
-    connection = duckdb.connect()
+    # one thread: a sum of floats in one order, so the same store reads the same figures twice
+    connection = duckdb.connect(config={"threads": 1})
     for name, schema in TABLES.items():
         source = f"read_parquet('{folder / name}/*.parquet', union_by_name = true)"
         # a run older than a table, or one whose writer has not written it yet, lacks it: empty
