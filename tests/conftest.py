@@ -19,6 +19,12 @@ os.environ.setdefault("WANDB_SILENT", "true")
 # each test file's seconds (setup, call and teardown of its tests) in a measured whole-suite run:
 # the order `-n 2 --dist loadfile` hands files out in; `--record-durations` rewrites it
 DURATIONS = REPO / "tests" / "durations.json"
+# this run's seconds per file, counted as each test's report arrives
+FILE_SECONDS: Counter = Counter()
+
+
+def recorded_durations() -> dict[str, float]:
+    return json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
 
 
 def pytest_addoption(parser) -> None:
@@ -34,7 +40,7 @@ def pytest_collection_modifyitems(config, items) -> None:
     README's test command) hands whole files to its two workers in this order, so the long files
     start early and the short ones fill in beside them at the end. A file not yet measured counts
     a minute per slow test."""
-    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    seconds = recorded_durations()
     slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
 
     def measured(item) -> float:
@@ -54,16 +60,13 @@ def pytest_runtest_logreport(report) -> None:
     FILE_SECONDS[report.nodeid.split("::")[0]] += report.duration
 
 
-FILE_SECONDS: Counter = Counter()
-
-
 def pytest_sessionfinish(session) -> None:
     config = session.config
     # an xdist worker's share is counted by the controller, which writes the file once
     if not config.getoption("--record-durations") or hasattr(config, "workerinput"):
         return
     # a run of some files updates theirs and keeps the others'
-    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    seconds = recorded_durations()
     seconds.update({path: round(total, 1) for path, total in FILE_SECONDS.items()})
     DURATIONS.write_text(json.dumps(dict(sorted(seconds.items())), indent=1) + "\n")
 

@@ -113,18 +113,24 @@ def resolve_run(run_id, root="runs"):
     raise ValueError(f"No run {run_id!r} under {root}/.{hint}")
 
 
+def connect():
+    """A DuckDB connection on one thread: floats summed in one order, so every reader of the same
+    store reads the same figures every time (on several threads compare's tokens/s changed in its
+    last digit from call to call)."""
+    # duckdb is imported on first query: it would double the import time of workbench.store
+    import duckdb
+
+    return duckdb.connect(config={"threads": 1})
+
+
 def open_run(run_id, root="runs"):
     """An in-memory DuckDB connection with the run's tables as views (`runs`, `segments`,
     `tokens`, ...).
 
     Views read the shards present at query time, so a reader sees a live run grow.
     """
-    # duckdb is imported on first query: it would double the import time of workbench.store
-    import duckdb
-
     folder = resolve_run(run_id, root).resolve()
-    # one thread: a sum of floats in one order, so the same store reads the same figures twice
-    connection = duckdb.connect(config={"threads": 1})
+    connection = connect()
     for name, schema in TABLES.items():
         source = f"read_parquet('{folder / name}/*.parquet', union_by_name = true)"
         # a run older than a table, or one whose writer has not written it yet, lacks it: empty

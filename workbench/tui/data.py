@@ -10,12 +10,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import duckdb
-
 from workbench.models.pretrained import held_folder
 from workbench.store.alarms import FIRED
 from workbench.store.nonfinite import FIRST_STEPS
-from workbench.store.query import resolve_run, run_row
+from workbench.store.query import connect, resolve_run, run_row
 from workbench.store.schema import TABLES
 
 PAGE = 200
@@ -79,7 +77,7 @@ class RunData:
 
     def __init__(self, run_id, root="runs"):
         self.folder = resolve_run(run_id, root).resolve()
-        self.db = duckdb.connect()
+        self.db = connect()
         self.db.execute("SET enable_progress_bar = false")
         self._present = set()
         self.pieces = {}
