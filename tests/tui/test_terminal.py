@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -51,16 +52,24 @@ class Terminal:
     def keys(self, *keys: str) -> None:
         subprocess.run([*self.tmux, "send-keys", "-t", "tui", *keys], check=True)
 
-    def pane(self, *needles: str, escapes: bool = False, timeout: float = 60.0) -> str:
+    def pane(
+        self,
+        *needles: str,
+        escapes: bool = False,
+        until: Callable[[str], bool] = lambda pane: True,
+        timeout: float = 60.0,
+    ) -> str:
         """The pane's text (with its colours' escape sequences if `escapes`) once it shows every
-        needle, or at the timeout."""
+        needle and `until` holds of it, or at the timeout (a wide image paints row by row)."""
         flags = ["-p", "-e"] if escapes else ["-p"]
         deadline = time.monotonic() + timeout
         while True:
             pane = subprocess.run(
                 [*self.tmux, "capture-pane", *flags, "-t", "tui"], capture_output=True, text=True
             ).stdout
-            if all(n in pane for n in needles) or time.monotonic() > deadline:
+            if all(n in pane for n in needles) and until(pane):
+                return pane
+            if time.monotonic() > deadline:
                 return pane
             time.sleep(0.2)
 
@@ -103,10 +112,15 @@ def test_the_token_view_in_tmux_draws_a_segments_image_in_half_block_cells(
     terminal.keys("2")
     terminal.pane("rollout_id", "rows 1-")
     terminal.keys("Enter")
-    pane = terminal.pane("channel", "▀" * 20)
-    image_rows = [line for line in pane.splitlines() if line.rstrip().endswith("▀" * 20)]
-    assert len(image_rows) >= 10 and "images: " in pane
-    coloured = terminal.pane(escapes=True)
+
+    def image_rows(pane: str) -> list[str]:
+        return [line for line in pane.splitlines() if line.rstrip().endswith("▀" * 20)]
+
+    pane = terminal.pane("channel", "images: ", until=lambda pane: len(image_rows(pane)) >= 10)
+    assert len(image_rows(pane)) >= 10 and "images: " in pane
+    coloured = terminal.pane(
+        escapes=True, until=lambda pane: all(f"{r};{g};{b}m" in pane for r, g, b in quadrants)
+    )
     for red, green, blue in quadrants:
         colour = f"{red};{green};{blue}m"
         # a cell whose upper and lower halves are both the quadrant's colour
