@@ -2,6 +2,12 @@
 
 import json
 import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -81,3 +87,63 @@ def tokenizer(tiny_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_path)
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def one_ray():
+    """One Ray head on loopback that every run of a module joins (RAY_ADDRESS, inherited by the
+    `molt-wb train` subprocesses), so the runs skip Ray's own start: its GCS, raylet and agents
+    cost a one-step run a seventh of its CPU seconds (bench/ray_start.py). Eight CPUs, so a
+    sharded or multi-worker run fits beside the leftover actors of a killed one; its workers at
+    the driver's priority, as init_ray asks."""
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    port = free_port()
+    temp = tempfile.mkdtemp(prefix="one-ray-", dir="/tmp")
+    # no idle workers started ahead for each run that joins: eight of them, one per CPU, cost a
+    # one-step run more CPU seconds than Ray's own start saves (bench/ray_start.py)
+    env = dict(os.environ, RAY_worker_niceness="0", RAY_enable_worker_prestart="0")
+    env.pop("RAY_ADDRESS", None)
+    head = subprocess.Popen(
+        [
+            ray_cli,
+            "start",
+            "--head",
+            f"--port={port}",
+            "--node-ip-address=127.0.0.1",
+            "--num-cpus=8",
+            "--include-dashboard=false",
+            f"--object-store-memory={512 * 2**20}",
+            f"--temp-dir={temp}",
+            "--disable-usage-stats",
+            "--block",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    address = f"127.0.0.1:{port}"
+    before = os.environ.get("RAY_ADDRESS")
+    try:
+        up = f"import ray; ray.init(address='{address}', logging_level='ERROR')"
+        subprocess.run([sys.executable, "-c", up], env=env, check=True, timeout=120)
+        os.environ["RAY_ADDRESS"] = address
+        yield address
+    finally:
+        os.environ.pop("RAY_ADDRESS", None)
+        if before is not None:
+            os.environ["RAY_ADDRESS"] = before
+        # the head's process group: raylet, GCS, agents and workers
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)

@@ -20,6 +20,9 @@ from workbench.store.actor import StoreActor
 from workbench.store.alarms import Alarms, Announcer, health_metrics
 from workbench.tui.data import RunData
 
+# the runs of this module join one Ray (conftest.one_ray)
+pytestmark = pytest.mark.usefixtures("one_ray")
+
 WINDOW = 3
 
 

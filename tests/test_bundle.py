@@ -13,6 +13,9 @@ from typer.testing import CliRunner
 
 from workbench.cli import app
 
+# the runs of this module join one Ray (conftest.one_ray)
+pytestmark = pytest.mark.usefixtures("one_ray")
+
 RUN = [
     "+recipe=arith",
     # a MoE policy one version behind: routes and stale tokens in every bundle

@@ -14,6 +14,9 @@ import pytest
 
 from workbench.store import list_runs, open_run
 
+# the runs of this module join one Ray (conftest.one_ray)
+pytestmark = pytest.mark.usefixtures("one_ray")
+
 FAST = [
     "+recipe=arith",
     "trainer.steps=4",

@@ -17,6 +17,9 @@ import pytest
 
 from workbench.api import ChatContext, Result, load_plugin
 
+# the runs of this module join one Ray (conftest.one_ray)
+pytestmark = pytest.mark.usefixtures("one_ray")
+
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
 README = REPO / "README.md"

@@ -23,6 +23,9 @@ from workbench.config import ConfigError, compose_config
 from workbench.rollout.worker import Job, RolloutWorker
 from workbench.store import open_run
 
+# the runs of this module join one Ray (conftest.one_ray)
+pytestmark = pytest.mark.usefixtures("one_ray")
+
 SETTINGS = ["engine.max_tokens=6", "tracking=none"]
 # the recipe's rise of the mean reward in its first 20 steps, the last 10 over the first 10 (seed
 # 0: 0.18 measured, docs/bring-your-env.md)

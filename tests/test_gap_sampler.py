@@ -18,6 +18,9 @@ from workbench.models.gap import PARTS
 from workbench.models.multimodal import load_policy
 from workbench.store.query import open_run
 
+# the runs of this module join one Ray (conftest.one_ray)
+pytestmark = pytest.mark.usefixtures("one_ray")
+
 TEMPERATURE = 0.8
 TOP_P = 0.5
 

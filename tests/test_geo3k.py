@@ -37,6 +37,9 @@ from workbench.run.sft import demonstration
 from workbench.server.loopback import LoopbackServer
 from workbench.store import nonfinite, open_run
 
+# the runs of this module join one Ray (conftest.one_ray)
+pytestmark = pytest.mark.usefixtures("one_ray")
+
 geo3k = load_plugin("geo3k")
 geo3k_data = load_plugin("geo3k_data")
 

@@ -11,6 +11,9 @@ import pytest
 
 from workbench.store import nonfinite, open_run
 
+# the runs of this module join one Ray (conftest.one_ray)
+pytestmark = pytest.mark.usefixtures("one_ray")
+
 
 @pytest.mark.slow
 def test_geo3k_recipe_reward_rises_and_right_answers_double(tmp_path):

@@ -11,6 +11,9 @@ import pytest
 
 from workbench.store import open_run
 
+# the runs of this module join one Ray (conftest.one_ray)
+pytestmark = pytest.mark.usefixtures("one_ray")
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])

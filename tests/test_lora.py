@@ -22,6 +22,9 @@ from workbench.models.tiny import tiny_model_path
 from workbench.segment import Segment
 from workbench.store import open_run
 
+# the runs of this module join one Ray (conftest.one_ray)
+pytestmark = pytest.mark.usefixtures("one_ray")
+
 LORA = ["model.lora.rank=8", "trainer.lr=1e-2", "algo.kl_coef=0.1"]
 
 

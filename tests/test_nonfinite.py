@@ -23,6 +23,9 @@ from workbench.store.actor import StoreActor
 from workbench.store.alarms import Announcer
 from workbench.tui.data import RunData
 
+# the runs of this module join one Ray (conftest.one_ray)
+pytestmark = pytest.mark.usefixtures("one_ray")
+
 FIXTURES = Path(__file__).parent / "fixtures"
 # the warm-started policy of a default geo3k run whose entropy and mismatch figures were NaN on
 # every step (../shared/repro/geo3k-nan-warm, its weights stored as bfloat16)

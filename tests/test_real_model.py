@@ -25,7 +25,7 @@ from workbench.algo.losses import token_logprobs
 from workbench.models import pretrained
 from workbench.store import open_run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_ray")]
 
 RUN = [
     "+recipe=arith",

@@ -11,6 +11,9 @@ from workbench.rollout.worker import RolloutWorker
 from workbench.run.data import Prompts
 from workbench.run.evaluate import eval_samples
 
+# the runs of this module join one Ray (conftest.one_ray)
+pytestmark = pytest.mark.usefixtures("one_ray")
+
 pytest.importorskip("reasoning_gym")
 
 CHAIN_SUM = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}

@@ -20,6 +20,9 @@ from workbench.run.faults import RunFailed
 from workbench.run.progress import Progress
 from workbench.store import open_run
 
+# the runs of this module join one Ray (conftest.one_ray)
+pytestmark = pytest.mark.usefixtures("one_ray")
+
 # checkpoints after loop steps 1 and 3: step-000002 and step-000004, each with an evaluation
 COMMON = ["trainer.steps=4", "trainer.checkpoint_every=2", "eval.every=2", "eval.size=4"]
 

@@ -10,6 +10,9 @@ from typer.testing import CliRunner
 from workbench import cli
 from workbench.store import list_runs
 
+# the runs of this module join one Ray (conftest.one_ray)
+pytestmark = pytest.mark.usefixtures("one_ray")
+
 RUN = [
     "+recipe=arith",
     "model.warm_start_steps=0",

@@ -17,7 +17,7 @@ from fixtures.multiturn import assert_one_segment_per_episode_with_turn_credit
 from workbench.models import pretrained
 from workbench.store import open_run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_ray")]
 
 # the steps the test runs of the recipe's ten, 2 prompts x 8 episodes each
 STEPS = 3

@@ -15,6 +15,9 @@ from workbench.run import loop
 from workbench.run.data import Prompts
 from workbench.store import open_run
 
+# the runs of this module join one Ray (conftest.one_ray)
+pytestmark = pytest.mark.usefixtures("one_ray")
+
 
 def collective(tmp_path, run_id, *more):
     """Overrides of a 2-worker run on the collective transport, over the faults file's 8 rows."""

@@ -13,6 +13,9 @@ from workbench.config import ConfigError
 from workbench.run.tune import Tuner, search_space
 from workbench.store import list_runs, open_run
 
+# the runs of this module join one Ray (conftest.one_ray)
+pytestmark = pytest.mark.usefixtures("one_ray")
+
 FAST = [
     "+recipe=arith",
     "trainer.steps=30",

@@ -305,7 +305,8 @@ class TrackingConfig:
 @dataclass
 class RayConfig:
     address: str | None = None
-    """None starts a local Ray; `auto` joins the running cluster; or an explicit address."""
+    """None starts a local Ray (or joins the one `RAY_ADDRESS` names); `auto` joins the running
+    cluster; or an explicit address."""
     num_cpus: int | None = None
     """CPUs of a local Ray (None = all of this machine's)."""
     object_store_mb: int = 256

@@ -23,7 +23,7 @@ from workbench.store.schema import step_tables
 from workbench.store.writer import RunWriter
 
 # each test trains a run end to end (the full suite; the fast loop skips them)
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_ray")]
 
 FAST = [
     "+recipe=arith",

@@ -27,7 +27,7 @@ from workbench.tui.run_screen import RunScreen  # noqa: E402
 from workbench.tui.token_screen import SegmentImage, TokenScreen, _style  # noqa: E402
 
 # the shared fixture trains a run first
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_ray")]
 
 
 def screen_text(app) -> str:

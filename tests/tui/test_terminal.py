@@ -15,6 +15,7 @@ import pytest
 from workbench.store import open_run
 
 pytestmark = [
+    pytest.mark.usefixtures("one_ray"),
     pytest.mark.slow,
     pytest.mark.skipif(
         shutil.which("tmux") is None, reason="tmux is not installed (.ci/run installs it)"

@@ -36,11 +36,17 @@ def init_ray(cfg, sized_for: list | None = None):
     if not ray.is_initialized():
         _start_ray(cfg, ray_cpus(sized_for or [cfg]))
     # a cluster (ray.address) may grow: nodes join, an autoscaler adds them
-    if not cfg.ray.address:
+    if not joined(cfg):
         _refuse_too_big(cfg, ray.cluster_resources())
     # after ray.init, which sets its own handler
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
+
+
+def joined(cfg) -> str:
+    """The address of the Ray a run joins: `ray.address`, else RAY_ADDRESS (the variable Ray's own
+    tools read); empty when the run starts a local Ray of its own."""
+    return cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
 
 
 def asked(cfg):
@@ -91,8 +97,8 @@ def _start_ray(cfg, cpus: int):
     import ray
 
     # a cluster's nodes share the repository and the model cache at the same paths
-    where = {"address": cfg.ray.address}
-    if not cfg.ray.address:
+    where = {"address": joined(cfg)}
+    if not where["address"]:
         where = dict(
             address="local",
             num_cpus=cpus,
