@@ -97,12 +97,17 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def one_ray():
+def one_ray(request):
     """One Ray head on loopback that every run of a module joins (RAY_ADDRESS, inherited by the
     `molt-wb train` subprocesses), so the runs skip Ray's own start: its GCS, raylet and agents
     cost a one-step run a seventh of its CPU seconds (bench/ray_start.py). Eight CPUs, so a
     sharded or multi-worker run fits beside the leftover actors of a killed one; its workers at
-    the driver's priority, as init_ray asks."""
+    the driver's priority, as init_ray asks. None where the module runs none of its slow tests
+    (the fast loop): its fast tests train nothing long enough to share a Ray for."""
+    selected = [item for item in request.session.items if item.module is request.module]
+    if not any(item.get_closest_marker("slow") for item in selected):
+        yield None
+        return
     ray_cli = str(Path(sys.executable).parent / "ray")
     port = free_port()
     temp = tempfile.mkdtemp(prefix="one-ray-", dir="/tmp")

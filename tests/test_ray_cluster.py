@@ -19,7 +19,7 @@ import pytest
 
 from workbench.config import ConfigError, compose_config
 from workbench.models.tiny import cache_root
-from workbench.run.cluster import actor_env, init_ray, placement, ray_cpus
+from workbench.run.cluster import actor_env, init_ray, joined, placement, ray_cpus
 
 
 def free_port() -> int:
@@ -92,12 +92,12 @@ def cluster():
 @pytest.mark.slow
 def test_rollout_workers_run_on_the_node_that_offers_their_resource(cluster, tmp_path):
     address, env = cluster
+    # the run names no ray.address: it joins the cluster RAY_ADDRESS names, as Ray's own tools do
     train = [
         sys.executable,
         "-m",
         "workbench.cli",
         "train",
-        f"ray.address={address}",
         "trainer.steps=2",
         "trainer.prompts_per_step=2",
         "trainer.group_size=2",
@@ -109,7 +109,8 @@ def test_rollout_workers_run_on_the_node_that_offers_their_resource(cluster, tmp
         "tracking.wandb.mode=disabled",
         "run.progress=false",
     ]
-    result = subprocess.run(train, env=env, capture_output=True, text=True, timeout=300)
+    joining = dict(env, RAY_ADDRESS=address)
+    result = subprocess.run(train, env=joining, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     run = json.loads((tmp_path / "two-nodes" / "run.json").read_text())
     assert run["status"] == "finished" and run["steps_done"] == 2
@@ -160,6 +161,15 @@ def test_colocated_placement_packs_learner_and_workers_onto_one_node(cluster):
         ray.util.remove_placement_group(group)
     finally:
         ray.shutdown()
+
+
+def test_ray_address_names_the_ray_a_run_joins_before_the_environment_does(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    assert joined(compose_config([])) == "127.0.0.1:6379"
+    assert joined(compose_config(["ray.address=auto"])) == "auto"
+    monkeypatch.delenv("RAY_ADDRESS")
+    # neither: the run starts a local Ray of its own
+    assert joined(compose_config([])) == ""
 
 
 @pytest.mark.parametrize("value", [None, ""])
