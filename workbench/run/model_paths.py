@@ -14,14 +14,14 @@ from workbench.run.progress import StartClock
 def policy_path(cfg, clock: StartClock | None = None):
     """The checkpoint every actor loads: a resumed run's latest, model.path (a .gguf file
     converted once), or the built-in model `model.name` (warm-started if the recipe says so; the
-    seconds of each on `clock`)."""
+    seconds of each on `clock`). Absolute: the actors may run in another working directory."""
     # a LoRA run resumes on its base: the checkpoint holds the adapter (models/lora.py); a run
     # resumed before its first checkpoint starts again from its first policy
     checkpoint = cfg.run.resume and latest(Path(cfg.run.root) / cfg.run.id)
     if checkpoint and not cfg.model.lora.rank:
-        return str(checkpoint / "policy")
+        return str((checkpoint / "policy").absolute())
     if cfg.model.path:
-        return str(local_path(cfg.model.path))
+        return str(Path(local_path(cfg.model.path)).absolute())
     return warm_started(cfg, cfg.model.warm_start_steps, clock)
 
 
@@ -31,7 +31,9 @@ def teacher_path(cfg):
     tokenizer); None when the algorithm has none."""
     if not ADVANTAGES[cfg.algo.advantage].teacher:
         return None
-    return cfg.algo.teacher_path or warm_started(cfg, cfg.algo.teacher_warm_start_steps)
+    if cfg.algo.teacher_path:
+        return str(Path(cfg.algo.teacher_path).absolute())
+    return warm_started(cfg, cfg.algo.teacher_warm_start_steps)
 
 
 def warm_started(cfg, steps, clock: StartClock | None = None):

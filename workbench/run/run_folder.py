@@ -45,7 +45,8 @@ def start_run(cfg: DictConfig) -> tuple[Path, dict]:
     """Give the run an id, create its folder, save the resolved config; return (folder, row)."""
     with open_dict(cfg):
         cfg.run.id = cfg.run.id or new_run_id()
-    run_dir = Path(cfg.run.root) / cfg.run.id
+    # absolute: the actors may run in another working directory (a Ray they join)
+    run_dir = (Path(cfg.run.root) / cfg.run.id).absolute()
     if cfg.run.resume:
         row = reopen(run_dir)
     elif (run_dir / "run.json").exists():
