@@ -145,10 +145,12 @@ def one_ray(request):
         os.environ.pop("RAY_ADDRESS", None)
         if before is not None:
             os.environ["RAY_ADDRESS"] = before
-        # the head's process group: raylet, GCS, agents and workers
+        # the head's process group: raylet, GCS, agents and workers (`ray start --block` took
+        # longer than 30 s to end on SIGTERM: each module's teardown waited that long for it)
         os.killpg(head.pid, signal.SIGTERM)
         try:
-            head.wait(timeout=30)
+            head.wait(timeout=3)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
+            head.wait(timeout=30)
         shutil.rmtree(temp, ignore_errors=True)
