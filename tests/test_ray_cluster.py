@@ -9,23 +9,17 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 from workbench.config import ConfigError, compose_config
 from workbench.models.tiny import cache_root
 from workbench.run.cluster import actor_env, init_ray, joined, placement, ray_cpus
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
