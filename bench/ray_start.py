@@ -68,9 +68,16 @@ def start_head(temp: str, prestart: bool) -> tuple[subprocess.Popen, str]:
     return head, address
 
 
-def stop_head(head: subprocess.Popen) -> None:
+def stop_head(head: subprocess.Popen, temp: str) -> None:
+    """End the head's process group (SIGKILL 3 s after SIGTERM: `ray start --block` can take
+    over 30 s to end) and remove its temp dir, logs and spilled objects with it."""
     os.killpg(head.pid, signal.SIGTERM)
-    head.wait(timeout=60)
+    try:
+        head.wait(timeout=3)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait(timeout=30)
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 def main() -> None:
@@ -91,16 +98,17 @@ def main() -> None:
     heads = {}
     try:
         for name, prestart in (("joined", True), ("joined, no prestart", False)):
-            heads[name] = start_head(tempfile.mkdtemp(prefix="rs-", dir="/tmp"), prestart)
+            temp = tempfile.mkdtemp(prefix="rs-", dir="/tmp")
+            heads[name] = (*start_head(temp, prestart), temp)
         # a first run fills the model cache and the page cache; it is not counted
         one_run(root, own_env)
         for _ in range(repeats):
             figures["own Ray"].append(one_run(root, own_env))
-            for name, (_, address) in heads.items():
+            for name, (_, address, _) in heads.items():
                 figures[name].append(one_run(root, dict(own_env, RAY_ADDRESS=address)))
     finally:
-        for head, _ in heads.values():
-            stop_head(head)
+        for head, _, temp in heads.values():
+            stop_head(head, temp)
         shutil.rmtree(root, ignore_errors=True)
     base_wall = statistics.median(w for w, _ in figures["own Ray"])
     base_cpu = statistics.median(c for _, c in figures["own Ray"])
