@@ -29,7 +29,6 @@ from workbench.extras import EXTRAS, install, missing, needs
 from workbench.locate import where_found
 from workbench.models.tiny import cache_root
 from workbench.run import bundle_commands, check_template
-from workbench.run.faults import RunFailed
 from workbench.store.query import root_option
 from workbench.tools import jail
 
@@ -119,7 +118,10 @@ def train(ctx: typer.Context, config_dir: list[str] = CONFIG_DIR, root: str | No
     # a resumed run (no jobs) keeps the swept values it has
     for cfg, (_, swept) in zip(configs, jobs, strict=False):
         OmegaConf.update(cfg, "run.swept", swept, merge=False)
+    # the loop's modules bring torch and transformers: imported by `train` alone, so that `runs`,
+    # `compare` and `--help` start in a fraction of the time
     from workbench.run import cluster, loop, run_folder, summary
+    from workbench.run.faults import RunFailed
 
     parallel = configs[0].sweep.parallel if multirun else 1
     # the policy's template checked once per (model, history_rewrite): rendering only, no forward

@@ -16,11 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench.algo.advantages import ADVANTAGES
-from workbench.algo.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from workbench.api import load_plugin
 from workbench.extras import missing, needs
-from workbench.invariants.version_gate import ANCHORS, DENOMINATORS, LEVELS, MODES
 from workbench.locate import absolute_plugin, hydra_search_path
 from workbench.models.pretrained import needs_conversion
 from workbench.models.tiny import TINY_SPECS
@@ -597,6 +594,10 @@ def _refuse(combination, message):
 
 def _refuse_unsafe_combinations(cfg):
     """Combinations that would train silently wrong; each comment says why."""
+    # the registries import torch: imported here, not with the module, so that a process that only
+    # reads a config (the store actor, `molt-wb runs`, `compare`) starts without torch's second
+    from workbench.algo.advantages import ADVANTAGES
+
     algo = cfg.algo
     gate = cfg.gate
     on_policy = cfg.trainer.async_depth == 0 and not cfg.rollout.partial
@@ -665,6 +666,10 @@ def _refuse_unsafe_combinations(cfg):
 
 def _refuse_unknown_names(cfg):
     """Every name-valued key names something that exists."""
+    from workbench.algo.advantages import ADVANTAGES
+    from workbench.algo.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+    from workbench.invariants.version_gate import ANCHORS, DENOMINATORS, LEVELS, MODES
+
     algo = cfg.algo
     gate = cfg.gate
     _need(
@@ -713,6 +718,8 @@ def _refuse_unknown_names(cfg):
 
 def _refuse_out_of_range(cfg):
     """Numbers within their ranges, and the values a choice requires set."""
+    from workbench.algo.advantages import ADVANTAGES
+
     algo = cfg.algo
     gate = cfg.gate
     trainer = cfg.trainer
