@@ -167,6 +167,17 @@ def test_importing_the_core_loads_no_heavy_framework():
     assert result.returncode == 0, result.stderr
 
 
+def test_the_command_line_and_the_store_actor_start_without_torch():
+    # `molt-wb --help`, `runs`, `compare` import workbench.cli; the store actor unpickles a config
+    code = (
+        "import sys, workbench.cli, workbench.config, workbench.store.actor;"
+        "heavy = [m for m in ('torch', 'transformers') if m in sys.modules];"
+        "assert not heavy, heavy"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("plugin", ["chat_minimal", "chat_anthropic", "tool_env"])
 def test_chat_agents_and_the_tool_env_train_end_to_end(tmp_path, plugin):
