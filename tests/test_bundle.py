@@ -129,3 +129,52 @@ def test_a_file_that_is_no_bundle_is_refused_in_one_sentence(tmp_path: Path) -> 
     assert result.stderr.strip() == (
         f"error: {path} is not a molt-wb bundle: write one with `molt-wb bundle`."
     )
+
+
+@pytest.fixture(scope="module")
+def lora_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A LoRA run one version behind, with a KL term: its reference is the base, adapter off."""
+    root = tmp_path_factory.mktemp("lora-runs")
+    dense = [a for a in RUN if not a.startswith(("model=", "run.id="))]
+    lora = ["model.lora.rank=4", "trainer.lr=1e-2", "algo.kl_coef=0.1", "run.id=lora-bundled"]
+    result = molt_wb("train", *dense, *lora, f"run.root={root}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    return root
+
+
+@pytest.mark.slow
+def test_a_lora_step_bundles_its_adapter_and_names_its_base_and_replays_exactly(
+    lora_root: Path,
+) -> None:
+    out = lora_root / "lora-step2.zip"
+    written = in_process("bundle", "lora-bundled", "2", "--root", str(lora_root), "--out", str(out))
+    assert written.returncode == 0, written.stderr
+    assert "weights version 2 (base embedded; policy embedded)" in written.stdout
+    names = zipfile.ZipFile(out).namelist()
+    # the adapter alone (a checkpoint's policy/ of a LoRA run), beside the base it goes on
+    assert "weights/policy/adapter_model.safetensors" in names
+    assert "weights/base/model.safetensors" in names
+    replayed = in_process("replay", str(out), "--atol", "0", "--rtol", "0")
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert "loss/kl" in replayed.stdout
+    # a changed adapter is caught
+    perturbed = lora_root / "lora-perturbed.zip"
+    with zipfile.ZipFile(out) as source, zipfile.ZipFile(perturbed, "w") as target:
+        for item in source.infolist():
+            data = source.read(item)
+            if item.filename == "weights/policy/adapter_model.safetensors":
+                tensors = load(data)
+                tensors = {k: v + 0.05 if "lora_B" in k else v for k, v in tensors.items()}
+                data = save(tensors)
+            target.writestr(item, data)
+    replayed = in_process("replay", str(perturbed))
+    assert replayed.returncode == 1, replayed.stdout + replayed.stderr
+    assert "outputs differ beyond the tolerance (pi_old (train_logprob)" in replayed.stdout
+    # version 0 is the base with the fresh adapter every process builds alike: nothing to carry
+    first = lora_root / "lora-step0.zip"
+    written = in_process(
+        "bundle", "lora-bundled", "0", "--root", str(lora_root), "--out", str(first)
+    )
+    assert "weights version 0 (base embedded)" in written.stdout
+    replayed = in_process("replay", str(first), "--atol", "0", "--rtol", "0")
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr

@@ -41,15 +41,17 @@ def bundle(
     with _one_sentence():
         meta = make_bundle(run_id, step, root, out, rows or None, max_mb)
     size = os.path.getsize(meta["path"])
-    weights = meta["weights"]["policy"]
     # a large policy's weights stay where they are: the bundle names them and their hash
-    where = "embedded"
-    if "path" in weights:
-        where = f"at {weights['path']}, sha256 {weights['sha256'][:12]}"
+    where = []
+    for name, weights in meta["weights"].items():
+        place = "embedded"
+        if "path" in weights:
+            place = f"at {weights['path']}, sha256 {weights['sha256'][:12]}"
+        where.append(f"{name} {place}")
     typer.echo(
         f"wrote {meta['path']} ({size / 2**10:,.0f} KB): run {meta['run_id']} step {step}, "
         f"{meta['rows']} of {meta['batch_rows']} rows, weights version "
-        f"{meta['learner_version']} ({where})"
+        f"{meta['learner_version']} ({'; '.join(where)})"
     )
 
 

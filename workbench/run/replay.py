@@ -68,19 +68,20 @@ def make_bundle(
     sentence) when the step cannot be bundled."""
     run_dir = resolve_run(run_id, root)
     cfg = config_of((run_dir / "config.yaml").read_text())
-    if cfg.model.lora.rank:
-        raise ValueError(
-            f"Run {run_dir.name} trains a LoRA adapter, which bundles do not hold yet: bundle a "
-            f"run with model.lora.rank=0."
-        )
     version = read_step(run_dir, step, 1).learner_version
     weights = {"policy": _policy_at(run_dir, cfg, step, version)}
-    step_rows = read_step(run_dir, step, rows, _experts_per_token(weights["policy"]))
+    if cfg.model.lora.rank:
+        weights = _lora_weights(cfg, weights["policy"], version)
+    experts = _experts_per_token(weights.get("base", weights.get("policy")))
+    step_rows = read_step(run_dir, step, rows, experts)
     # one optimizer step a batch: every output comes before it, so the optimizer's state (and the
-    # checkpoint's pickled files) is not needed: the policy's safetensors alone
-    if cfg.trainer.minibatches == 1 and (weights["policy"] / "policy").is_dir():
-        weights["policy"] = weights["policy"] / "policy"
-    if cfg.algo.kl_coef > 0:
+    # checkpoint's pickled files) is not needed: the policy's safetensors (a LoRA policy's
+    # adapter) alone
+    policy = weights.get("policy")
+    if cfg.trainer.minibatches == 1 and policy and (policy / "policy").is_dir():
+        weights["policy"] = policy / "policy"
+    # a LoRA policy's KL reference is its base with the adapter disabled: no second copy
+    if cfg.algo.kl_coef > 0 and not cfg.model.lora.rank:
         weights["reference"] = _starting_policy(cfg)
     from workbench.run.model_paths import teacher_path
 
@@ -125,6 +126,16 @@ def _policy_at(run_dir: Path, cfg: DictConfig, step: int, version: int) -> Path:
         f"checkpoint holds (bundleable steps: {steps}): rerun with trainer.checkpoint_every=1 "
         f"trainer.keep_checkpoints=<steps> to keep every step's weights."
     )
+
+
+def _lora_weights(cfg: DictConfig, policy: Path, version: int) -> dict[str, Path]:
+    """A LoRA step's weights: the base the run started from, and the adapter of `version` (its
+    checkpoint, whose `policy/` is the adapter alone); version 0 has no adapter to carry, every
+    process builds the same fresh one (models/lora.py)."""
+    weights = {"base": _starting_policy(cfg)}
+    if version:
+        weights["policy"] = policy
+    return weights
 
 
 def _experts_per_token(folder: Path) -> int:
@@ -197,20 +208,33 @@ def _train(
     """A fresh CPU learner holding the bundle's weights, trained on the bundle's segments."""
     from workbench.learner.learner import Learner
 
-    policy = folders["policy"]
-    checkpoint = meta["weights"]["policy"]["checkpoint"]
+    policy = folders.get("policy")
+    checkpoint = policy is not None and meta["weights"]["policy"]["checkpoint"]
     teacher = folders.get("teacher")
     teacher = teacher and str(teacher)
-    learner = Learner(cfg, str(policy / "policy" if checkpoint else policy), teacher=teacher)
+    # a LoRA step starts from its base, with a fresh adapter; else from the policy itself
+    start = folders.get("base") or (policy / "policy" if checkpoint else policy)
+    learner = Learner(cfg, str(start), teacher=teacher)
     learner.version = meta["learner_version"]
     if checkpoint:
         # one process, no process group: torch.distributed.checkpoint warns that it loads alone
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             learner.load_checkpoint(str(policy))
+    elif policy is not None and "base" in folders:
+        _load_adapter(learner, policy)
     if "reference" in folders:
         learner.reference = learner.frozen(str(folders["reference"]), cfg.model.dtype)
     return learner.train(step.segments)
+
+
+def _load_adapter(learner: Any, folder: Path) -> None:
+    """The adapter a LoRA checkpoint's `policy/` holds, into the learner's fresh one."""
+    from safetensors.torch import load_file
+
+    from workbench.models.lora import load_adapter
+
+    load_adapter(learner.model, load_file(folder / "adapter_model.safetensors"))
 
 
 def diff_outputs(
