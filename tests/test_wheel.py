@@ -159,6 +159,9 @@ def test_doctor_finds_configs_and_plugins_inside_the_installed_package(
     assert lines["configs"].startswith(str(install.site_packages / "workbench" / "conf"))
     assert lines["plugins"].startswith(str(install.site_packages / "workbench" / "plugins"))
     assert "1 from the molt_wb.plugins entry points" in lines["plugins"]
+    # an extra this environment lacks is installed from where molt-wb came, not as in a clone
+    assert f"vllm extra   missing (pip install '{install.wheel}[vllm]')" in result.stdout
+    assert "pip install -e" not in result.stdout
 
 
 def test_plugins_lists_the_shipped_ones_and_the_entry_point_with_its_package(

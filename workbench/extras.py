@@ -7,7 +7,12 @@ feature, and no module imports an extra's package unless that feature is on. Con
 here before they start anything.
 """
 
+import functools
 import importlib.util
+import json
+from importlib import metadata
+from pathlib import Path
+from urllib.parse import unquote
 
 # extra (pyproject.toml's [project.optional-dependencies], but `test`) -> the top-level modules it
 # installs that molt-wb, its benches or its docs build import; `bench`'s psutil is left out: Ray
@@ -42,9 +47,30 @@ def missing(extra: str) -> list[str]:
     return [module for module in EXTRAS[extra] if not _importable(module)]
 
 
+@functools.cache
+def _source() -> str:
+    """What pip installs molt-wb from here, for `install`: "-e ." in a clone (its package sits
+    beside its pyproject.toml), the folder or file a package was installed from (PEP 610's
+    direct_url.json), else the registry's name."""
+    if (Path(__file__).resolve().parent.parent / "pyproject.toml").is_file():
+        return "-e ."
+    try:
+        direct = metadata.distribution("molt-wb").read_text("direct_url.json")
+    except metadata.PackageNotFoundError:
+        direct = None
+    url = json.loads(direct or "{}").get("url", "")
+    if url.startswith("file://"):
+        return unquote(url.removeprefix("file://"))
+    return "molt-wb"
+
+
 def install(extra: str) -> str:
-    """The command that installs `extra` into a clone's environment."""
-    return f"pip install -e '.[{extra}]'"
+    """The command that installs `extra`: into a clone's environment (`pip install -e
+    '.[lora]'`), or beside an installed package, from where it came."""
+    source = _source()
+    if source == "-e .":
+        return f"pip install -e '.[{extra}]'"
+    return f"pip install '{source}[{extra}]'"
 
 
 def needs(feature: str, extra: str) -> str:
