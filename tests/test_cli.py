@@ -148,6 +148,30 @@ def test_bad_input_is_one_clear_sentence_not_a_traceback(tmp_path, args, words):
     assert words in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["train"],
+        ["sft", "conversations.jsonl"],
+        ["serve"],
+        ["tune", "trainer.lr=interval(1e-4,1e-2)", "--trials", "1"],
+    ],
+)
+def test_every_command_that_composes_a_config_finds_a_recipe_through_config_dir(tmp_path, command):
+    # the user's recipe names an estimator that does not exist: the command reaches validation
+    # (and refuses it) only where it found the recipe
+    (tmp_path / "conf" / "recipe").mkdir(parents=True)
+    recipe = "# @package _global_\nalgo:\n  advantage: my_own_estimator\n"
+    (tmp_path / "conf" / "recipe" / "mine.yaml").write_text(recipe)
+    args = [*command, "+recipe=mine", f"run.root={tmp_path / 'runs'}"]
+    found = molt_wb(*args, "--config-dir", str(tmp_path / "conf"), cwd=tmp_path)
+    assert found.returncode == 2, found.stderr
+    assert "algo.advantage=my_own_estimator is unknown" in found.stderr
+    lost = molt_wb(*args, cwd=tmp_path)
+    assert lost.returncode == 2, lost.stderr
+    assert "give its folder with --config-dir" in lost.stderr
+
+
 def test_doctor_reports_versions_gpu_and_run_folder():
     result = molt_wb("doctor")
     assert result.returncode == 0

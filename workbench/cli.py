@@ -185,6 +185,7 @@ def train(ctx: typer.Context, config_dir: list[str] = CONFIG_DIR, root: str | No
 def sft(
     ctx: typer.Context,
     data: str = typer.Argument(..., help="A .jsonl or .parquet file with a `messages` column."),
+    config_dir: list[str] = CONFIG_DIR,
 ):
     """Supervised fine-tuning on conversations in OpenAI chat format (images as `image_url` parts
     of inline base64), the loss on assistant tokens only, through the RL learner; a run that
@@ -199,7 +200,7 @@ def sft(
     from workbench.run.sft import SETTINGS, conversations, run
 
     with user_errors():
-        cfg = compose_config([*ctx.args, *SETTINGS])
+        cfg = compose_config([*ctx.args, *SETTINGS], config_dir)
         model_path = model_paths.policy_path(cfg)
         demonstrations = conversations(data, model_path)
     typer.echo(run(cfg, demonstrations, model_path))
@@ -230,6 +231,7 @@ def tune(
     startup: int = typer.Option(4, help="Trials that finish before the pruner stops any."),
     warmup: int = typer.Option(10, help="Steps every trial runs before it can be pruned."),
     resume: str | None = typer.Option(None, help="Continue this study (a .optuna.db file)."),
+    config_dir: list[str] = CONFIG_DIR,
 ):
     """Search config keys with an Optuna study: `+recipe=arith 'gate.band.0=interval(0.3,0.99)'
     'gate.max_staleness=int(interval(0,3))' --trials 12`.
@@ -246,7 +248,7 @@ def tune(
     from workbench.run.tune import run_study
 
     with user_errors():
-        run_study(ctx.args, trials, metric, startup, warmup, resume)
+        run_study(ctx.args, trials, metric, startup, warmup, resume, config_dir)
 
 
 @app.command(context_settings=OVERRIDES)
@@ -256,6 +258,7 @@ def serve(
     json_lines: bool = typer.Option(
         False, "--json", help="One JSON line per session, for scripts."
     ),
+    config_dir: list[str] = CONFIG_DIR,
 ):
     """Serve the policy on a loopback server for agent development; every session is recorded as a
     run.
@@ -265,7 +268,7 @@ def serve(
     exits.
     """
     with user_errors():
-        cfg = compose_config(ctx.args)
+        cfg = compose_config(ctx.args, config_dir)
     # the server's threads inherit this
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     from workbench.run.serve import Recorder

@@ -78,15 +78,16 @@ def search_space(line):
     return fixed, space
 
 
-def run_study(line, trials, metric, startup, warmup, resume=None):
+def run_study(line, trials, metric, startup, warmup, resume=None, config_dirs=()):
     """`molt-wb tune`: open a new study of `line` (or the one in the file `resume`), run `trials`
-    trials, print a line for each and the study's summary."""
+    trials, print a line for each and the study's summary; `config_dirs`: the user's config
+    folders (--config-dir), kept with the study."""
     if resume and line:
         raise ConfigError("--resume continues a study with its own line: drop the overrides.")
     if resume:
         tuner = Tuner(resume)
     else:
-        tuner = Tuner.new(line, metric, startup, warmup)
+        tuner = Tuner.new(line, metric, startup, warmup, config_dirs)
     try:
         for _ in range(trials):
             print(tuner.describe(tuner.run_trial()), flush=True)
@@ -130,13 +131,15 @@ class Tuner:
             self.study.tell(trial.number, state=TrialState.FAIL)
 
     @classmethod
-    def new(cls, line, metric, startup, warmup):
+    def new(cls, line, metric, startup, warmup, config_dirs=()):
         """A new study of the line's searched keys in its run.root, refused at once if a key or
         the metric is unknown."""
         if metric not in METRICS:
             raise ConfigError(f"--metric {metric} is not one of {', '.join(METRICS)}.")
         fixed, space = search_space(line)
-        cfg = compose_config(fixed)
+        # absolute: a resumed study finds them from any folder
+        config_dirs = [str(Path(folder).absolute()) for folder in config_dirs]
+        cfg = compose_config(fixed, config_dirs)
         absent = object()
         for key in space:
             if OmegaConf.select(cfg, key, default=absent) is absent:
@@ -145,7 +148,9 @@ class Tuner:
                 )
         name = datetime.datetime.now().strftime("tune-%Y%m%d-%H%M%S-") + os.urandom(2).hex()
         Path(cfg.run.root).mkdir(parents=True, exist_ok=True)
-        settings = dict(line=line, metric=metric, startup=startup, warmup=warmup)
+        settings = dict(
+            line=line, metric=metric, startup=startup, warmup=warmup, config_dirs=config_dirs
+        )
         return cls(Path(cfg.run.root, name + SUFFIX), settings)
 
     def run_trial(self):
@@ -154,7 +159,10 @@ class Tuner:
         swept = {key: str(value) for key, value in trial.params.items()}
         overrides = [*self.fixed, *(f"{k}={v}" for k, v in swept.items())]
         try:
-            cfg = compose_config([*overrides, f"run.sweep_id={self.name}", f"run.root={self.root}"])
+            cfg = compose_config(
+                [*overrides, f"run.sweep_id={self.name}", f"run.root={self.root}"],
+                self.settings.get("config_dirs", ()),
+            )
         except ConfigError as error:
             print(f"trial {trial.number} refused: {error}", file=sys.stderr)
             return self.study.tell(trial, state=TrialState.FAIL)
