@@ -138,6 +138,12 @@ def test_a_checkpoint_resumes_on_the_base_and_exports_merged(trained, tmp_path):
     learner, *_, folder = trained
     assert (folder / "policy" / "adapter_config.json").exists()
     assert not (folder / "policy" / "model.safetensors").exists()
+    # the trainable state alone: no tensor of the frozen base in state/
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(str(folder / "state")).read_metadata().state_dict_metadata
+    model_keys = [key for key in stored if key.startswith("model.")]
+    assert model_keys and all("lora_" in key for key in model_keys)
     resumed = Learner(config(), str(tiny_model_path("tiny")))
     resumed.load_checkpoint(str(folder))
     for name, tensor in learner.model.state_dict().items():

@@ -46,10 +46,13 @@ def side_files(model_path: str | Path) -> dict[str, bytes]:
 
 
 def _sharded_state(learner: LearnerState) -> dict[str, dict[str, Any]]:
-    """This rank's shards of the model and optimizer state, as `state/` holds them."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    """This rank's shards of the trainable parameters and the optimizer state, as `state/` holds
+    them. Frozen parameters stay out: a LoRA policy's base (the run builds it again from where it
+    started) would make each checkpoint the model's size, not the adapter's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model, optimizer = get_state_dict(learner.model, learner.optimizer)
+    options = StateDictOptions(ignore_frozen_params=True)
+    model, optimizer = get_state_dict(learner.model, learner.optimizer, options=options)
     return {"model": model, "optimizer": optimizer}
 
 
@@ -95,16 +98,18 @@ def load_learner(learner: LearnerState, folder: str | Path) -> int:
     state resharded to this run's ranks, version, torch RNG."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     state = torch.load(Path(folder, "trainer.pt"), weights_only=False)
     loaded = _sharded_state(learner)
+    # dcp.load fails on any trainable key the checkpoint lacks; the frozen ones it never held
     dcp.load(loaded, checkpoint_id=Path(folder, "state"))
     set_state_dict(
         learner.model,
         learner.optimizer,
         model_state_dict=loaded["model"],
         optim_state_dict=loaded["optimizer"],
+        options=StateDictOptions(ignore_frozen_params=True, strict=False),
     )
     learner.version = state["version"]
     torch.set_rng_state(state["torch_rng"])
