@@ -22,7 +22,7 @@ from workbench.config import ConfigError, compose_config
 from workbench.learner.learner import Learner
 from workbench.models.state import save_learner
 from workbench.rollout.worker import Job, RolloutWorker
-from workbench.run import loop
+from workbench.run import loop, summary
 from workbench.run.checkpoint import resume_config
 from workbench.run.data import Prompts
 from workbench.run.faults import RunFailed
@@ -134,7 +134,15 @@ def test_a_run_killed_with_sigkill_resumes_into_the_uninterrupted_run(tmp_path, 
         "run.id=whole",
         f"data.path={data_file(tmp_path / 'whole.jsonl', rows(8))}",
     )
+    # as if it had crashed a day ago: the day between the two sessions is no run time
+    crashed = run_json(tmp_path, "killed")
+    day = 86_400.0
+    moved = crashed | {"created": crashed["created"] - day, "updated": crashed["updated"] - day}
+    (tmp_path / "killed" / "run.json").write_text(json.dumps(moved))
     loop.train(resume_config("killed", [f"run.root={tmp_path}"]))
+    first_session = crashed["updated"] - crashed["created"]
+    assert run_json(tmp_path, "killed")["ran_s"] == pytest.approx(first_session)
+    assert first_session < summary.figures("killed", str(tmp_path))["wall_s"] < day
 
     killed = open_run("killed", str(tmp_path))
     whole = open_run("whole", str(tmp_path))

@@ -22,6 +22,7 @@ import os
 import random
 import shutil
 import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from workbench.config import Config, ConfigError, validate
 from workbench.run.window import batches
-from workbench.store.query import _alive, resolve_run, run_row
+from workbench.store.query import _alive, resolve_run, run_row, run_seconds
 from workbench.store.schema import TABLES
 
 
@@ -176,6 +177,10 @@ def reopen(run_dir: Path) -> dict:
     for partial in Path(run_dir, "checkpoints").glob("step-*.tmp"):
         shutil.rmtree(partial)
     row = run_row(run_dir)
+    # a later session's resume: what the run ran so far is kept, and the time between the two
+    # sessions left out of its wall time; an in-process recovery (the same pid) is run time
+    if row.get("pid") != os.getpid():
+        row = row | {"ran_s": run_seconds(row), "resumed_at": time.time()}
     return row | {
         "steps_done": int(checkpoint.name.split("-")[1]) if checkpoint else 0,
         "resumes": row.get("resumes", 0) + 1,

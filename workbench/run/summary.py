@@ -2,14 +2,20 @@
 curve, the three invariants' figures and where the time went, read back from the run store.
 """
 
-import time
 from collections import defaultdict
 
 from workbench.run.memory import summary_line
 from workbench.store import nonfinite
 from workbench.store.alarms import FIRED
 from workbench.store.gap import gap_line, gap_sizes
-from workbench.store.query import REWARD_CURVE, open_run, resolve_run, root_option, run_row
+from workbench.store.query import (
+    REWARD_CURVE,
+    open_run,
+    resolve_run,
+    root_option,
+    run_row,
+    run_seconds,
+)
 
 SPARKS = "▁▂▃▄▅▆▇█"
 # the first and last steps the reward rise is read over
@@ -50,7 +56,7 @@ def figures(run_id, root="runs"):
         nonfinite_rows = db.execute(nonfinite.FIRST_STEPS).fetchall()
         alarms = db.execute(FIRED).fetchall()
         gap = gap_sizes(db)
-    wall = run.get("updated", time.time()) - run["created"]
+    wall = run_seconds(run)
     return dict(
         run=run,
         folder=str(folder),

@@ -1,10 +1,16 @@
 """Runs side by side: the rows of `molt-wb compare` and `molt-wb sweeps`, read back from the
 store."""
 
-import time
 from collections import defaultdict
 
-from workbench.store.query import REWARD_CURVE, list_runs, open_run, resolve_run, run_row
+from workbench.store.query import (
+    REWARD_CURVE,
+    list_runs,
+    open_run,
+    resolve_run,
+    run_row,
+    run_seconds,
+)
 
 COLUMNS = (
     "run_id",
@@ -73,7 +79,7 @@ def compare_rows(selection, root="runs"):
     rows = []
     for run in sorted(runs, key=lambda r: r.get("created", 0)):
         figures = open_run(run["run_id"], root).execute(FIGURES).fetchone()
-        wall = run.get("updated", time.time()) - run.get("created", 0)
+        wall = run_seconds(run)
         rows.append(
             dict(
                 zip(COLUMNS, (run["run_id"], run.get("status"), *figures, wall), strict=True),

@@ -5,6 +5,7 @@ import difflib
 import json
 import os
 import socket
+import time
 from pathlib import Path
 
 from workbench.store.schema import TABLES
@@ -27,6 +28,13 @@ def root_option(root: str) -> str:
 def run_row(run_dir):
     """The `runs` row of a run folder: its run.json."""
     return json.loads(Path(run_dir, "run.json").read_text())
+
+
+def run_seconds(row: dict) -> float:
+    """The seconds a run has run: from its start, or from its latest resume plus what it ran
+    before (`ran_s`): the time between two sessions is no run time."""
+    since = row.get("resumed_at", row.get("created", 0))
+    return row.get("ran_s", 0.0) + row.get("updated", time.time()) - since
 
 
 def cell(value, missing="-"):
