@@ -48,6 +48,17 @@ def in_process(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
 
 
+def perturbed(bundle: Path, out: Path, member: str, change) -> Path:
+    """A copy of `bundle` whose safetensors `member` holds `change(tensors)` instead."""
+    with zipfile.ZipFile(bundle) as source, zipfile.ZipFile(out, "w") as target:
+        for item in source.infolist():
+            data = source.read(item)
+            if item.filename == member:
+                data = save(change(load(data)))
+            target.writestr(item, data)
+    return out
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("runs")
@@ -81,18 +92,15 @@ def test_a_perturbed_weight_is_caught_and_exits_non_zero(root: Path) -> None:
     assert (
         in_process("bundle", "bundled", "0", "--root", str(root), "--out", str(out)).returncode == 0
     )
-    perturbed = root / "perturbed.zip"
-    with zipfile.ZipFile(out) as source, zipfile.ZipFile(perturbed, "w") as target:
-        for item in source.infolist():
-            data = source.read(item)
-            if item.filename == "weights/policy/model.safetensors":
-                tensors = load(data)
-                # the final norm's scale: every token's logits move by about 1 %
-                tensors["model.norm.weight"] = tensors["model.norm.weight"] + 0.01
-                data = save(tensors)
-            target.writestr(item, data)
+    # the final norm's scale: every token's logits move by about 1 %
+    changed = perturbed(
+        out,
+        root / "perturbed.zip",
+        "weights/policy/model.safetensors",
+        lambda tensors: tensors | {"model.norm.weight": tensors["model.norm.weight"] + 0.01},
+    )
     assert in_process("replay", str(out)).returncode == 0
-    replayed = in_process("replay", str(perturbed))
+    replayed = in_process("replay", str(changed))
     assert replayed.returncode == 1, replayed.stdout + replayed.stderr
     assert "DIFFERS" in replayed.stdout
     assert "outputs differ beyond the tolerance (pi_old (train_logprob)" in replayed.stdout
@@ -158,16 +166,13 @@ def test_a_lora_step_bundles_its_adapter_and_names_its_base_and_replays_exactly(
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
     assert "loss/kl" in replayed.stdout
     # a changed adapter is caught
-    perturbed = lora_root / "lora-perturbed.zip"
-    with zipfile.ZipFile(out) as source, zipfile.ZipFile(perturbed, "w") as target:
-        for item in source.infolist():
-            data = source.read(item)
-            if item.filename == "weights/policy/adapter_model.safetensors":
-                tensors = load(data)
-                tensors = {k: v + 0.05 if "lora_B" in k else v for k, v in tensors.items()}
-                data = save(tensors)
-            target.writestr(item, data)
-    replayed = in_process("replay", str(perturbed))
+    changed = perturbed(
+        out,
+        lora_root / "lora-perturbed.zip",
+        "weights/policy/adapter_model.safetensors",
+        lambda tensors: {k: v + 0.05 if "lora_B" in k else v for k, v in tensors.items()},
+    )
+    replayed = in_process("replay", str(changed))
     assert replayed.returncode == 1, replayed.stdout + replayed.stderr
     assert "outputs differ beyond the tolerance (pi_old (train_logprob)" in replayed.stdout
     # version 0 is the base with the fresh adapter every process builds alike: nothing to carry
