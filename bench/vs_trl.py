@@ -3,6 +3,7 @@
     pip install -e '.[bench]'
     python bench/vs_trl.py [--quick] [--steps N] [--seeds 0-5] [--target 0.75] [override ...]
     python bench/vs_trl.py --model smollm2-135m --task gcd [...]   # the real model (#43)
+    python bench/vs_trl.py --seeds 0-3 --results FILE [...]   # resumable: sides in FILE are kept
 
 Both sides train the arith recipe's warm-started tiny Qwen3 (built offline, same checkpoint) on the
 recipe's data and reward (plugins/arith.py) or, with `--model smollm2-135m --task TASK`, the
@@ -306,27 +307,57 @@ def seconds_or_dash(seconds: float | None) -> str:
     return f"{'-':>11}"
 
 
-def compare_seeds(seeds: list[int], steps: int, overrides: list[str], target: float) -> None:
+def saved_results(path: str | None, steps: int, overrides: list[str]) -> dict:
+    """The raw results already in `path` ({"seed side": result}), for the same steps and
+    overrides; {} where there is no file yet. A file of other settings is refused."""
+    if not path or not Path(path).exists():
+        return {}
+    saved = json.loads(Path(path).read_text())
+    if saved["steps"] != steps or saved["overrides"] != overrides:
+        raise SystemExit(
+            f"{path} holds runs of {saved['steps']} steps with {saved['overrides']}: give another "
+            f"--results file for {steps} steps with {overrides}."
+        )
+    return saved["results"]
+
+
+def compare_seeds(
+    seeds: list[int], steps: int, overrides: list[str], target: float, results: str | None = None
+) -> None:
     """Every side once per seed; per seed and mean: tokens/s, last reward, time to target; ratios
-    over TRL."""
+    over TRL. With `results`, each side's raw result is kept in that JSON file as it ends, and a
+    side already there is read back instead of run again: a comparison of hours goes on where it
+    stopped."""
     from workbench.run import model_paths
 
     sides = {"molt-wb": ("molt", []), "molt-wb async": ("molt", ASYNC), "TRL": ("trl", [])}
     table = {name: [] for name in sides}
+    done = saved_results(results, steps, overrides)
     print(
         f"{'seed':>4} {'side':>14} {'tokens/s':>9} {'reward/min':>10} {'PSS_MB':>7} "
-        f"{'reward last':>11} {'steps to target':>15} {'s to target':>11}"
+        f"{'reward last':>11} {'steps to target':>15} {'s to target':>11} {'load':>9}"
     )
     for seed in seeds:
         extra = [*overrides, f"seed={seed}"]
         model_path = model_paths.policy_path(config(steps, extra))
         for name, (side, more) in sides.items():
-            s = summary(measure(side, steps, [*extra, *more], model_path, {}), target)
+            key = f"{seed} {name}"
+            if key not in done:
+                # the 1-minute load average before and after: other jobs on the cores show here
+                before = os.getloadavg()[0]
+                done[key] = measure(side, steps, [*extra, *more], model_path, {})
+                done[key]["load"] = [before, os.getloadavg()[0]]
+                if results:
+                    record = {"steps": steps, "overrides": overrides, "results": done}
+                    Path(results).write_text(json.dumps(record, indent=1))
+            s = summary(done[key], target)
             table[name].append(s)
+            load = "{:.1f}-{:.1f}".format(*done[key]["load"])
             print(
                 f"{seed:>4} {name:>14} {s['tokens_per_s']:9.1f} {s['reward_per_min']:10.2f} "
                 f"{s['peak_pss_mb']:7.0f} {s['reward_last']:11.3f} "
-                f"{s['steps_to_target'] or '-':>15} {seconds_or_dash(s['s_to_target'])}",
+                f"{s['steps_to_target'] or '-':>15} {seconds_or_dash(s['s_to_target'])} "
+                f"{load:>9}",
                 flush=True,
             )
 
@@ -398,6 +429,11 @@ def main() -> None:
     parser.add_argument(
         "--task", default="gcd", help="with --model: the recipe smol_TASK's task (default gcd)"
     )
+    parser.add_argument(
+        "--results",
+        help="with --seeds: a JSON file that keeps each side's result as it ends; sides already "
+        "in it are read back, not run again",
+    )
     parser.add_argument("--side", choices=("molt", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
@@ -414,7 +450,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(result))
         return
     if args.seeds:
-        compare_seeds(seed_list(args.seeds), steps, args.overrides, args.target)
+        compare_seeds(seed_list(args.seeds), steps, args.overrides, args.target, args.results)
         return
     from workbench.run import model_paths
 

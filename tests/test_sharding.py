@@ -109,6 +109,12 @@ def assert_same(sharded: dict, single: dict, keys=("loss/policy", "mismatch/kl",
 CASES = {
     "dense": ("tiny", []),
     "dense, 2 minibatches, KL reference": ("tiny", ["trainer.minibatches=2", "algo.kl_coef=0.1"]),
+    # the second step trains on tokens one version old: the gap's staleness is measured on drawn
+    # rows under the kept weights of version 0 (each rank keeps its own shards)
+    "dense, one version behind, gap rows": (
+        "tiny",
+        ["trainer.async_depth=1", "gate=token", "audit.gap_rows=4"],
+    ),
     "moe, replay": ("tiny-moe", ["model=tiny-moe", "algo.routing_replay=true"]),
     "moe, no replay": ("tiny-moe", ["model=tiny-moe", "algo.routing_replay=false"]),
     # the ranks hold unequal rows, so unequal micro-batch counts: empty ones even them out
@@ -142,7 +148,14 @@ def test_two_ranks_train_like_one(sharded, case):
     path = str(tiny_model_path(model))
     torch.set_num_threads(1)
     single = two_steps(Learner(config(overrides, 1), path), sharded[case]["segments"])
-    assert_same(sharded[case], single)
+    keys = ("loss/policy", "mismatch/kl", "loss/grad_norm")
+    if "audit.gap_rows=4" in overrides:
+        keys += ("gap/staleness", "gap/numerics", "gap/measured_frac")
+        # on-policy, then 4 of the 7 rows one version behind measured in full
+        assert single["first"]["gap/measured_frac"] == 1
+        assert 0 < single["second"]["gap/measured_frac"] < 1
+        assert single["second"]["gap/staleness"] != 0
+    assert_same(sharded[case], single, keys)
     # the weights changed: the comparison is not between two untouched models
     start = Learner(config(overrides, 1), path).model.state_dict()
     assert any(not torch.equal(start[name], t) for name, t in single["weights"].items())

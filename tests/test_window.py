@@ -47,7 +47,7 @@ def local_ray():
     # (a later run sizes its own)
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+        ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR")
     yield
     if started:
         ray.shutdown()

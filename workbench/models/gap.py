@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from workbench.models.multimodal import forward_inputs
 
@@ -75,11 +77,11 @@ class GapAudit:
         self.top_p = cfg.engine.top_p if cfg.engine.temperature > 0 else 1.0
         # versions rollout can still sample from: behind by async_depth, one more mid-sequence
         self.keep = 0
-        # sharded learners (ray.learner_workers > 1) hold DTensor shards: no copies, on-policy only
-        sharded = cfg.ray.learner_workers > 1
-        if self.rows and (cfg.trainer.async_depth or cfg.rollout.partial) and not sharded:
+        if self.rows and (cfg.trainer.async_depth or cfg.rollout.partial):
             self.keep = cfg.trainer.async_depth + 1 + int(cfg.rollout.partial)
         self.trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        # a sharded learner's FSDP modules: the root keeps its gathered parameters after a forward
+        self.sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
         # version -> a copy of the trainable parameters at that version
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -154,8 +156,9 @@ class GapAudit:
 
     def _keep(self, version: int) -> None:
         """A copy of the weights at `version` (the learner's now) in host memory, where a GPU
-        run has room for them; the oldest beyond `keep` dropped."""
-        copies = {n: p.detach().to("cpu", copy=True) for n, p in self.trainable.items()}
+        run has room for them (a sharded learner's rank: its own shards); the oldest beyond `keep`
+        dropped."""
+        copies = {n: own(p).to("cpu", copy=True) for n, p in self.trainable.items()}
         self.versions[version] = copies
         for old in sorted(self.versions)[: -self.keep]:
             del self.versions[old]
@@ -180,12 +183,23 @@ class GapAudit:
             yield
             return
         for name, parameter in self.trainable.items():
-            parameter.data.copy_(self.versions[version][name])
+            own(parameter).copy_(self.versions[version][name])
         try:
             yield
         finally:
             for name, parameter in self.trainable.items():
-                parameter.data.copy_(self.versions[current][name])
+                own(parameter).copy_(self.versions[current][name])
+            # drop what the forward gathered at `version`: the next one gathers the current shards
+            for module in self.sharded:
+                module.reshard()
+
+
+def own(parameter: torch.Tensor) -> torch.Tensor:
+    """The values a parameter holds on this rank, as a tensor that writes them in place: a sharded
+    learner's DTensor's local shard (what FSDP all-gathers in the forward), else its data."""
+    if isinstance(parameter, DTensor):
+        return parameter.detach().to_local()
+    return parameter.data
 
 
 def engine_sampler(train_batch: TrainBatch) -> torch.Tensor:
