@@ -334,8 +334,9 @@ def compare_seeds(
     table = {name: [] for name in sides}
     done = saved_results(results, steps, overrides)
     print(
-        f"{'seed':>4} {'side':>14} {'tokens/s':>9} {'reward/min':>10} {'PSS_MB':>7} "
-        f"{'reward last':>11} {'steps to target':>15} {'s to target':>11} {'load':>9}"
+        f"{'seed':>4} {'side':>14} {'step_s':>7} {'tokens/s':>9} {'reward/min':>10} {'PSS_MB':>7} "
+        f"{'reward first':>12} {'reward last':>11} {'steps to target':>15} {'s to target':>11} "
+        f"{'load':>9}"
     )
     for seed in seeds:
         extra = [*overrides, f"seed={seed}"]
@@ -354,8 +355,9 @@ def compare_seeds(
             table[name].append(s)
             load = "{:.1f}-{:.1f}".format(*done[key]["load"])
             print(
-                f"{seed:>4} {name:>14} {s['tokens_per_s']:9.1f} {s['reward_per_min']:10.2f} "
-                f"{s['peak_pss_mb']:7.0f} {s['reward_last']:11.3f} "
+                f"{seed:>4} {name:>14} {s['step_s']:7.2f} {s['tokens_per_s']:9.1f} "
+                f"{s['reward_per_min']:10.2f} {s['peak_pss_mb']:7.0f} {s['reward_first']:12.3f} "
+                f"{s['reward_last']:11.3f} "
                 f"{s['steps_to_target'] or '-':>15} {seconds_or_dash(s['s_to_target'])} "
                 f"{load:>9}",
                 flush=True,
@@ -380,15 +382,16 @@ def compare_seeds(
         f"mean over the {len(both)} seeds where every side reached it"
     )
     print(
-        f"{'side':>14} {'tokens/s':>9} {'reward/min':>10} {'PSS_MB':>7} {'reward last':>11} "
-        f"{'reached':>7} {'steps to target':>15} "
+        f"{'side':>14} {'step_s':>7} {'tokens/s':>9} {'reward/min':>10} {'PSS_MB':>7} "
+        f"{'reward first':>12} {'reward last':>11} {'reached':>7} {'steps to target':>15} "
         f"{'s to target':>11} {'tokens/s / TRL':>14} {'TRL s / s, to target':>20}"
     )
     for name in sides:
         reached = sum(s["s_to_target"] is not None for s in table[name])
         print(
-            f"{name:>14} {mean(name, 'tokens_per_s'):9.1f} {mean(name, 'reward_per_min'):10.2f} "
-            f"{mean(name, 'peak_pss_mb'):7.0f} {mean(name, 'reward_last'):11.3f} "
+            f"{name:>14} {mean(name, 'step_s'):7.2f} {mean(name, 'tokens_per_s'):9.1f} "
+            f"{mean(name, 'reward_per_min'):10.2f} {mean(name, 'peak_pss_mb'):7.0f} "
+            f"{mean(name, 'reward_first'):12.3f} {mean(name, 'reward_last'):11.3f} "
             f"{reached:>4}/{len(seeds):<2} "
             f"{mean(name, 'steps_to_target'):15.1f} {mean(name, 's_to_target'):11.2f} "
             f"{mean(name, 'tokens_per_s') / mean('TRL', 'tokens_per_s'):14.2f} "

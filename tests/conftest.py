@@ -96,18 +96,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def one_ray(request):
-    """One Ray head on loopback that every run of a module joins (RAY_ADDRESS, inherited by the
-    `molt-wb train` subprocesses), so the runs skip Ray's own start: its GCS, raylet and agents
-    cost a one-step run a seventh of its CPU seconds (bench/ray_start.py). Eight CPUs, so a
-    sharded or multi-worker run fits beside the leftover actors of a killed one; its workers at
-    the driver's priority, as init_ray asks. None where the module runs none of its slow tests
-    (the fast loop): its fast tests train nothing long enough to share a Ray for."""
-    selected = [item for item in request.session.items if item.module is request.module]
-    if not any(item.get_closest_marker("slow") for item in selected):
-        yield None
-        return
+@pytest.fixture(scope="session")
+def ray_head():
+    """One Ray head on loopback for this pytest process (each xdist worker has its own), started
+    by the first module that needs it and ended with the session: a head's start and stop cost a
+    module seconds of wall and CPU, 20-odd times a suite. Eight CPUs, so a sharded or multi-worker
+    run fits beside the leftover actors of a killed one; its workers at the driver's priority, as
+    init_ray asks."""
     ray_cli = str(Path(sys.executable).parent / "ray")
     port = free_port()
     temp = tempfile.mkdtemp(prefix="one-ray-", dir="/tmp")
@@ -135,18 +130,13 @@ def one_ray(request):
         start_new_session=True,
     )
     address = f"127.0.0.1:{port}"
-    before = os.environ.get("RAY_ADDRESS")
     try:
         up = f"import ray; ray.init(address='{address}', logging_level='ERROR')"
         subprocess.run([sys.executable, "-c", up], env=env, check=True, timeout=120)
-        os.environ["RAY_ADDRESS"] = address
         yield address
     finally:
-        os.environ.pop("RAY_ADDRESS", None)
-        if before is not None:
-            os.environ["RAY_ADDRESS"] = before
         # the head's process group: raylet, GCS, agents and workers (`ray start --block` took
-        # longer than 30 s to end on SIGTERM: each module's teardown waited that long for it)
+        # longer than 30 s to end on SIGTERM)
         os.killpg(head.pid, signal.SIGTERM)
         try:
             head.wait(timeout=3)
@@ -154,3 +144,24 @@ def one_ray(request):
             os.killpg(head.pid, signal.SIGKILL)
             head.wait(timeout=30)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def one_ray(request):
+    """The Ray head every run of a module joins (RAY_ADDRESS, inherited by the `molt-wb train`
+    subprocesses), so the runs skip Ray's own start: its GCS, raylet and agents cost a one-step
+    run a seventh of its CPU seconds (bench/ray_start.py). None where the module runs none of its
+    slow tests (the fast loop): its fast tests train nothing long enough to share a Ray for."""
+    selected = [item for item in request.session.items if item.module is request.module]
+    if not any(item.get_closest_marker("slow") for item in selected):
+        yield None
+        return
+    address = request.getfixturevalue("ray_head")
+    before = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = address
+    try:
+        yield address
+    finally:
+        os.environ.pop("RAY_ADDRESS", None)
+        if before is not None:
+            os.environ["RAY_ADDRESS"] = before

@@ -19,6 +19,9 @@ from workbench.models.pretrained import cached_path
 from workbench.run.check_template import calls_tools
 from workbench.run.preflight import CASES, TOOL_CASES, check, startup_warnings
 
+# the runs of this module join one Ray (conftest.one_ray)
+pytestmark = pytest.mark.usefixtures("one_ray")
+
 PASS = "pass"
 FAIL = "FAIL"
 NA = "n/a"

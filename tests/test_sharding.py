@@ -20,7 +20,8 @@ from workbench.models.tiny import tiny_model_path
 from workbench.segment import Segment
 from workbench.store import open_run
 
-pytestmark = pytest.mark.slow
+# the runs of this module join one Ray (conftest.one_ray)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_ray")]
 
 
 def config(overrides: list[str], ranks: int):

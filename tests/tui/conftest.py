@@ -4,6 +4,7 @@ seq gate at max staleness 0 (so stale segments are dropped), three steps. And on
 recipe, for a vision-language run's images."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -28,11 +29,11 @@ RUN = [
 
 
 @pytest.fixture(scope="session")
-def made_run(tmp_path_factory):
+def made_run(tmp_path_factory, ray_head):
     """(root, run_id) of the real run, plus a copy tagged with a sweep id (for the runs screen's
     sweep filter)."""
     root = tmp_path_factory.mktemp("tui-runs")
-    run_id = train(root, *RUN)
+    run_id = train(root, ray_head, *RUN)
     copy = root / "20000101-000000-5eed"
     shutil.copytree(root / run_id, copy)
     row = json.loads((copy / "run.json").read_text())
@@ -41,10 +42,11 @@ def made_run(tmp_path_factory):
     return str(root), run_id
 
 
-def train(root, *overrides: str) -> str:
-    """Run `molt-wb train` into `root`; the run id."""
+def train(root, ray_address: str, *overrides: str) -> str:
+    """Run `molt-wb train` into `root`, joined to the Ray at `ray_address`; the run id."""
     result = subprocess.run(
         [sys.executable, "-m", "workbench.cli", "train", *overrides, f"run.root={root}"],
+        env=dict(os.environ, RAY_ADDRESS=ray_address),
         capture_output=True,
         text=True,
         timeout=600,
@@ -55,7 +57,7 @@ def train(root, *overrides: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def vl_run(tmp_path_factory):
+def vl_run(tmp_path_factory, ray_head):
     """(root, run_id) of one geo3k step on the tiny vision-language policy, two segments of one
     image (~30 s)."""
     root = tmp_path_factory.mktemp("tui-vl-runs")
@@ -68,7 +70,7 @@ def vl_run(tmp_path_factory):
         "tracking=none",
         "run.progress=false",
     ]
-    return str(root), train(root, *overrides)
+    return str(root), train(root, ray_head, *overrides)
 
 
 # the colours of a repainted image's quadrants: top left, top right, bottom left, bottom right
