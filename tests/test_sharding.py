@@ -30,11 +30,17 @@ def config(overrides: list[str], ranks: int):
     return cfg
 
 
-def rollout_segments(path: str, count: int = 7) -> list[Segment]:
-    """`count` sampled segments (an odd number: the ranks' slices differ in size), groups of 2."""
+def rollout_segments(path: str, count: int = 7, shared: bool = False) -> list[Segment]:
+    """`count` sampled segments (an odd number: the ranks' slices differ in size), groups of 2;
+    `shared`: a group's rows on one longer prompt."""
     engine = TorchEngine(path)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(5, 400, size=n).astype(np.int32) for n in rng.integers(3, 9, count)]
+    if shared:
+        prompts = [
+            rng.integers(5, 400, size=n).astype(np.int32) for n in rng.integers(20, 30, count)
+        ]
+        prompts = [prompts[index // 2] for index in range(count)]
     generations = engine.generate(prompts, SamplingParams(max_tokens=8, seed=3))
     segments = []
     for index, (prompt, g) in enumerate(zip(prompts, generations, strict=True)):
@@ -116,6 +122,8 @@ CASES = {
         "tiny",
         ["trainer.async_depth=1", "gate=token", "audit.gap_rows=4"],
     ),
+    # a group's rows share their prompt: micro-batches of whole groups, each prompt run once
+    "dense, micro-batches of whole groups": ("tiny", ["trainer.max_tokens_per_microbatch=50"]),
     "moe, replay": ("tiny-moe", ["model=tiny-moe", "algo.routing_replay=true"]),
     "moe, no replay": ("tiny-moe", ["model=tiny-moe", "algo.routing_replay=false"]),
     # the ranks hold unequal rows, so unequal micro-batch counts: empty ones even them out
@@ -135,7 +143,8 @@ def sharded(tmp_path_factory) -> dict:
         path = str(tiny_model_path(model))
         checkpoint = folder / f"checkpoint-{len(jobs)}"
         checkpoint.mkdir()
-        jobs.append((name, free_port(), overrides, path, rollout_segments(path), str(checkpoint)))
+        segments = rollout_segments(path, shared="whole groups" in name)
+        jobs.append((name, free_port(), overrides, path, segments, str(checkpoint)))
     mp.spawn(rank_main, args=(jobs, str(folder / "rank0.pt")), nprocs=2, join=True)
     results = torch.load(folder / "rank0.pt", weights_only=False)
     for name, _, _, _, segments, checkpoint in jobs:
@@ -156,6 +165,17 @@ def test_two_ranks_train_like_one(sharded, case):
         assert single["first"]["gap/measured_frac"] == 1
         assert 0 < single["second"]["gap/measured_frac"] < 1
         assert single["second"]["gap/staleness"] != 0
+    if "whole groups" in case:
+        batch = collate(sharded[case]["segments"])
+        learner = Learner(config(overrides, 1), path)
+        assert learner.shared(batch) is not None
+        groups = learner.microbatches(batch)
+        assert sorted(batch.group_ids[rows].tolist() for rows in groups) == [
+            [0, 0],
+            [1, 1],
+            [2, 2],
+            [3],
+        ]
     assert_same(sharded[case], single, keys)
     # the weights changed: the comparison is not between two untouched models
     start = Learner(config(overrides, 1), path).model.state_dict()

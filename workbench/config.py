@@ -230,7 +230,9 @@ class TrainerConfig:
     max_tokens_per_microbatch: int = 0
     """Token budget of one learner forward: a minibatch's segments packed into rows without padding
     (positions restart per sequence, attention never crosses one), gradients accumulated over the
-    micro-batches, the loss over the whole minibatch; 0 = one padded forward per minibatch."""
+    micro-batches, the loss over the whole minibatch; 0 = one padded forward per minibatch. Where a
+    group's rows share their prompt (`shared_prefix`), micro-batches of whole groups instead, a
+    group's tokens counted as its prompt once and each row's own."""
     shared_prefix: bool = True
     """Run a group's common prompt once in the learner's forwards (the same log-probs and gradients,
     less compute)."""

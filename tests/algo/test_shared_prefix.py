@@ -7,6 +7,7 @@ from omegaconf import OmegaConf
 
 from workbench.algo.losses import token_logprobs, token_logprobs_entropy
 from workbench.config import compose_config
+from workbench.learner.batch import collate
 from workbench.learner.learner import Learner
 from workbench.models.multimodal import load_policy
 from workbench.models.prefix import plan, shared_prefix_logprobs, unique_rows
@@ -100,7 +101,9 @@ def test_unique_rows_maps_each_prompt_to_its_first_copy():
     assert index.tolist() == [0, 1, 0, 1, 2]
 
 
-def test_the_learner_trains_the_same_with_and_without_shared_prefixes(tiny_path):
+def test_the_learner_trains_the_same_with_and_without_shared_prefixes_and_group_micro_batches(
+    tiny_path,
+):
     cfg = compose_config(
         [
             "tracking=none",
@@ -114,21 +117,38 @@ def test_the_learner_trains_the_same_with_and_without_shared_prefixes(tiny_path)
     # rewards that differ within each group, so every group has a gradient
     for segment in segments:
         segment.reward = float(segment.rollout_id % 2)
+    batch = collate(segments)
+    lengths = batch.attention_mask.sum(-1)
+    split = plan(batch.token_ids, lengths, batch.group_ids)
+    # a group's tokens, its prompt once: the budget holds one group, not two
+    group_tokens = [
+        int(split.prefix_len[g] + (lengths[split.group_of == g] - split.prefix_len[g]).sum())
+        for g in range(3)
+    ]
+    budget = max(group_tokens) + 1
+    assert budget < 2 * min(group_tokens)
     results = []
-    for shared in (True, False):
+    for shared, microbatch in ((False, 0), (True, 0), (True, budget)):
         OmegaConf.update(cfg, "trainer.shared_prefix", shared)
+        OmegaConf.update(cfg, "trainer.max_tokens_per_microbatch", microbatch)
         learner = Learner(cfg, tiny_path)
         metrics, rows = learner.train(segments)
         results.append((metrics, rows, {n: p.grad for n, p in learner.model.named_parameters()}))
-    (shared_metrics, shared_rows, shared_grads), (full_metrics, full_rows, full_grads) = results
-    assert shared_metrics["loss/grad_norm"] > 0
-    for key in ("loss/policy", "loss/grad_norm", "mismatch/kl"):
-        assert shared_metrics[key] == pytest.approx(full_metrics[key], rel=1e-4, abs=1e-6), key
-    for a, b in zip(shared_rows["train_logprob"], full_rows["train_logprob"], strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-5)
-    # (Adam's first step is sign(gradient): the weights themselves are no fair comparison)
-    for name in full_grads:
-        assert torch.allclose(shared_grads[name], full_grads[name], atol=1e-5, rtol=1e-4), name
+    # with the budget: one micro-batch per group, each group's rows together
+    groups = learner.microbatches(batch)
+    assert sorted(sorted(batch.group_ids[rows].tolist()) for rows in groups) == [
+        [g] * 4 for g in range(3)
+    ]
+    (full_metrics, full_rows, full_grads), *shared_runs = results
+    for shared_metrics, shared_rows, shared_grads in shared_runs:
+        assert shared_metrics["loss/grad_norm"] > 0
+        for key in ("loss/policy", "loss/grad_norm", "mismatch/kl"):
+            assert shared_metrics[key] == pytest.approx(full_metrics[key], rel=1e-4, abs=1e-6), key
+        for a, b in zip(shared_rows["train_logprob"], full_rows["train_logprob"], strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+        # (Adam's first step is sign(gradient): the weights themselves are no fair comparison)
+        for name in full_grads:
+            assert torch.allclose(shared_grads[name], full_grads[name], atol=1e-5, rtol=1e-4), name
 
 
 @pytest.mark.parametrize("packed", [True, False])

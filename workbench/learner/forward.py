@@ -1,6 +1,6 @@
 """The policy's forwards over a `TrainBatch`: log-probs of the batch's own ids, their
-distributions' entropies and a MoE policy's routes, in one padded batch or in packed micro-batches,
-each rank over its own rows.
+distributions' entropies and a MoE policy's routes, in one padded batch or in micro-batches (packed,
+or of whole groups that share their prompt), each rank over its own rows.
 
 `PolicyForward` is the part of the learner (`Learner` derives from it) that runs the model without
 stepping it; how a forward is batched, packed or replayed changes here.
@@ -17,7 +17,7 @@ from workbench.learner.sharding import Ranks
 from workbench.models.heads import forward_logprobs_entropy
 from workbench.models.multimodal import ImageCodec, forward_inputs
 from workbench.models.packing import microbatches, pack_like, packed_logprobs, unpack
-from workbench.models.prefix import plan, shared_prefix_logprobs
+from workbench.models.prefix import Plan, plan, shared_prefix_logprobs
 
 
 class PolicyForward:
@@ -105,10 +105,13 @@ class PolicyForward:
         entropies [rows, tokens] (else None), and the policy's route statistics where it has
         recorded routes (`replay_routes`; replayed when `replay`). A `frozen` model (reference,
         teacher) has no routes recorded or replayed. With `trainer.max_tokens_per_microbatch`, in
-        packed micro-batches (models/packing.py)."""
+        micro-batches: of whole groups where they share their prompt (`grouped`), else packed
+        (models/packing.py)."""
         recorded = train_batch.routed_experts if self.moe and not frozen else None
         if not self.trainer.max_tokens_per_microbatch or self.codec is not None:
             return self.padded(model, train_batch, recorded, replay, entropy)
+        if recorded is None and self.shared(train_batch) is not None:
+            return self.grouped(model, train_batch, entropy)
         mask = train_batch.attention_mask
         ids = train_batch.token_ids.to(self.ranks.device)
         device_mask = mask.to(self.ranks.device)
@@ -164,18 +167,15 @@ class PolicyForward:
         routes = contextlib.nullcontext({})
         if recorded is not None:
             routes = replay_routes(model, recorded, replay)
-        # models/prefix.py plans on the CPU: on a GPU every row runs its own prompt
-        cpu = self.ranks.device.type == "cpu"
         with routes as stats:
-            if recorded is None and self.trainer.shared_prefix and self.codec is None and cpu:
-                split = plan(ids, mask.sum(-1), train_batch.group_ids)
-                if split is not None:
-                    logprob = shared_prefix_logprobs(
-                        model, ids, mask, split, self.temperature, None, entropy, self.entropy_grad
-                    )
-                    if not entropy:
-                        return logprob.cpu(), None, stats
-                    return logprob[0].cpu(), logprob[1].cpu(), stats
+            split = self.shared(train_batch) if recorded is None else None
+            if split is not None:
+                logprob = shared_prefix_logprobs(
+                    model, ids, mask, split, self.temperature, None, entropy, self.entropy_grad
+                )
+                if not entropy:
+                    return logprob.cpu(), None, stats
+                return logprob[0].cpu(), logprob[1].cpu(), stats
             inputs = forward_inputs(model, ids, mask, train_batch.images, self.codec)
             logprob, entropies = forward_logprobs_entropy(
                 model, inputs, ids, self.temperature, entropy, self.entropy_grad
@@ -184,12 +184,54 @@ class PolicyForward:
             entropies = entropies.cpu()
         return logprob.cpu(), entropies, stats
 
+    def grouped(
+        self, model: torch.nn.Module, train_batch: TrainBatch, entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """`forward` in micro-batches of whole groups (`microbatches`), each group's common prompt
+        run once (`padded`)."""
+        logprob = torch.zeros(train_batch.attention_mask.shape)
+        entropies = torch.zeros(logprob.shape) if entropy else None
+        for rows in self.microbatches(train_batch):
+            # an empty micro-batch (FSDP's collectives wait on every rank) runs a row, unused
+            run = rows if len(rows) else torch.arange(1)
+            piece, spread, _ = self.padded(model, rows_of(train_batch, run), None, False, entropy)
+            if not len(rows):
+                continue
+            logprob = logprob.index_copy(0, rows, piece)
+            if entropies is not None:
+                entropies = entropies.index_copy(0, rows, spread)
+        return logprob, entropies, {}
+
+    def shared(self, train_batch: TrainBatch, count: int | None = None) -> Plan | None:
+        """The common prompts of the batch's groups (its first `count` rows) where the forwards
+        run each once (models/prefix.py): a text-only policy on the CPU, with
+        `trainer.shared_prefix`, in forwards that neither record nor replay routes; else None."""
+        # models/prefix.py plans on the CPU: on a GPU every row runs its own prompt
+        if (
+            self.codec is not None
+            or not self.trainer.shared_prefix
+            or self.ranks.device.type != "cpu"
+        ):
+            return None
+        lengths = train_batch.attention_mask[:count].sum(-1)
+        return plan(train_batch.token_ids[:count], lengths, train_batch.group_ids[:count])
+
     def microbatches(self, train_batch: TrainBatch, count: int | None = None) -> list[torch.Tensor]:
         """The batch's rows (its first `count`) in micro-batches of at most
         `trainer.max_tokens_per_microbatch` tokens, as many on every rank: a rank with fewer adds
-        empty ones."""
-        lengths = train_batch.attention_mask.sum(-1)[:count].tolist()
+        empty ones. Where groups share their prompt (`shared`), whole groups, a group's tokens
+        counted as its prompt once and each row's own."""
+        lengths = train_batch.attention_mask.sum(-1)[:count]
         budget = self.trainer.max_tokens_per_microbatch
-        groups = [torch.tensor(rows) for rows in microbatches(lengths, budget)]
+        # a MoE policy's micro-batches replay or record their routes, packed
+        split = None if self.moe else self.shared(train_batch, count)
+        if split is None:
+            groups = [torch.tensor(rows) for rows in microbatches(lengths.tolist(), budget)]
+        else:
+            group_of = torch.from_numpy(split.group_of)
+            prefix = torch.from_numpy(split.prefix_len)
+            tokens = prefix.index_add(0, group_of, lengths - prefix[group_of])
+            chosen = microbatches(tokens.tolist(), budget)
+            groups = [torch.isin(group_of, torch.tensor(ids)).nonzero()[:, 0] for ids in chosen]
         empty = torch.zeros(0, dtype=torch.long)
         return groups + [empty] * (self.ranks.most(len(groups)) - len(groups))
