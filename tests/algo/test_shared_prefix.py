@@ -144,8 +144,9 @@ def test_the_learner_trains_the_same_with_and_without_shared_prefixes_and_group_
         assert shared_metrics["loss/grad_norm"] > 0
         for key in ("loss/policy", "loss/grad_norm", "mismatch/kl"):
             assert shared_metrics[key] == pytest.approx(full_metrics[key], rel=1e-4, abs=1e-6), key
-        for a, b in zip(shared_rows["train_logprob"], full_rows["train_logprob"], strict=True):
-            np.testing.assert_allclose(a, b, atol=1e-5)
+        for column in ("train_logprob", "entropy"):
+            for a, b in zip(shared_rows[column], full_rows[column], strict=True):
+                np.testing.assert_allclose(a, b, atol=1e-5)
         # (Adam's first step is sign(gradient): the weights themselves are no fair comparison)
         for name in full_grads:
             assert torch.allclose(shared_grads[name], full_grads[name], atol=1e-5, rtol=1e-4), name
